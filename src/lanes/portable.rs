@@ -1,0 +1,102 @@
+//! Portable lanes on `wide::f32x8` (SSE2 on x86_64, NEON on aarch64, scalar
+//! elsewhere): two 8-lane vectors make the 16 logical lanes.
+
+use half::{bf16, f16};
+use wide::{f32x8, u32x8};
+
+use super::{Isa, Lanes, GROUP};
+use crate::dtype::bf16_bits_rne;
+
+/// Lanes 0..8 in `.0`, lanes 8..16 in `.1`.
+#[derive(Clone, Copy, Debug)]
+pub struct Portable(f32x8, f32x8);
+
+#[inline(always)]
+fn half8(a: &[f32; GROUP], hi: bool) -> f32x8 {
+    let (l, h) = a.split_at(8);
+    let s = if hi { h } else { l };
+    f32x8::from(s)
+}
+
+impl Lanes for Portable {
+    const ISA: Isa = Isa::Portable;
+
+    #[inline(always)]
+    fn splat(x: f32) -> Self {
+        Portable(f32x8::splat(x), f32x8::splat(x))
+    }
+    #[inline(always)]
+    fn load(src: &[f32; GROUP]) -> Self {
+        Portable(half8(src, false), half8(src, true))
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32; GROUP]) {
+        let (l, h) = dst.split_at_mut(8);
+        l.copy_from_slice(self.0.as_array());
+        h.copy_from_slice(self.1.as_array());
+    }
+    #[inline(always)]
+    fn load_bf16(src: &[bf16; GROUP]) -> Self {
+        let bits: &[u16; GROUP] = bytemuck::cast_ref(src);
+        let mut w = [0u32; GROUP];
+        for (o, &b) in w.iter_mut().zip(bits.iter()) {
+            *o = (b as u32) << 16;
+        }
+        let (l, h) = w.split_at(8);
+        let l: f32x8 = bytemuck::cast(u32x8::from(l));
+        let h: f32x8 = bytemuck::cast(u32x8::from(h));
+        Portable(l, h)
+    }
+    #[inline(always)]
+    fn store_bf16(self, dst: &mut [bf16; GROUP]) {
+        let mut a = [0f32; GROUP];
+        self.store(&mut a);
+        let out: &mut [u16; GROUP] = bytemuck::cast_mut(dst);
+        for (o, v) in out.iter_mut().zip(a.iter()) {
+            *o = bf16_bits_rne(v.to_bits());
+        }
+    }
+    #[inline(always)]
+    fn load_f16(src: &[f16; GROUP]) -> Self {
+        let mut a = [0f32; GROUP];
+        for (o, v) in a.iter_mut().zip(src.iter()) {
+            *o = v.to_f32();
+        }
+        Self::load(&a)
+    }
+    #[inline(always)]
+    fn store_f16(self, dst: &mut [f16; GROUP]) {
+        let mut a = [0f32; GROUP];
+        self.store(&mut a);
+        for (o, v) in dst.iter_mut().zip(a.iter()) {
+            *o = f16::from_f32(*v);
+        }
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        Portable(self.0 + o.0, self.1 + o.1)
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        Portable(self.0 - o.0, self.1 - o.1)
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        Portable(self.0 * o.0, self.1 * o.1)
+    }
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        Portable(self.0 / o.0, self.1 / o.1)
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        Portable(self.0.sqrt(), self.1.sqrt())
+    }
+    #[inline(always)]
+    fn fold(self) -> f32 {
+        let s = (self.0 + self.1).to_array();
+        let t = [s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]];
+        let u = [t[0] + t[2], t[1] + t[3]];
+        u[0] + u[1]
+    }
+}

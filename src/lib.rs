@@ -1,0 +1,62 @@
+//! # npukern
+//!
+//! `no_std` SIMD training kernels — RmsNorm, AddRmsNorm and RmsNormGrad —
+//! written the way an Ascend NPU operator is written: a host tiling plan
+//! (`tiling`), a launch over blocks (`runner`), each block streaming its rows
+//! through a Unified-Buffer-sized arena carved from the caller's workspace, on
+//! explicit SIMD lanes (`lanes`). All arithmetic is f32 with one rounding per
+//! output, and results are bit-identical across thread counts, block counts,
+//! UB sizes, batch sizes and ISAs.
+//!
+//! ```
+//! use npukern::{rms_norm, rms_norm_workspace_size, Exec, RmsNormOptions, TensorRef};
+//! use half::bf16;
+//!
+//! let x: Vec<bf16> = (0..2 * 8).map(|i| bf16::from_f32(i as f32 - 7.5)).collect();
+//! let gamma = vec![bf16::from_f32(1.0); 8];
+//! let x = TensorRef::new(&x, &[2, 8]).unwrap();
+//! let gamma = TensorRef::new(&gamma, &[8]).unwrap();
+//! let exec = Exec::cpu();
+//! let opts = RmsNormOptions::default();
+//! let mut ws = vec![0u8; rms_norm_workspace_size(&exec, x, gamma, &opts).unwrap()];
+//! let (mut y, mut rstd) = (vec![bf16::ZERO; 16], vec![0f32; 2]);
+//! rms_norm(&exec, x, gamma, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap();
+//! assert!((y[0].to_f32() + 1.5).abs() < 0.02);
+//! ```
+#![cfg_attr(not(feature = "std"), no_std)]
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+pub mod backend;
+pub mod dtype;
+pub mod error;
+pub mod lanes;
+pub mod ops;
+pub mod runner;
+pub mod tensor;
+pub mod tiling;
+mod workspace;
+
+pub use backend::{Backend, Cpu, Reference, CPU_SERIAL};
+pub use dtype::{DType, Element, Float};
+pub use error::{Error, Result};
+pub use lanes::Isa;
+pub use ops::add_rms_norm::{
+    add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,
+};
+pub use ops::norm::{RmsNormOptions, Rounding};
+pub use ops::rms_norm::{rms_norm, rms_norm_workspace_size, RmsNormCall};
+pub use ops::rms_norm_grad::{
+    rms_norm_grad, rms_norm_grad_in_place, rms_norm_grad_workspace_size, DgammaMode,
+    RmsNormGradCall, RmsNormGradOptions, RmsNormGradOutputs,
+};
+pub use ops::Exec;
+#[cfg(feature = "std")]
+pub use runner::Threads;
+pub use runner::{Runner, Serial};
+pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
+pub use tiling::{NormTiling, UbConfig};
+
+/// The crate version, "MAJOR.MINOR.PATCH".
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,363 @@
+//! AddRmsNorm: `x_sum = round(x1 + x2)`, then RmsNorm of the rounded `x_sum`,
+//! so the fused op is bit-identical to add-then-norm. `x_sum` may overwrite
+//! `x1` in place (the residual stream).
+
+use core::ffi::c_void;
+
+use super::norm::{
+    load_group, norm_dims, round_to, rstd_check, same_shape, RmsNormOptions, Rounding,
+};
+use super::norm_fwd::{forward_block, FwdCtx, FwdSource};
+use super::{dispatch_isa, dispatch_xg, Exec};
+use crate::dtype::{DType, Float};
+use crate::error::{invalid, Error, Result};
+use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, LaneElem, Lanes, GROUP};
+use crate::runner::Runner;
+use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
+use crate::tiling::{NormTiling, UbConfig};
+use crate::workspace::{Dst, Src, Workspace};
+
+/// The validated arguments of one AddRmsNorm (`npk_add_rms_norm_call`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AddRmsNormCall {
+    /// First addend, f32 | f16 | bf16.
+    pub x1: RawTensor,
+    /// Second addend, x1's shape and dtype.
+    pub x2: RawTensor,
+    /// Weight: the trailing dims, x's dtype or f32.
+    pub gamma: RawTensor,
+    /// Output, x's shape and dtype.
+    pub y: RawTensor,
+    /// Optional f32 output, one per row (`has_rstd`).
+    pub rstd: RawTensor,
+    /// Optional `round(x1 + x2)` (`has_x_sum`); may be `x1` itself.
+    pub x_sum: RawTensor,
+    /// 1 when `rstd` is written.
+    pub has_rstd: u32,
+    /// 1 when `x_sum` is written.
+    pub has_x_sum: u32,
+    /// 1 when `x_sum` is `x1` (in place).
+    pub x_sum_in_place: u32,
+    /// eps as the f32 added to the mean square.
+    pub eps: f32,
+    /// Added to gamma.
+    pub gamma_offset: f32,
+    /// Where y is rounded.
+    pub rounding: Rounding,
+    /// The tiling plan (TilingData).
+    pub tiling: NormTiling,
+    /// The caller's workspace.
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+/// Validates the inputs and cuts the plan.
+pub(crate) fn plan(
+    x1: &RawTensor,
+    x2: &RawTensor,
+    gamma: &RawTensor,
+    opts: &RmsNormOptions,
+    ub: &UbConfig,
+) -> Result<NormTiling> {
+    let c1 = x1.check("x1")?;
+    let c2 = x2.check("x2")?;
+    let gc = gamma.check("gamma")?;
+    let d = norm_dims(x1, &c1, gamma, &gc, "x1")?;
+    same_shape(x2, &c2, &c1, x1.dtype, "x2")?;
+    opts.eps_f32()?;
+    NormTiling::new(d.rows, d.cols, 1, false, ub)
+}
+
+/// Validates everything and builds the call.
+pub(crate) fn prepare(
+    x1: &RawTensor,
+    x2: &RawTensor,
+    gamma: &RawTensor,
+    opts: &RmsNormOptions,
+    y: &RawTensor,
+    rstd: Option<&RawTensor>,
+    x_sum: Option<&RawTensor>,
+    ub: &UbConfig,
+) -> Result<AddRmsNormCall> {
+    let tiling = plan(x1, x2, gamma, opts, ub)?;
+    let c1 = x1.check("x1")?;
+    let c2 = x2.check("x2")?;
+    let gc = gamma.check("gamma")?;
+    let yc = y.check("y")?;
+    same_shape(y, &yc, &c1, x1.dtype, "y")?;
+    no_overlap(&yc, [&c1, &c2, &gc])?;
+    let empty = RawTensor::flat(core::ptr::null_mut(), DType::F32, 0);
+    let (mut rstd_t, mut xs_t, mut in_place) = (empty, empty, false);
+    let mut outs = [yc; 2];
+    let mut n_outs = 1;
+    if let Some(s) = x_sum {
+        let sc = s.check("x_sum")?;
+        same_shape(s, &sc, &c1, x1.dtype, "x_sum")?;
+        in_place = sc.same_range(&c1) && sc.bytes > 0;
+        if in_place {
+            no_overlap(&sc, [&c2, &gc, &yc])?;
+        } else {
+            no_overlap(&sc, [&c1, &c2, &gc, &yc])?;
+        }
+        outs[1] = sc;
+        n_outs = 2;
+        xs_t = *s;
+    }
+    if let Some(r) = rstd {
+        let rc = r.check("rstd")?;
+        rstd_check(r, &rc, tiling.rows as usize)?;
+        no_overlap(&rc, [&c1, &c2, &gc])?;
+        for o in &outs[..n_outs] {
+            no_overlap(&rc, [o])?;
+        }
+        rstd_t = *r;
+    }
+    Ok(AddRmsNormCall {
+        x1: *x1,
+        x2: *x2,
+        gamma: *gamma,
+        y: *y,
+        rstd: rstd_t,
+        x_sum: xs_t,
+        has_rstd: rstd.is_some() as u32,
+        has_x_sum: x_sum.is_some() as u32,
+        x_sum_in_place: in_place as u32,
+        eps: opts.eps_f32()?,
+        gamma_offset: opts.gamma_offset,
+        rounding: opts.rounding,
+        tiling,
+        workspace: core::ptr::null_mut(),
+        workspace_bytes: 0,
+    })
+}
+
+/// Attaches and checks the workspace, then runs the call on the backend.
+pub(crate) fn launch(
+    exec: &Exec<'_>,
+    mut call: AddRmsNormCall,
+    ws: *mut c_void,
+    bytes: usize,
+) -> Result<()> {
+    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
+    call.workspace = ws;
+    call.workspace_bytes = bytes;
+    // SAFETY: `call` was built by `prepare` from validated descriptors.
+    unsafe { exec.backend.add_rms_norm(&call) }
+}
+
+/// Workspace bytes `add_rms_norm` needs.
+pub fn add_rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    x1: TensorRef<'_, T>,
+    x2: TensorRef<'_, T>,
+    gamma: TensorRef<'_, G>,
+    opts: &RmsNormOptions,
+) -> Result<usize> {
+    let t = plan(&x1.raw(), &x2.raw(), &gamma.raw(), opts, &exec.ub)?;
+    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+}
+
+fn out_raw<T: LaneElem>(
+    s: &mut [T],
+    like: &TensorRef<'_, T>,
+    name: &'static str,
+) -> Result<RawTensor> {
+    if s.len() != like.data().len() {
+        return Err(invalid(name, "length differs from x1's element count"));
+    }
+    Ok(RawTensor::from_parts(
+        s.as_mut_ptr() as *mut c_void,
+        T::DTYPE,
+        like.shape(),
+    ))
+}
+
+/// AddRmsNorm with separate outputs: `y` (x's length), optional `rstd` (one
+/// per row) and optional `x_sum` (x's length).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    x1: TensorRef<'_, T>,
+    x2: TensorRef<'_, T>,
+    gamma: TensorRef<'_, G>,
+    opts: &RmsNormOptions,
+    y: &mut [T],
+    rstd: Option<&mut [f32]>,
+    x_sum: Option<&mut [T]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    let yr = out_raw(y, &x1, "y")?;
+    let sr = match x_sum {
+        Some(s) => Some(out_raw(s, &x1, "x_sum")?),
+        None => None,
+    };
+    let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
+    let call = prepare(
+        &x1.raw(),
+        &x2.raw(),
+        &gamma.raw(),
+        opts,
+        &yr,
+        rr.as_ref(),
+        sr.as_ref(),
+        &exec.ub,
+    )?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
+/// AddRmsNorm writing `x_sum` over `x1` (the residual stream update).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_in_place<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    mut x1: TensorMut<'_, T>,
+    x2: TensorRef<'_, T>,
+    gamma: TensorRef<'_, G>,
+    opts: &RmsNormOptions,
+    y: &mut [T],
+    rstd: Option<&mut [f32]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    let x1r = x1.raw();
+    if y.len() != x1.data().len() {
+        return Err(invalid("y", "length differs from x1's element count"));
+    }
+    let yr = RawTensor::from_parts(y.as_mut_ptr() as *mut c_void, T::DTYPE, x1.shape());
+    let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
+    let call = prepare(
+        &x1r,
+        &x2.raw(),
+        &gamma.raw(),
+        opts,
+        &yr,
+        rr.as_ref(),
+        Some(&x1r),
+        &exec.ub,
+    )?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
+/// AddRmsNorm's CopyIn: round(x1 + x2), written to x_sum on the first pass.
+struct AddSource<T> {
+    x1: Src<T>,
+    x2: Src<T>,
+    x_sum: Option<Dst<T>>,
+}
+
+impl<T: LaneElem> FwdSource<T> for AddSource<T> {
+    #[inline(always)]
+    fn copy_in<L: Lanes>(&self, off: usize, len: usize, dst: &mut [f32], first: bool) {
+        if let (false, Some(xs)) = (first, &self.x_sum) {
+            // Split-D's second pass re-reads the sum it wrote (x1 may be gone).
+            // SAFETY: written by this block's first pass; in bounds.
+            widen_into::<L, T>(unsafe { Src(xs.0 as *const T).get(off, len) }, dst);
+            return;
+        }
+        // SAFETY: x1 is read before this range of x_sum (possibly x1 itself) is written.
+        widen_into::<L, T>(unsafe { self.x1.get(off, len) }, dst);
+        // SAFETY: x2 is an input, never written.
+        let x2 = unsafe { self.x2.get(off, len) };
+        let (groups, _) = dst.as_chunks_mut::<GROUP>();
+        for (gi, g) in groups.iter_mut().enumerate() {
+            round_to::<L, T>(L::load(g).add(load_group::<L, T>(x2, gi))).store(g);
+        }
+        if let Some(xs) = &self.x_sum {
+            // SAFETY: this row range belongs to the calling block; x1's range was consumed above.
+            narrow_into::<L, T>(dst, unsafe { xs.get(off, len) });
+        }
+    }
+}
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &AddRmsNormCall, isa: Isa, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_xg!(call.x1.dtype, call.gamma.dtype, run::<L>(call, runner)))
+    }
+}
+
+unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &AddRmsNormCall, runner: &dyn Runner) {
+    let Ok(ws) = Workspace::new(
+        call.workspace,
+        call.workspace_bytes,
+        call.tiling.workspace_bytes,
+    ) else {
+        return;
+    };
+    let c = FwdCtx::<T, G, AddSource<T>> {
+        src: AddSource {
+            x1: Src(call.x1.data as *const T),
+            x2: Src(call.x2.data as *const T),
+            x_sum: (call.has_x_sum != 0).then_some(Dst(call.x_sum.data as *mut T)),
+        },
+        gamma: Src(call.gamma.data as *const G),
+        y: Dst(call.y.data as *mut T),
+        rstd: (call.has_rstd != 0).then_some(Dst(call.rstd.data as *mut f32)),
+        eps: call.eps,
+        off: call.gamma_offset,
+        cast_before: call.rounding == Rounding::CastBeforeGamma,
+        t: call.tiling,
+        ws,
+    };
+    runner.parallel_for(c.t.blocks as usize, &|b| forward_block::<L, T, G, _>(&c, b));
+}
+
+/// The f64 golden model (x_sum rounded to x's dtype, then the exact norm).
+///
+/// # Safety
+/// As for `cpu`.
+pub(crate) unsafe fn reference(call: &AddRmsNormCall) {
+    // SAFETY: forwarded.
+    unsafe { dispatch_xg!(call.x1.dtype, call.gamma.dtype, reference_t::<()>(call)) }
+}
+
+unsafe fn reference_t<U, T: Float, G: Float>(call: &AddRmsNormCall) {
+    let (m, n) = (call.tiling.rows as usize, call.tiling.cols as usize);
+    let (x1, x2) = (call.x1.data as *const T, call.x2.data as *const T);
+    let g = call.gamma.data as *const G;
+    let off = call.gamma_offset as f64;
+    // Raw element reads/writes: x_sum may alias x1, so no slices are formed.
+    // SAFETY (all below): indices < m*n (or n for gamma), validated lengths.
+    let sum = |i: usize| unsafe {
+        T::from_f64(x1.add(i).read().to_f64() + x2.add(i).read().to_f64()).to_f64()
+    };
+    for r in 0..m {
+        let ss: f64 = (0..n).map(|j| sum(r * n + j) * sum(r * n + j)).sum();
+        let rstd = 1.0 / sqrt_f64(ss / n as f64 + call.eps as f64);
+        if call.has_rstd != 0 {
+            // SAFETY: rstd has m elements.
+            unsafe { (call.rstd.data as *mut f32).add(r).write(rstd as f32) };
+        }
+        for j in 0..n {
+            let i = r * n + j;
+            let s = sum(i);
+            let h = s * rstd;
+            let h = match call.rounding {
+                Rounding::Fused => h,
+                Rounding::CastBeforeGamma => T::from_f64(h).to_f64(),
+            };
+            // SAFETY: as above.
+            unsafe {
+                let gj = g.add(j).read().to_f64() + off;
+                (call.y.data as *mut T).add(i).write(T::from_f64(h * gj));
+                if call.has_x_sum != 0 {
+                    (call.x_sum.data as *mut T).add(i).write(T::from_f64(s));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! What the three RMSNorm operators share: the x/gamma shape rule, the options,
+//! and the CPU kernel's CopyIn / CopyOut helpers.
+
+use crate::dtype::{gamma_dtype_ok, DType};
+use crate::error::{invalid, Error, Result};
+use crate::lanes::{LaneElem, Lanes, GROUP};
+use crate::tensor::{Checked, RawTensor};
+
+/// How the forward output is rounded. Values are the C ABI's `npk_rounding`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Rounding {
+    /// `y = round(x * rstd * (gamma + offset))`: one rounding (CANN, torch's
+    /// composite `rms_norm`).
+    #[default]
+    Fused = 0,
+    /// `y = round(round(x * rstd) * (gamma + offset))`: Hugging Face's
+    /// `LlamaRMSNorm` bit pattern.
+    CastBeforeGamma = 1,
+}
+
+/// Options of RmsNorm and AddRmsNorm (`npk_rms_norm_options`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RmsNormOptions {
+    /// Added to the mean square; finite and >= 0. Default 1e-6.
+    pub eps: f64,
+    /// Added to gamma (1.0 for Gemma's zero-centred weights). Default 0.0.
+    pub gamma_offset: f32,
+    /// Where y is rounded. Default `Fused`.
+    pub rounding: Rounding,
+}
+
+impl Default for RmsNormOptions {
+    fn default() -> Self {
+        RmsNormOptions {
+            eps: 1e-6,
+            gamma_offset: 0.0,
+            rounding: Rounding::Fused,
+        }
+    }
+}
+
+impl RmsNormOptions {
+    /// eps as the f32 the kernels add (it must be finite and >= 0 as an f32 too).
+    pub(crate) fn eps_f32(&self) -> Result<f32> {
+        let e = self.eps as f32;
+        if !(self.eps >= 0.0) || !self.eps.is_finite() || !e.is_finite() {
+            return Err(invalid("eps", "must be finite and >= 0"));
+        }
+        if !self.gamma_offset.is_finite() {
+            return Err(invalid("gamma_offset", "must be finite"));
+        }
+        Ok(e)
+    }
+}
+
+/// Rows and row length of a normalization.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NormDims {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Checks x (float) and gamma (x's dtype or f32, the trailing dims of x).
+pub(crate) fn norm_dims(
+    x: &RawTensor,
+    xc: &Checked,
+    gamma: &RawTensor,
+    gc: &Checked,
+    xname: &'static str,
+) -> Result<NormDims> {
+    if !x.dtype.is_float() {
+        return Err(Error::DtypeUnsupported { arg: xname });
+    }
+    if !gamma_dtype_ok(x.dtype, gamma.dtype) {
+        return Err(Error::DtypeUnsupported { arg: "gamma" });
+    }
+    let xd = xc.shape.dims();
+    let gd = gc.shape.dims();
+    if gd.len() > xd.len() || xd[xd.len() - gd.len()..] != *gd {
+        return Err(invalid("gamma", "shape must equal the trailing dims of x"));
+    }
+    let cols = gc.numel;
+    let rows = xd[..xd.len() - gd.len()].iter().product::<usize>();
+    Ok(NormDims { rows, cols })
+}
+
+/// Checks that `t` has exactly `like`'s shape and the given dtype.
+pub(crate) fn same_shape(
+    t: &RawTensor,
+    tc: &Checked,
+    like: &Checked,
+    dtype: DType,
+    name: &'static str,
+) -> Result<()> {
+    if t.dtype != dtype {
+        return Err(Error::DtypeUnsupported { arg: name });
+    }
+    if tc.shape != like.shape {
+        return Err(invalid(name, "shape differs from the input's"));
+    }
+    Ok(())
+}
+
+/// Checks an f32 per-row tensor (rstd): any shape with `rows` elements.
+pub(crate) fn rstd_check(t: &RawTensor, tc: &Checked, rows: usize) -> Result<()> {
+    if t.dtype != DType::F32 {
+        return Err(Error::DtypeUnsupported { arg: "rstd" });
+    }
+    if tc.numel != rows {
+        return Err(invalid(
+            "rstd",
+            "element count must equal the number of rows",
+        ));
+    }
+    Ok(())
+}
+
+/// Widens `src` to f32, adds `offset`, and stores it in `dst` (padded with
+/// zeros to a multiple of 16).
+#[inline(always)]
+pub(crate) fn load_gamma<L: Lanes, G: LaneElem>(src: &[G], dst: &mut [f32], offset: f32) {
+    crate::lanes::widen_into::<L, G>(src, dst);
+    let off = L::splat(offset);
+    let n = src.len();
+    let (groups, _) = dst.as_chunks_mut::<GROUP>();
+    for g in groups.iter_mut() {
+        L::load(g).add(off).store(g);
+    }
+    // Keep the padding exactly zero (0 + offset would leak into sums).
+    if let Some(pad) = dst.get_mut(n..) {
+        pad.fill(0.0);
+    }
+}
+
+/// Stores `dst.len()` elements computed group by group by `f(group_index)`;
+/// the last partial group goes through a temporary.
+#[inline(always)]
+pub(crate) fn store_groups<L: Lanes, T: LaneElem>(dst: &mut [T], mut f: impl FnMut(usize) -> L) {
+    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
+    let full = dg.len();
+    for (i, d) in dg.iter_mut().enumerate() {
+        T::store(f(i), d);
+    }
+    if !dt.is_empty() {
+        let mut tmp = [T::from_f32(0.0); GROUP];
+        T::store(f(full), &mut tmp);
+        dt.copy_from_slice(&tmp[..dt.len()]);
+    }
+}
+
+/// Loads group `i` of `src` widened (the last partial group zero-padded).
+#[inline(always)]
+pub(crate) fn load_group<L: Lanes, T: LaneElem>(src: &[T], i: usize) -> L {
+    let start = i * GROUP;
+    match src.get(start..start + GROUP) {
+        Some(s) => {
+            let (g, _) = s.as_chunks::<GROUP>();
+            T::load(&g[0])
+        }
+        None => {
+            let mut tmp = [T::from_f32(0.0); GROUP];
+            let rest = src.get(start..).unwrap_or(&[]);
+            tmp[..rest.len()].copy_from_slice(rest);
+            T::load(&tmp)
+        }
+    }
+}
+
+/// Rounds every lane to `T` and widens it back (identity for f32).
+#[inline(always)]
+pub(crate) fn round_to<L: Lanes, T: LaneElem>(v: L) -> L {
+    if T::DTYPE == DType::F32 {
+        return v;
+    }
+    let mut tmp = [T::from_f32(0.0); GROUP];
+    T::store(v, &mut tmp);
+    T::load(&tmp)
+}
+
+/// Group `i` of an f32 arena row (always a whole group: rows are padded).
+#[inline(always)]
+pub(crate) fn arena_group<L: Lanes>(row: &[f32], i: usize) -> L {
+    let (g, _) = row.as_chunks::<GROUP>();
+    match g.get(i) {
+        Some(a) => L::load(a),
+        None => L::splat(0.0),
+    }
+}

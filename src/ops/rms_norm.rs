@@ -1,0 +1,231 @@
+//! RmsNorm: `rstd = 1/sqrt(mean(x^2) + eps)`, `y = x * rstd * (gamma + offset)`.
+
+use core::ffi::c_void;
+
+use super::norm::{norm_dims, rstd_check, same_shape, RmsNormOptions, Rounding};
+use super::norm_fwd::{forward_block, FwdCtx, FwdSource};
+use super::{dispatch_isa, dispatch_xg, Exec};
+use crate::dtype::{DType, Float};
+use crate::error::{invalid, Error, Result};
+use crate::lanes::{sqrt_f64, widen_into, Isa, LaneElem, Lanes};
+use crate::runner::Runner;
+use crate::tensor::{no_overlap, RawTensor, TensorRef};
+use crate::tiling::{NormTiling, UbConfig};
+use crate::workspace::{Dst, Src, Workspace};
+
+/// The validated arguments of one RmsNorm (`npk_rms_norm_call`): what a
+/// backend, or an adapter's NPU launch, receives.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormCall {
+    /// Input, f32 | f16 | bf16.
+    pub x: RawTensor,
+    /// Weight: x's trailing dims, x's dtype or f32.
+    pub gamma: RawTensor,
+    /// Output, x's shape and dtype.
+    pub y: RawTensor,
+    /// Optional f32 output of `rows` elements (`has_rstd`).
+    pub rstd: RawTensor,
+    /// 1 when `rstd` is written.
+    pub has_rstd: u32,
+    /// eps as the f32 added to the mean square.
+    pub eps: f32,
+    /// Added to gamma.
+    pub gamma_offset: f32,
+    /// Where y is rounded.
+    pub rounding: Rounding,
+    /// The tiling plan (TilingData).
+    pub tiling: NormTiling,
+    /// The caller's workspace (unaligned; kernels align inside).
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+/// Validates the inputs and cuts the plan (what `workspace_size` needs).
+pub(crate) fn plan(
+    x: &RawTensor,
+    gamma: &RawTensor,
+    opts: &RmsNormOptions,
+    ub: &UbConfig,
+) -> Result<NormTiling> {
+    let xc = x.check("x")?;
+    let gc = gamma.check("gamma")?;
+    let d = norm_dims(x, &xc, gamma, &gc, "x")?;
+    opts.eps_f32()?;
+    NormTiling::new(d.rows, d.cols, 1, false, ub)
+}
+
+/// Validates everything and builds the call (workspace not yet attached).
+pub(crate) fn prepare(
+    x: &RawTensor,
+    gamma: &RawTensor,
+    opts: &RmsNormOptions,
+    y: &RawTensor,
+    rstd: Option<&RawTensor>,
+    ub: &UbConfig,
+) -> Result<RmsNormCall> {
+    let tiling = plan(x, gamma, opts, ub)?;
+    let xc = x.check("x")?;
+    let gc = gamma.check("gamma")?;
+    let yc = y.check("y")?;
+    same_shape(y, &yc, &xc, x.dtype, "y")?;
+    no_overlap(&yc, [&xc, &gc])?;
+    let mut rstd_t = RawTensor::flat(core::ptr::null_mut(), DType::F32, 0);
+    if let Some(r) = rstd {
+        let rc = r.check("rstd")?;
+        rstd_check(r, &rc, tiling.rows as usize)?;
+        no_overlap(&rc, [&xc, &gc, &yc])?;
+        rstd_t = *r;
+    }
+    Ok(RmsNormCall {
+        x: *x,
+        gamma: *gamma,
+        y: *y,
+        rstd: rstd_t,
+        has_rstd: rstd.is_some() as u32,
+        eps: opts.eps_f32()?,
+        gamma_offset: opts.gamma_offset,
+        rounding: opts.rounding,
+        tiling,
+        workspace: core::ptr::null_mut(),
+        workspace_bytes: 0,
+    })
+}
+
+/// Attaches and checks the workspace, then runs the call on the backend.
+pub(crate) fn launch(
+    exec: &Exec<'_>,
+    mut call: RmsNormCall,
+    ws: *mut c_void,
+    bytes: usize,
+) -> Result<()> {
+    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
+    call.workspace = ws;
+    call.workspace_bytes = bytes;
+    // SAFETY: `call` was built by `prepare` from validated descriptors.
+    unsafe { exec.backend.rms_norm(&call) }
+}
+
+/// Workspace bytes `rms_norm` needs for these inputs under `exec.ub`.
+pub fn rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    x: TensorRef<'_, T>,
+    gamma: TensorRef<'_, G>,
+    opts: &RmsNormOptions,
+) -> Result<usize> {
+    let t = plan(&x.raw(), &gamma.raw(), opts, &exec.ub)?;
+    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+}
+
+/// RmsNorm over the trailing dims of `x` that `gamma` covers.
+///
+/// `y` has x's element count; `rstd`, if given, one f32 per row. `workspace`
+/// must hold `rms_norm_workspace_size` bytes. On error nothing is written.
+pub fn rms_norm<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    x: TensorRef<'_, T>,
+    gamma: TensorRef<'_, G>,
+    opts: &RmsNormOptions,
+    y: &mut [T],
+    rstd: Option<&mut [f32]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    if y.len() != x.data().len() {
+        return Err(invalid("y", "length differs from x's element count"));
+    }
+    let yr = RawTensor::from_parts(y.as_mut_ptr() as *mut c_void, T::DTYPE, x.shape());
+    let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
+    let call = prepare(&x.raw(), &gamma.raw(), opts, &yr, rr.as_ref(), &exec.ub)?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
+/// RmsNorm's CopyIn: widen x.
+struct XSource<T>(Src<T>);
+
+impl<T: LaneElem> FwdSource<T> for XSource<T> {
+    #[inline(always)]
+    fn copy_in<L: Lanes>(&self, off: usize, len: usize, dst: &mut [f32], _first: bool) {
+        // SAFETY: the kernel asks only for ranges inside x; x is never written.
+        widen_into::<L, T>(unsafe { self.0.get(off, len) }, dst);
+    }
+}
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Isa, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_xg!(call.x.dtype, call.gamma.dtype, run::<L>(call, runner)))
+    }
+}
+
+unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormCall, runner: &dyn Runner) {
+    let Ok(ws) = Workspace::new(
+        call.workspace,
+        call.workspace_bytes,
+        call.tiling.workspace_bytes,
+    ) else {
+        return;
+    };
+    let c = FwdCtx::<T, G, XSource<T>> {
+        src: XSource(Src(call.x.data as *const T)),
+        gamma: Src(call.gamma.data as *const G),
+        y: Dst(call.y.data as *mut T),
+        rstd: (call.has_rstd != 0).then_some(Dst(call.rstd.data as *mut f32)),
+        eps: call.eps,
+        off: call.gamma_offset,
+        cast_before: call.rounding == Rounding::CastBeforeGamma,
+        t: call.tiling,
+        ws,
+    };
+    runner.parallel_for(c.t.blocks as usize, &|b| forward_block::<L, T, G, _>(&c, b));
+}
+
+/// The f64 golden model.
+///
+/// # Safety
+/// As for `cpu`.
+pub(crate) unsafe fn reference(call: &RmsNormCall) {
+    // SAFETY: forwarded.
+    unsafe { dispatch_xg!(call.x.dtype, call.gamma.dtype, reference_t::<()>(call)) }
+}
+
+unsafe fn reference_t<U, T: Float, G: Float>(call: &RmsNormCall) {
+    let (m, n) = (call.tiling.rows as usize, call.tiling.cols as usize);
+    // SAFETY: validated lengths; the reference runs alone on one thread.
+    let (x, g) = unsafe {
+        (
+            Src(call.x.data as *const T).get(0, m * n),
+            Src(call.gamma.data as *const G).get(0, n),
+        )
+    };
+    let y = Dst(call.y.data as *mut T);
+    let off = call.gamma_offset as f64;
+    for r in 0..m {
+        let xr = &x[r * n..(r + 1) * n];
+        let ss: f64 = xr.iter().map(|v| v.to_f64() * v.to_f64()).sum();
+        let rstd = 1.0 / sqrt_f64(ss / n as f64 + call.eps as f64);
+        if call.has_rstd != 0 {
+            // SAFETY: rstd has m elements.
+            unsafe { Dst(call.rstd.data as *mut f32).get(r, 1)[0] = rstd as f32 };
+        }
+        // SAFETY: row r of y; validated not to overlap the inputs.
+        let yr = unsafe { y.get(r * n, n) };
+        for j in 0..n {
+            let h = xr[j].to_f64() * rstd;
+            let h = match call.rounding {
+                Rounding::Fused => h,
+                Rounding::CastBeforeGamma => T::from_f64(h).to_f64(),
+            };
+            yr[j] = T::from_f64(h * (g[j].to_f64() + off));
+        }
+    }
+}

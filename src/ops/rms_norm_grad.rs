@@ -1,0 +1,661 @@
+//! RmsNormGrad: with `g = dy * (gamma + offset)`, `xh = x * rstd`,
+//! `c = sum_j(g * xh) / N`: `dx = rstd * (g - xh * c) [+ dres]` and
+//! `dgamma = sum_m(dy * xh)` (f32). dgamma partials are per block (fixed by the
+//! plan, not by threads) and summed in block order: deterministic.
+
+use core::ffi::c_void;
+
+use super::norm::{
+    arena_group, load_gamma, load_group, norm_dims, rstd_check, same_shape, store_groups,
+};
+use super::{dispatch_isa, dispatch_xg, Exec};
+use crate::dtype::{DType, Float};
+use crate::error::{invalid, Error, Result};
+use crate::lanes::{widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
+use crate::runner::Runner;
+use crate::tensor::{no_overlap, Checked, RawTensor, TensorRef};
+use crate::tiling::{NormTiling, UbConfig};
+use crate::workspace::{Dst, Src, Workspace};
+
+/// What happens to an existing dgamma (`accumulate_dgamma` in the C ABI).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DgammaMode {
+    /// `dgamma = sum`.
+    #[default]
+    Overwrite,
+    /// `dgamma += sum` (gradient accumulation into an fp32 main grad).
+    Accumulate,
+}
+
+/// Options of RmsNormGrad (`npk_rms_norm_grad_options`).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct RmsNormGradOptions {
+    /// The forward's gamma offset. Default 0.0.
+    pub gamma_offset: f32,
+    /// Overwrite (default) or accumulate dgamma.
+    pub dgamma_mode: DgammaMode,
+}
+
+/// The validated arguments of one RmsNormGrad (`npk_rms_norm_grad_call`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormGradCall {
+    /// Upstream gradient, x's shape and dtype.
+    pub dy: RawTensor,
+    /// Forward input.
+    pub x: RawTensor,
+    /// Forward rstd, f32, one per row.
+    pub rstd: RawTensor,
+    /// Weight: the trailing dims of x, x's dtype or f32.
+    pub gamma: RawTensor,
+    /// Optional residual gradient added to dx (`has_dres`).
+    pub dres: RawTensor,
+    /// Output, x's shape and dtype; may be dy itself.
+    pub dx: RawTensor,
+    /// Optional f32 output, gamma's shape (`has_dgamma`).
+    pub dgamma: RawTensor,
+    /// Optional output in gamma's dtype and shape (`has_dgamma_cast`).
+    pub dgamma_cast: RawTensor,
+    /// 1 when `dres` is read.
+    pub has_dres: u32,
+    /// 1 when `dgamma` is written.
+    pub has_dgamma: u32,
+    /// 1 when `dgamma_cast` is written.
+    pub has_dgamma_cast: u32,
+    /// 1 when dx is dy (in place).
+    pub dx_in_place: u32,
+    /// 1: `dgamma += sum`; 0: `dgamma = sum`.
+    pub accumulate_dgamma: u32,
+    /// The forward's gamma offset.
+    pub gamma_offset: f32,
+    /// The tiling plan (TilingData); dgamma partials live in the workspace.
+    pub tiling: NormTiling,
+    /// The caller's workspace.
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+/// Validates the inputs and cuts the plan.
+pub(crate) fn plan(
+    dy: &RawTensor,
+    x: &RawTensor,
+    rstd: &RawTensor,
+    gamma: &RawTensor,
+    opts: &RmsNormGradOptions,
+    ub: &UbConfig,
+) -> Result<NormTiling> {
+    let dyc = dy.check("dy")?;
+    let xc = x.check("x")?;
+    let rc = rstd.check("rstd")?;
+    let gc = gamma.check("gamma")?;
+    let d = norm_dims(x, &xc, gamma, &gc, "x")?;
+    same_shape(dy, &dyc, &xc, x.dtype, "dy")?;
+    rstd_check(rstd, &rc, d.rows)?;
+    if !opts.gamma_offset.is_finite() {
+        return Err(invalid("gamma_offset", "must be finite"));
+    }
+    NormTiling::new(d.rows, d.cols, 2, true, ub)
+}
+
+/// Validates everything and builds the call.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prepare(
+    dy: &RawTensor,
+    x: &RawTensor,
+    rstd: &RawTensor,
+    gamma: &RawTensor,
+    dres: Option<&RawTensor>,
+    opts: &RmsNormGradOptions,
+    dx: &RawTensor,
+    dgamma: Option<&RawTensor>,
+    dgamma_cast: Option<&RawTensor>,
+    ub: &UbConfig,
+) -> Result<RmsNormGradCall> {
+    let tiling = plan(dy, x, rstd, gamma, opts, ub)?;
+    let dyc = dy.check("dy")?;
+    let xc = x.check("x")?;
+    let rc = rstd.check("rstd")?;
+    let gc = gamma.check("gamma")?;
+    let empty = RawTensor::flat(core::ptr::null_mut(), DType::F32, 0);
+    let mut ins: [Checked; 5] = [dyc, xc, rc, gc, gc];
+    let mut n_ins = 4;
+    let mut dres_t = empty;
+    if let Some(d) = dres {
+        let dc = d.check("dres")?;
+        same_shape(d, &dc, &xc, x.dtype, "dres")?;
+        ins[4] = dc;
+        n_ins = 5;
+        dres_t = *d;
+    }
+    let ins = &ins[..n_ins];
+    let dxc = dx.check("dx")?;
+    same_shape(dx, &dxc, &xc, x.dtype, "dx")?;
+    let in_place = dxc.same_range(&dyc) && dxc.bytes > 0;
+    // In place, dx may be dy exactly; it must still not touch x, rstd, gamma, dres.
+    let skip = usize::from(in_place);
+    for i in &ins[skip..] {
+        no_overlap(&dxc, [i])?;
+    }
+    let mut outs: [Checked; 3] = [dxc, dxc, dxc];
+    let mut n_outs = 1;
+    let mut dg_t = empty;
+    if let Some(g) = dgamma {
+        let c = g.check("dgamma")?;
+        if g.dtype != DType::F32 {
+            return Err(Error::DtypeUnsupported { arg: "dgamma" });
+        }
+        if c.shape != gc.shape {
+            return Err(invalid("dgamma", "shape must equal gamma's"));
+        }
+        no_overlap(&c, ins.iter())?;
+        for o in &outs[..n_outs] {
+            no_overlap(&c, [o])?;
+        }
+        outs[n_outs] = c;
+        n_outs += 1;
+        dg_t = *g;
+    }
+    let mut dgc_t = empty;
+    if let Some(g) = dgamma_cast {
+        let c = g.check("dgamma_cast")?;
+        if g.dtype != gamma.dtype {
+            return Err(Error::DtypeUnsupported { arg: "dgamma_cast" });
+        }
+        if c.shape != gc.shape {
+            return Err(invalid("dgamma_cast", "shape must equal gamma's"));
+        }
+        no_overlap(&c, ins.iter())?;
+        for o in &outs[..n_outs] {
+            no_overlap(&c, [o])?;
+        }
+        dgc_t = *g;
+    }
+    if opts.dgamma_mode == DgammaMode::Accumulate && dgamma.is_none() {
+        return Err(invalid(
+            "dgamma",
+            "accumulate needs a dgamma to accumulate into",
+        ));
+    }
+    Ok(RmsNormGradCall {
+        dy: *dy,
+        x: *x,
+        rstd: *rstd,
+        gamma: *gamma,
+        dres: dres_t,
+        dx: *dx,
+        dgamma: dg_t,
+        dgamma_cast: dgc_t,
+        has_dres: dres.is_some() as u32,
+        has_dgamma: dgamma.is_some() as u32,
+        has_dgamma_cast: dgamma_cast.is_some() as u32,
+        dx_in_place: in_place as u32,
+        accumulate_dgamma: (opts.dgamma_mode == DgammaMode::Accumulate) as u32,
+        gamma_offset: opts.gamma_offset,
+        tiling,
+        workspace: core::ptr::null_mut(),
+        workspace_bytes: 0,
+    })
+}
+
+/// Attaches and checks the workspace, then runs the call on the backend.
+pub(crate) fn launch(
+    exec: &Exec<'_>,
+    mut call: RmsNormGradCall,
+    ws: *mut c_void,
+    bytes: usize,
+) -> Result<()> {
+    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
+    call.workspace = ws;
+    call.workspace_bytes = bytes;
+    // SAFETY: `call` was built by `prepare` from validated descriptors.
+    unsafe { exec.backend.rms_norm_grad(&call) }
+}
+
+/// Workspace bytes `rms_norm_grad` needs (per-block arenas and dgamma partials).
+pub fn rms_norm_grad_workspace_size<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    dy: TensorRef<'_, T>,
+    x: TensorRef<'_, T>,
+    rstd: TensorRef<'_, f32>,
+    gamma: TensorRef<'_, G>,
+    opts: &RmsNormGradOptions,
+) -> Result<usize> {
+    let t = plan(
+        &dy.raw(),
+        &x.raw(),
+        &rstd.raw(),
+        &gamma.raw(),
+        opts,
+        &exec.ub,
+    )?;
+    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+}
+
+/// The outputs of `rms_norm_grad`.
+#[derive(Debug)]
+pub struct RmsNormGradOutputs<'a, T, G> {
+    /// Input gradient, x's element count; `None` writes it over `dy` (see
+    /// `rms_norm_grad_in_place`).
+    pub dx: &'a mut [T],
+    /// f32 gamma gradient, gamma's element count.
+    pub dgamma: Option<&'a mut [f32]>,
+    /// The gamma gradient rounded to gamma's dtype.
+    pub dgamma_cast: Option<&'a mut [G]>,
+}
+
+fn like_gamma<T: LaneElem, G: LaneElem>(
+    s: &mut [T],
+    gamma: &TensorRef<'_, G>,
+    name: &'static str,
+) -> Result<RawTensor> {
+    if s.len() != gamma.data().len() {
+        return Err(invalid(name, "length differs from gamma's element count"));
+    }
+    Ok(RawTensor::from_parts(
+        s.as_mut_ptr() as *mut c_void,
+        T::DTYPE,
+        gamma.shape(),
+    ))
+}
+
+/// RmsNormGrad. `rstd` is the forward's (one f32 per row); `dres`, if given,
+/// is added to dx. On error nothing is written.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_grad<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    dy: TensorRef<'_, T>,
+    x: TensorRef<'_, T>,
+    rstd: &[f32],
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+    out: RmsNormGradOutputs<'_, T, G>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    if out.dx.len() != x.data().len() {
+        return Err(invalid("dx", "length differs from x's element count"));
+    }
+    let dxr = RawTensor::from_parts(out.dx.as_mut_ptr() as *mut c_void, T::DTYPE, x.shape());
+    let rr = RawTensor::flat(rstd.as_ptr() as *mut c_void, DType::F32, rstd.len());
+    let dg = match out.dgamma {
+        Some(s) => Some(like_gamma(s, &gamma, "dgamma")?),
+        None => None,
+    };
+    let dgc = match out.dgamma_cast {
+        Some(s) => Some(like_gamma(s, &gamma, "dgamma_cast")?),
+        None => None,
+    };
+    let call = prepare(
+        &dy.raw(),
+        &x.raw(),
+        &rr,
+        &gamma.raw(),
+        dres.map(|d| d.raw()).as_ref(),
+        opts,
+        &dxr,
+        dg.as_ref(),
+        dgc.as_ref(),
+        &exec.ub,
+    )?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
+/// RmsNormGrad writing dx over `dy` (x's element count).
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_grad_in_place<T: LaneElem, G: LaneElem>(
+    exec: &Exec<'_>,
+    dy_dx: &mut [T],
+    x: TensorRef<'_, T>,
+    rstd: &[f32],
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+    dgamma: Option<&mut [f32]>,
+    dgamma_cast: Option<&mut [G]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    if dy_dx.len() != x.data().len() {
+        return Err(invalid("dy", "length differs from x's element count"));
+    }
+    let d = RawTensor::from_parts(dy_dx.as_mut_ptr() as *mut c_void, T::DTYPE, x.shape());
+    let rr = RawTensor::flat(rstd.as_ptr() as *mut c_void, DType::F32, rstd.len());
+    let dg = match dgamma {
+        Some(s) => Some(like_gamma(s, &gamma, "dgamma")?),
+        None => None,
+    };
+    let dgc = match dgamma_cast {
+        Some(s) => Some(like_gamma(s, &gamma, "dgamma_cast")?),
+        None => None,
+    };
+    let call = prepare(
+        &d,
+        &x.raw(),
+        &rr,
+        &gamma.raw(),
+        dres.map(|v| v.raw()).as_ref(),
+        opts,
+        &d,
+        dg.as_ref(),
+        dgc.as_ref(),
+        &exec.ub,
+    )?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
+struct Ctx<T, G> {
+    dy: Src<T>,
+    x: Src<T>,
+    rstd: Src<f32>,
+    gamma: Src<G>,
+    dres: Option<Src<T>>,
+    dx: Dst<T>,
+    off: f32,
+    t: NormTiling,
+    ws: Workspace,
+}
+
+/// Runs the plan on the CPU: the row pass per block, then the deterministic
+/// block-order reduction of the dgamma partials, column-parallel.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &RmsNormGradCall, isa: Isa, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_xg!(call.x.dtype, call.gamma.dtype, run::<L>(call, runner)))
+    }
+}
+
+/// Columns per task of the final dgamma reduction (a multiple of 16).
+const REDUCE_COLS: usize = 1024;
+
+unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner: &dyn Runner) {
+    let Ok(ws) = Workspace::new(
+        call.workspace,
+        call.workspace_bytes,
+        call.tiling.workspace_bytes,
+    ) else {
+        return;
+    };
+    let c = Ctx::<T, G> {
+        dy: Src(call.dy.data as *const T),
+        x: Src(call.x.data as *const T),
+        rstd: Src(call.rstd.data as *const f32),
+        gamma: Src(call.gamma.data as *const G),
+        dres: (call.has_dres != 0).then_some(Src(call.dres.data as *const T)),
+        dx: Dst(call.dx.data as *mut T),
+        off: call.gamma_offset,
+        t: call.tiling,
+        ws,
+    };
+    runner.parallel_for(c.t.blocks as usize, &|b| block::<L, T, G>(&c, b));
+    if call.has_dgamma == 0 && call.has_dgamma_cast == 0 {
+        return;
+    }
+    let n = c.t.cols as usize;
+    let dg = (call.has_dgamma != 0).then_some(Dst(call.dgamma.data as *mut f32));
+    let dgc = (call.has_dgamma_cast != 0).then_some(Dst(call.dgamma_cast.data as *mut G));
+    let acc = call.accumulate_dgamma != 0;
+    let t = c.t;
+    runner.parallel_for(n.div_ceil(REDUCE_COLS), &|task| {
+        reduce_dgamma::<L, G>(&t, &ws, task, dg, dgc, acc)
+    });
+}
+
+/// dgamma for columns of one task: block partials summed in block order.
+#[inline(always)]
+fn reduce_dgamma<L: Lanes, G: LaneElem>(
+    t: &NormTiling,
+    ws: &Workspace,
+    task: usize,
+    dg: Option<Dst<f32>>,
+    dgc: Option<Dst<G>>,
+    acc: bool,
+) {
+    let n = t.cols as usize;
+    let np = t.cols_padded as usize;
+    let c0 = task * REDUCE_COLS;
+    let c1 = (c0 + REDUCE_COLS).min(n);
+    let mut gi = c0 / GROUP;
+    while gi * GROUP < c1 {
+        let start = gi * GROUP;
+        let len = GROUP.min(c1 - start);
+        let mut sum = L::splat(0.0);
+        for b in 0..t.blocks as usize {
+            // SAFETY: partials of block b, read-only now that every block ran.
+            let p =
+                unsafe { ws.region(t.partials_offset as usize + b * np * 4 + start * 4, GROUP) };
+            sum = sum.add(arena_group::<L>(p, 0));
+        }
+        let mut v = [0f32; GROUP];
+        if let Some(d) = &dg {
+            if acc {
+                // SAFETY: this task's columns of dgamma; read before written.
+                let old = unsafe { Src(d.0 as *const f32).get(start, len) };
+                sum = load_group::<L, f32>(old, 0).add(sum);
+            }
+            sum.store(&mut v);
+            // SAFETY: this task's columns of dgamma belong to it alone.
+            unsafe { d.get(start, len) }.copy_from_slice(&v[..len]);
+        }
+        if let Some(d) = &dgc {
+            // SAFETY: this task's columns of dgamma_cast belong to it alone.
+            store_groups::<L, G>(unsafe { d.get(start, len) }, |_| sum);
+        }
+        gi += 1;
+    }
+}
+
+/// One block: dx for its rows, and its dgamma partial (rows in order).
+#[inline(always)]
+fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
+    let t = &c.t;
+    let n = t.cols as usize;
+    let np = t.cols_padded as usize;
+    let chunk = t.chunk_cols as usize;
+    let (r0, r1) = t.block_rows(b);
+    // SAFETY: block b's arena and partials are its own, inside the workspace.
+    let (arena, part) = unsafe {
+        (
+            c.ws.region(
+                t.arena_offset as usize + b * t.arena_bytes as usize,
+                t.arena_bytes as usize / 4,
+            ),
+            c.ws.region(t.partials_offset as usize + b * np * 4, np),
+        )
+    };
+    part.fill(0.0);
+    let (gbuf, rest) = arena.split_at_mut(chunk);
+    let rpt = t.rows_per_tile as usize;
+    let (dyt, xt) = rest.split_at_mut(rpt * chunk);
+    let xt = &mut xt[..rpt * chunk];
+    // One chunk of one row: (dy, x, gamma) rows in f32 at column k.
+    let reduce = |s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L| {
+        for gi in 0..dy.len() / GROUP {
+            let gg = arena_group::<L>(dy, gi).mul(arena_group(g, gi));
+            let xh = arena_group::<L>(x, gi).mul(rs);
+            s.push(gg.mul(xh));
+        }
+    };
+    let emit = |r: usize,
+                k: usize,
+                len: usize,
+                dy: &[f32],
+                x: &[f32],
+                g: &[f32],
+                rs: L,
+                cc: L,
+                part: &mut [f32]| {
+        let dres = c.dres.map(|d| {
+            // SAFETY: dres is an input; columns k..k+len of row r.
+            unsafe { d.get(r * n + k, len) }
+        });
+        // SAFETY: this chunk of dx's row r belongs to this block; dy's same
+        // range (if dx is dy) was copied into the arena before.
+        let dst = unsafe { c.dx.get(r * n + k, len) };
+        store_groups::<L, T>(dst, |gi| {
+            let gg = arena_group::<L>(dy, gi).mul(arena_group(g, gi));
+            let xh = arena_group::<L>(x, gi).mul(rs);
+            let d = rs.mul(gg.sub(xh.mul(cc)));
+            match dres {
+                Some(dr) => d.add(load_group::<L, T>(dr, gi)),
+                None => d,
+            }
+        });
+        let (pg, _) = part.as_chunks_mut::<GROUP>();
+        for (gi, p) in pg.iter_mut().enumerate().take(len.div_ceil(GROUP)) {
+            let xh = arena_group::<L>(x, gi).mul(rs);
+            L::load(p).add(arena_group::<L>(dy, gi).mul(xh)).store(p);
+        }
+    };
+    // SAFETY: rstd has one element per row.
+    let rstd_of = |r: usize| unsafe { c.rstd.get(r, 1)[0] };
+    if t.split_d == 0 {
+        // SAFETY: gamma holds n elements.
+        load_gamma::<L, G>(unsafe { c.gamma.get(0, n) }, gbuf, c.off);
+        let gbuf = &*gbuf;
+        let mut r = r0;
+        while r < r1 {
+            let rows = rpt.min(r1 - r);
+            for i in 0..rows {
+                let span = i * chunk..(i + 1) * chunk;
+                // SAFETY: row r+i of dy and x (dx's row is written only below).
+                unsafe {
+                    widen_into::<L, T>(c.dy.get((r + i) * n, n), &mut dyt[span.clone()]);
+                    widen_into::<L, T>(c.x.get((r + i) * n, n), &mut xt[span]);
+                }
+            }
+            for i in 0..rows {
+                let (dy, x) = (
+                    &dyt[i * chunk..(i + 1) * chunk],
+                    &xt[i * chunk..(i + 1) * chunk],
+                );
+                let rs = L::splat(rstd_of(r + i));
+                let mut s = RowSum::<L>::new();
+                reduce(&mut s, dy, x, gbuf, rs);
+                let cc = L::splat(s.finish() / n as f32);
+                emit(r + i, 0, n, dy, x, gbuf, rs, cc, &mut part[..]);
+            }
+            r += rows;
+        }
+    } else {
+        let (dyt, xt) = (&mut dyt[..chunk], &mut xt[..chunk]);
+        for r in r0..r1 {
+            let rs = L::splat(rstd_of(r));
+            let load = |k: usize, len: usize, dyt: &mut [f32], xt: &mut [f32], g: &mut [f32]| {
+                // SAFETY: columns k..k+len of row r (dx's chunk is written after).
+                unsafe {
+                    load_gamma::<L, G>(c.gamma.get(k, len), g, c.off);
+                    widen_into::<L, T>(c.dy.get(r * n + k, len), dyt);
+                    widen_into::<L, T>(c.x.get(r * n + k, len), xt);
+                }
+            };
+            let mut s = RowSum::<L>::new();
+            let mut k = 0;
+            while k < n {
+                let len = chunk.min(n - k);
+                let p = len.div_ceil(GROUP) * GROUP;
+                load(k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
+                reduce(&mut s, &dyt[..p], &xt[..p], &gbuf[..p], rs);
+                k += len;
+            }
+            let cc = L::splat(s.finish() / n as f32);
+            let mut k = 0;
+            while k < n {
+                let len = chunk.min(n - k);
+                let p = len.div_ceil(GROUP) * GROUP;
+                load(k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
+                emit(
+                    r,
+                    k,
+                    len,
+                    &dyt[..p],
+                    &xt[..p],
+                    &gbuf[..p],
+                    rs,
+                    cc,
+                    &mut part[k..k + p],
+                );
+                k += len;
+            }
+        }
+    }
+}
+
+/// The f64 golden model: dgamma column by column (before dx, which may
+/// overwrite dy), then dx row by row.
+///
+/// # Safety
+/// As for `cpu`.
+pub(crate) unsafe fn reference(call: &RmsNormGradCall) {
+    // SAFETY: forwarded.
+    unsafe { dispatch_xg!(call.x.dtype, call.gamma.dtype, reference_t::<()>(call)) }
+}
+
+unsafe fn reference_t<U, T: Float, G: Float>(call: &RmsNormGradCall) {
+    let (m, n) = (call.tiling.rows as usize, call.tiling.cols as usize);
+    let (dy, x) = (call.dy.data as *const T, call.x.data as *const T);
+    let rstd = call.rstd.data as *const f32;
+    let g = call.gamma.data as *const G;
+    let off = call.gamma_offset as f64;
+    // SAFETY (all reads and writes below): indices within the validated
+    // lengths; raw accesses because dx may alias dy.
+    unsafe {
+        if call.has_dgamma != 0 || call.has_dgamma_cast != 0 {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for r in 0..m {
+                    let xh = x.add(r * n + j).read().to_f64() * rstd.add(r).read() as f64;
+                    s += dy.add(r * n + j).read().to_f64() * xh;
+                }
+                if call.accumulate_dgamma != 0 {
+                    s += (call.dgamma.data as *const f32).add(j).read() as f64;
+                }
+                if call.has_dgamma != 0 {
+                    (call.dgamma.data as *mut f32).add(j).write(s as f32);
+                }
+                if call.has_dgamma_cast != 0 {
+                    (call.dgamma_cast.data as *mut G)
+                        .add(j)
+                        .write(G::from_f64(s));
+                }
+            }
+        }
+        for r in 0..m {
+            let rs = rstd.add(r).read() as f64;
+            let at = |j: usize| {
+                let gg = dy.add(r * n + j).read().to_f64() * (g.add(j).read().to_f64() + off);
+                let xh = x.add(r * n + j).read().to_f64() * rs;
+                (gg, xh)
+            };
+            let cc = (0..n)
+                .map(|j| {
+                    let (gg, xh) = at(j);
+                    gg * xh
+                })
+                .sum::<f64>()
+                / n as f64;
+            for j in 0..n {
+                let (gg, xh) = at(j);
+                let mut d = rs * (gg - xh * cc);
+                if call.has_dres != 0 {
+                    d += (call.dres.data as *const T).add(r * n + j).read().to_f64();
+                }
+                (call.dx.data as *mut T)
+                    .add(r * n + j)
+                    .write(T::from_f64(d));
+            }
+        }
+    }
+}

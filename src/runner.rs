@@ -1,0 +1,88 @@
+//! Runners execute a plan's blocks: `parallel_for(n, task)` must call
+//! `task(b)` exactly once for every `b < n` and return after all ran. Kernels
+//! never let a result depend on which runner ran them.
+
+/// Runs `n_blocks` independent block tasks.
+pub trait Runner: Sync {
+    /// Calls `task(b)` once for every `b` in `0..n_blocks`, possibly in parallel.
+    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync));
+}
+
+/// Runs the blocks one after another on the calling thread (no_std default).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Serial;
+
+impl Runner for Serial {
+    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
+        for b in 0..n_blocks {
+            task(b);
+        }
+    }
+}
+
+impl<R: Runner + ?Sized> Runner for &R {
+    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
+        (**self).parallel_for(n_blocks, task)
+    }
+}
+
+#[cfg(feature = "std")]
+pub use threads::Threads;
+
+#[cfg(feature = "std")]
+mod threads {
+    use super::Runner;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Runs blocks on `threads` scoped OS threads (the calling thread is one of
+    /// them); blocks are handed out one at a time from a shared counter.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Threads {
+        threads: usize,
+    }
+
+    impl Threads {
+        /// A runner with `threads` workers (at least 1).
+        pub fn new(threads: usize) -> Self {
+            Threads {
+                threads: threads.max(1),
+            }
+        }
+
+        /// One worker per available core.
+        pub fn per_core() -> Self {
+            Self::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+        }
+
+        /// The worker count.
+        pub fn threads(&self) -> usize {
+            self.threads
+        }
+    }
+
+    impl Runner for Threads {
+        fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
+            let workers = self.threads.min(n_blocks);
+            if workers <= 1 {
+                for b in 0..n_blocks {
+                    task(b);
+                }
+                return;
+            }
+            let next = AtomicUsize::new(0);
+            let work = || loop {
+                let b = next.fetch_add(1, Ordering::Relaxed);
+                if b >= n_blocks {
+                    break;
+                }
+                task(b);
+            };
+            std::thread::scope(|s| {
+                for _ in 1..workers {
+                    s.spawn(work);
+                }
+                work();
+            });
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! Host-side tiling, as an Ascend C operator's `op_host` tiling function does
+//! it: from the shapes and a `UbConfig` it fixes how rows are split over blocks
+//! (AI cores / workers), how a block streams its rows through its Unified
+//! Buffer sized arena (merge-N: several short rows per tile; split-D: one long
+//! row in column chunks), and where everything lives in the caller's workspace.
+//! Plans are `#[repr(C)]`: they are the TilingData an NPU kernel would receive.
+
+use crate::error::{invalid, Error, Result};
+use crate::lanes::GROUP;
+
+/// Default Unified Buffer size: Atlas A2's 192 KiB.
+pub const DEFAULT_UB_BYTES: usize = 196_608;
+/// Default number of blocks a plan is cut for.
+pub const DEFAULT_BLOCKS: u32 = 64;
+/// Smallest accepted `ub_bytes`.
+pub const MIN_UB_BYTES: usize = 1024;
+/// Alignment of every region carved from the workspace (a cache line, and an
+/// AVX-512 vector).
+pub const WORKSPACE_ALIGN: usize = 64;
+
+/// The machine model a plan is cut for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UbConfig {
+    /// Bytes of scratch ("Unified Buffer") each block may use; >= `MIN_UB_BYTES`.
+    pub ub_bytes: usize,
+    /// How many blocks to cut the rows into (the plan uses `min(blocks, rows)`); >= 1.
+    pub blocks: u32,
+}
+
+impl Default for UbConfig {
+    fn default() -> Self {
+        UbConfig {
+            ub_bytes: DEFAULT_UB_BYTES,
+            blocks: DEFAULT_BLOCKS,
+        }
+    }
+}
+
+impl UbConfig {
+    /// Checks the two fields.
+    pub fn validate(&self) -> Result<()> {
+        if self.ub_bytes < MIN_UB_BYTES {
+            return Err(invalid("ub_bytes", "must be at least 1024"));
+        }
+        if self.blocks == 0 {
+            return Err(invalid("blocks", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Tiling of a row-wise normalization (RmsNorm, AddRmsNorm, RmsNormGrad).
+///
+/// Per block the arena holds `chunk_cols` f32 of (gamma + offset) followed by
+/// `streams` tiles of `rows_per_tile * chunk_cols` f32 (one per input stream:
+/// x; x1 and x2; dy, x and dres).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NormTiling {
+    /// Rows M.
+    pub rows: u64,
+    /// Row length N (elements of gamma).
+    pub cols: u64,
+    /// Blocks the rows are split over (0 when there are no rows).
+    pub blocks: u32,
+    /// 0: merge-N (whole rows in the arena); 1: split-D (column chunks).
+    pub split_d: u32,
+    /// Rows per block (`ceil(rows / blocks)`); the last block may have fewer.
+    pub rows_per_block: u64,
+    /// Rows per arena tile (1 under split-D).
+    pub rows_per_tile: u64,
+    /// Columns per chunk, a multiple of 16: N rounded up to 16 under merge-N.
+    pub chunk_cols: u64,
+    /// f32 tiles per arena besides gamma.
+    pub streams: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Bytes of one block's arena (<= `ub_bytes`, a multiple of 64).
+    pub arena_bytes: u64,
+    /// Offset of block 0's arena from the aligned workspace start.
+    pub arena_offset: u64,
+    /// Offset of the per-block f32 dgamma partials (`blocks * cols_padded`),
+    /// RmsNormGrad only (else equal to the arena end).
+    pub partials_offset: u64,
+    /// Padded row length of the partials (N rounded up to 16).
+    pub cols_padded: u64,
+    /// Total workspace bytes, alignment slack included (0 when nothing is needed).
+    pub workspace_bytes: u64,
+}
+
+fn round_up(n: usize, m: usize) -> Option<usize> {
+    n.checked_add(m - 1).map(|v| v / m * m)
+}
+
+impl NormTiling {
+    /// Plans `rows` x `cols` with `streams` input tiles; `partials` adds the
+    /// dgamma partials region.
+    pub fn new(
+        rows: usize,
+        cols: usize,
+        streams: usize,
+        partials: bool,
+        cfg: &UbConfig,
+    ) -> Result<NormTiling> {
+        cfg.validate()?;
+        let ovf = Error::SizeOverflow { arg: "workspace" };
+        let cols_padded = round_up(cols, GROUP).ok_or(ovf)?;
+        let mut t = NormTiling {
+            rows: rows as u64,
+            cols: cols as u64,
+            cols_padded: cols_padded as u64,
+            streams: streams as u32,
+            ..Default::default()
+        };
+        if rows == 0 {
+            return Ok(t);
+        }
+        let blocks0 = (cfg.blocks as usize).min(rows);
+        let rows_per_block = rows.div_ceil(blocks0);
+        let blocks = rows.div_ceil(rows_per_block);
+        t.blocks = blocks as u32;
+        t.rows_per_block = rows_per_block as u64;
+
+        let ub = cfg.ub_bytes / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
+        let floats = ub / 4;
+        let (split, rpt, chunk) = if cols_padded == 0 {
+            (false, rows_per_block, 0)
+        } else if (1 + streams)
+            .checked_mul(cols_padded)
+            .is_some_and(|need| need <= floats)
+        {
+            let rpt = (floats - cols_padded) / (streams * cols_padded);
+            (false, rpt.clamp(1, rows_per_block), cols_padded)
+        } else {
+            let chunk = floats / (1 + streams) / GROUP * GROUP;
+            if chunk == 0 {
+                return Err(invalid("ub_bytes", "too small for one 16-element chunk"));
+            }
+            (true, 1, chunk)
+        };
+        t.split_d = split as u32;
+        t.rows_per_tile = rpt as u64;
+        t.chunk_cols = chunk as u64;
+        // arena = gamma chunk + streams tiles, rounded to the alignment.
+        let arena_floats = rpt
+            .checked_mul(chunk)
+            .and_then(|v| v.checked_mul(streams))
+            .and_then(|v| v.checked_add(chunk))
+            .ok_or(ovf)?;
+        let arena_bytes = arena_floats
+            .checked_mul(4)
+            .and_then(|b| round_up(b.max(WORKSPACE_ALIGN), WORKSPACE_ALIGN))
+            .ok_or(ovf)?;
+        t.arena_bytes = arena_bytes as u64;
+        t.arena_offset = 0;
+        let arenas = blocks.checked_mul(arena_bytes).ok_or(ovf)?;
+        t.partials_offset = arenas as u64;
+        let partial_bytes = if partials {
+            cols_padded
+                .checked_mul(4)
+                .and_then(|b| b.checked_mul(blocks))
+                .ok_or(ovf)?
+        } else {
+            0
+        };
+        let total = arenas
+            .checked_add(partial_bytes)
+            .and_then(|b| b.checked_add(WORKSPACE_ALIGN))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(ovf)?;
+        t.workspace_bytes = total as u64;
+        Ok(t)
+    }
+
+    /// The rows `[start, end)` of block `b`.
+    pub fn block_rows(&self, b: usize) -> (usize, usize) {
+        let rpb = self.rows_per_block as usize;
+        let start = (b * rpb).min(self.rows as usize);
+        let end = (start + rpb).min(self.rows as usize);
+        (start, end)
+    }
+}
+
+/// The aligned start of a workspace: the offset into `ws` at which the plan's
+/// offsets begin.
+pub(crate) fn align_offset(ptr: *const u8) -> usize {
+    (WORKSPACE_ALIGN - (ptr as usize) % WORKSPACE_ALIGN) % WORKSPACE_ALIGN
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_n_and_split_d() {
+        let cfg = UbConfig::default();
+        let t = NormTiling::new(1000, 4096, 1, false, &cfg).unwrap();
+        assert_eq!(t.split_d, 0);
+        assert_eq!(t.blocks, 63); // ceil(1000/64) = 16 rows per block -> 63 blocks
+        assert!(t.rows_per_tile >= 2);
+        assert!(t.arena_bytes as usize <= cfg.ub_bytes);
+        let t = NormTiling::new(4, 110_000, 3, true, &cfg).unwrap();
+        assert_eq!(t.split_d, 1);
+        assert_eq!(t.chunk_cols % 16, 0);
+        assert!(t.arena_bytes as usize <= cfg.ub_bytes);
+    }
+
+    #[test]
+    fn overflow_is_an_error() {
+        let cfg = UbConfig::default();
+        assert!(NormTiling::new(usize::MAX / 2, usize::MAX / 2, 1, true, &cfg).is_err());
+    }
+}

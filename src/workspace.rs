@@ -1,0 +1,144 @@
+//! The caller's workspace: checked against a plan's size, aligned inside, and
+//! carved into disjoint per-block f32 regions. The library never allocates.
+
+use core::ffi::c_void;
+
+use crate::error::{Error, Result};
+use crate::tiling::align_offset;
+
+/// A checked, aligned view of the caller's workspace (raw, so blocks running
+/// on different threads can each take their own disjoint region).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Workspace {
+    base: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: a Workspace only hands out regions through `region`, whose callers
+// guarantee disjointness between concurrent users.
+unsafe impl Send for Workspace {}
+// SAFETY: as above.
+unsafe impl Sync for Workspace {}
+
+impl Workspace {
+    /// Checks that `given` bytes at `ptr` hold a plan needing `needed` bytes
+    /// (alignment slack included); NULL is fine only when `needed == 0`.
+    pub fn new(ptr: *mut c_void, given: usize, needed: u64) -> Result<Workspace> {
+        let needed =
+            usize::try_from(needed).map_err(|_| Error::SizeOverflow { arg: "workspace" })?;
+        if given < needed {
+            return Err(Error::WorkspaceTooSmall { needed, given });
+        }
+        if needed == 0 {
+            return Ok(Workspace {
+                base: core::ptr::null_mut(),
+                bytes: 0,
+            });
+        }
+        if ptr.is_null() {
+            return Err(Error::NullPointer { arg: "workspace" });
+        }
+        let p = ptr as *mut u8;
+        if (p as usize).checked_add(given).is_none() {
+            return Err(Error::SizeOverflow { arg: "workspace" });
+        }
+        let off = align_offset(p);
+        Ok(Workspace {
+            // SAFETY: off < 64 and `needed` includes 64 bytes of slack, so the
+            // aligned base is inside the caller's buffer.
+            base: unsafe { p.add(off) },
+            bytes: given - off,
+        })
+    }
+
+    /// `floats` f32 at byte `offset` from the aligned base.
+    ///
+    /// # Safety
+    /// The range must lie within the plan's workspace and must not be used by
+    /// anyone else while the returned slice lives.
+    pub unsafe fn region<'a>(&self, offset: usize, floats: usize) -> &'a mut [f32] {
+        debug_assert!(offset + floats * 4 <= self.bytes);
+        debug_assert!(offset % 4 == 0);
+        if floats == 0 {
+            return &mut [];
+        }
+        // SAFETY: the caller guarantees bounds and exclusivity; the base is
+        // 64-aligned and offsets are multiples of 4.
+        unsafe { core::slice::from_raw_parts_mut(self.base.add(offset) as *mut f32, floats) }
+    }
+
+    /// Like `region`, for u32 scratch (counting sorts).
+    ///
+    /// # Safety
+    /// As for `region`.
+    #[allow(dead_code)]
+    pub unsafe fn region_u32<'a>(&self, offset: usize, len: usize) -> &'a mut [u32] {
+        debug_assert!(offset + len * 4 <= self.bytes);
+        if len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as in `region`.
+        unsafe { core::slice::from_raw_parts_mut(self.base.add(offset) as *mut u32, len) }
+    }
+}
+
+/// A read-only raw buffer of `T` shared by blocks (which read disjoint or
+/// read-only parts of it).
+#[derive(Debug)]
+pub(crate) struct Src<T>(pub *const T);
+/// A raw output buffer of `T`; blocks write disjoint rows of it.
+#[derive(Debug)]
+pub(crate) struct Dst<T>(pub *mut T);
+
+impl<T> Clone for Src<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Src<T> {}
+impl<T> Clone for Dst<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Dst<T> {}
+
+// SAFETY: Src/Dst are plain addresses; the kernels guarantee that concurrent
+// blocks touch disjoint rows, and validation guarantees bounds.
+unsafe impl<T> Send for Src<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Src<T> {}
+// SAFETY: as above.
+unsafe impl<T> Send for Dst<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Dst<T> {}
+
+impl<T> Src<T> {
+    /// `len` elements from `start`.
+    ///
+    /// # Safety
+    /// In bounds of the validated tensor, and not written while the slice lives.
+    #[inline(always)]
+    pub unsafe fn get<'a>(&self, start: usize, len: usize) -> &'a [T] {
+        if len == 0 {
+            return &[];
+        }
+        // SAFETY: guaranteed by the caller.
+        unsafe { core::slice::from_raw_parts(self.0.add(start), len) }
+    }
+}
+
+impl<T> Dst<T> {
+    /// `len` elements from `start`.
+    ///
+    /// # Safety
+    /// In bounds of the validated tensor, and no other live reference to the range.
+    #[inline(always)]
+    pub unsafe fn get<'a>(&self, start: usize, len: usize) -> &'a mut [T] {
+        if len == 0 {
+            return &mut [];
+        }
+        // SAFETY: guaranteed by the caller.
+        unsafe { core::slice::from_raw_parts_mut(self.0.add(start), len) }
+    }
+}
