@@ -128,7 +128,8 @@ impl Float for f16 {
         f16::from_f32(v)
     }
     fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
+        // half's own f64 -> f16 misrounds some near-ties; round to odd first.
+        f16::from_f32(f64_to_f32_odd(v))
     }
 }
 
@@ -142,8 +143,27 @@ impl Float for bf16 {
         bf16::from_bits(bf16_bits_rne(v.to_bits()))
     }
     fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
+        <bf16 as Float>::from_f32(f64_to_f32_odd(v))
     }
+}
+
+/// f64 to f32 with round-to-odd: truncate, then set the last bit if inexact.
+/// A second rounding of the result to any format of at most 22 bits of
+/// precision (f16, bf16) is then the correct rounding of `v`.
+pub(crate) fn f64_to_f32_odd(v: f64) -> f32 {
+    if v.is_nan() {
+        return v as f32;
+    }
+    let mut t = v as f32;
+    if (t as f64).abs() > v.abs() {
+        // Rounded away from zero: step back toward zero (also turns an
+        // overflowed Inf into f32::MAX, which then rounds on as it should).
+        t = f32::from_bits(t.to_bits() - 1);
+    }
+    if t as f64 != v {
+        t = f32::from_bits(t.to_bits() | 1);
+    }
+    t
 }
 
 /// f32 bits to bf16 bits, round to nearest even, NaN kept quiet and signed.
@@ -167,6 +187,28 @@ pub(crate) fn gamma_dtype_ok(x: DType, gamma: DType) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn f64_narrowing_is_correctly_rounded() {
+        // f32 addition of two f16/bf16 values followed by RNE is correctly
+        // rounded (24 >= 2 * 11 + 2), so it must agree with from_f64.
+        for a in (0..=0x7bffu16).step_by(7) {
+            for b in (0..=0xfbffu16).step_by(89) {
+                let (x, y) = (f16::from_bits(a), f16::from_bits(b));
+                let s32 = f16::from_f32(x.to_f32() + y.to_f32());
+                let s64 = <f16 as Float>::from_f64(x.to_f64() + y.to_f64());
+                assert_eq!(s32.to_bits(), s64.to_bits(), "{x} + {y}");
+                let (x, y) = (bf16::from_bits(a), bf16::from_bits(b));
+                let s32 = <bf16 as Float>::from_f32(x.to_f32() + y.to_f32());
+                let s64 = <bf16 as Float>::from_f64(x.to_f64() + y.to_f64());
+                assert_eq!(s32.to_bits(), s64.to_bits(), "{x} + {y}");
+            }
+        }
+        assert!(<f16 as Float>::from_f64(1e300).is_infinite());
+        assert!(<bf16 as Float>::from_f64(-1e300).is_infinite());
+        assert_eq!(<f16 as Float>::from_f64(65519.99).to_f32(), 65504.0);
+        assert!(<f16 as Float>::from_f64(65520.0).is_infinite());
+    }
 
     #[test]
     fn bf16_rounding_matches_half() {
