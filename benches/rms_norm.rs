@@ -1,1 +1,113 @@
-fn main() {}
+//! RmsNorm / AddRmsNorm / RmsNormGrad against a memcpy of the same bytes, in
+//! one criterion group per (operator, dtype, shape), single-threaded (serial
+//! runner, as the oneDNN comparison in design.md). The figure that matters is
+//! kernel time / copy time.
+//!
+//! Run: `cargo bench --bench rms_norm` (add `-- --quick` for a short run).
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use half::{bf16, f16};
+use npukern::lanes::LaneElem;
+use npukern::*;
+
+fn data<T: LaneElem>(n: usize, seed: u32) -> Vec<T> {
+    let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            T::from_f32((s % 2000) as f32 / 500.0 - 2.0)
+        })
+        .collect()
+}
+
+/// Copies `bytes` bytes (read + write = the kernel's traffic).
+fn copy_baseline(c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, bytes: usize) {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    c.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
+}
+
+fn forward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
+    let name = format!("rms_norm/{:?}/{m}x{n}", T::DTYPE);
+    let mut g = c.benchmark_group(&name);
+    let elem = core::mem::size_of::<T>();
+    let bytes = m * n * elem; // read x, write y: a copy of x's bytes
+    g.throughput(Throughput::Bytes(2 * bytes as u64));
+    copy_baseline(&mut g, bytes);
+    let x: Vec<T> = data(m * n, 1);
+    let gamma: Vec<T> = data(n, 2);
+    let (xt, gt) = (TensorRef::new(&x, &[m, n]).unwrap(), TensorRef::new(&gamma, &[n]).unwrap());
+    let exec = Exec::cpu();
+    let opts = RmsNormOptions::default();
+    let mut ws = vec![0u8; rms_norm_workspace_size(&exec, xt, gt, &opts).unwrap()];
+    let mut y = vec![T::from_f32(0.0); m * n];
+    let mut rstd = vec![0f32; m];
+    g.bench_function("rms_norm", |b| {
+        b.iter(|| rms_norm(&exec, xt, gt, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap())
+    });
+    // AddRmsNorm reads two inputs and writes two outputs: twice the copy.
+    let x2: Vec<T> = data(m * n, 3);
+    let x2t = TensorRef::new(&x2, &[m, n]).unwrap();
+    let mut s = vec![T::from_f32(0.0); m * n];
+    let mut ws2 = vec![0u8; add_rms_norm_workspace_size(&exec, xt, x2t, gt, &opts).unwrap()];
+    g.bench_function(BenchmarkId::new("add_rms_norm_per_2x", ""), |b| {
+        b.iter(|| add_rms_norm(&exec, xt, x2t, gt, &opts, &mut y, Some(&mut rstd), Some(&mut s), &mut ws2).unwrap())
+    });
+    g.finish();
+}
+
+fn backward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
+    let name = format!("rms_norm_grad/{:?}/{m}x{n}", T::DTYPE);
+    let mut g = c.benchmark_group(&name);
+    let elem = core::mem::size_of::<T>();
+    // read dy and x, write dx: the traffic of copying 1.5 tensors.
+    let bytes = m * n * elem * 3 / 2;
+    g.throughput(Throughput::Bytes(2 * bytes as u64));
+    copy_baseline(&mut g, bytes);
+    let x: Vec<T> = data(m * n, 1);
+    let dy: Vec<T> = data(m * n, 4);
+    let gamma: Vec<T> = data(n, 2);
+    let rstd = vec![0.7f32; m];
+    let (xt, dyt, gt) = (
+        TensorRef::new(&x, &[m, n]).unwrap(),
+        TensorRef::new(&dy, &[m, n]).unwrap(),
+        TensorRef::new(&gamma, &[n]).unwrap(),
+    );
+    let rt = TensorRef::new(&rstd, &[m]).unwrap();
+    let exec = Exec::cpu();
+    let opts = RmsNormGradOptions::default();
+    let mut ws = vec![0u8; rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, &opts).unwrap()];
+    let mut dx = vec![T::from_f32(0.0); m * n];
+    let mut dg = vec![0f32; n];
+    g.bench_function("rms_norm_grad", |b| {
+        b.iter(|| {
+            let out = RmsNormGradOutputs { dx: &mut dx, dgamma: Some(&mut dg), dgamma_cast: None };
+            rms_norm_grad(&exec, dyt, xt, &rstd, gt, None, &opts, out, &mut ws).unwrap()
+        })
+    });
+    g.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    // A seed shape (x [512, 4, 4096] has 2048 rows of 4096) at a size that
+    // exceeds the caches, and a long-row (split-D) shape.
+    for &(m, n) in &[(2048usize, 4096usize), (64, 110_000)] {
+        forward::<f32>(c, m, n);
+        forward::<bf16>(c, m, n);
+        forward::<f16>(c, m, n);
+        backward::<f32>(c, m, n);
+        backward::<bf16>(c, m, n);
+        backward::<f16>(c, m, n);
+    }
+}
+
+criterion_group! {
+    name = group;
+    config = Criterion::default().sample_size(20).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
+    targets = benches
+}
+criterion_main!(group);

@@ -2,10 +2,9 @@
 //! elsewhere): two 8-lane vectors make the 16 logical lanes.
 
 use half::{bf16, f16};
-use wide::{f32x8, u32x8};
+use wide::{f32x8, i16x8, i32x8, u16x8, CmpGt};
 
 use super::{Isa, Lanes, GROUP};
-use crate::dtype::bf16_bits_rne;
 
 /// Lanes 0..8 in `.0`, lanes 8..16 in `.1`.
 #[derive(Clone, Copy, Debug)]
@@ -16,6 +15,29 @@ fn half8(a: &[f32; GROUP], hi: bool) -> f32x8 {
     let (l, h) = a.split_at(8);
     let s = if hi { h } else { l };
     f32x8::from(s)
+}
+
+/// Eight bf16 bit patterns to f32: zero-extend and shift into the high half.
+#[inline(always)]
+fn widen8(bits: &[u16]) -> f32x8 {
+    let v = i32x8::from_u16x8(u16x8::from(bits));
+    bytemuck::cast(v << 16u32)
+}
+
+/// Eight f32 to bf16 bits, exactly `dtype::bf16_bits_rne` lane-wise: round to
+/// nearest even by adding 0x7fff plus the kept lsb; NaN keeps its sign and
+/// becomes quiet.
+#[inline(always)]
+fn narrow8(v: f32x8) -> [u16; 8] {
+    let x: i32x8 = bytemuck::cast(v);
+    let abs = x & i32x8::splat(0x7fff_ffff);
+    let nan = abs.simd_gt(i32x8::splat(0x7f80_0000));
+    let rounded = (x + i32x8::splat(0x7fff) + ((x >> 16u32) & i32x8::splat(1))) >> 16u32;
+    let quiet = (x >> 16u32) | i32x8::splat(0x0040);
+    let r = (nan & quiet) | (!nan & rounded);
+    // Only the low 16 bits of each lane matter; the arithmetic shifts above
+    // leave them equal to the logical ones.
+    bytemuck::cast(i16x8::from_i32x8_truncate(r))
 }
 
 impl Lanes for Portable {
@@ -38,23 +60,15 @@ impl Lanes for Portable {
     #[inline(always)]
     fn load_bf16(src: &[bf16; GROUP]) -> Self {
         let bits: &[u16; GROUP] = bytemuck::cast_ref(src);
-        let mut w = [0u32; GROUP];
-        for (o, &b) in w.iter_mut().zip(bits.iter()) {
-            *o = (b as u32) << 16;
-        }
-        let (l, h) = w.split_at(8);
-        let l: f32x8 = bytemuck::cast(u32x8::from(l));
-        let h: f32x8 = bytemuck::cast(u32x8::from(h));
-        Portable(l, h)
+        let (l, h) = bits.split_at(8);
+        Portable(widen8(l), widen8(h))
     }
     #[inline(always)]
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
-        let mut a = [0f32; GROUP];
-        self.store(&mut a);
         let out: &mut [u16; GROUP] = bytemuck::cast_mut(dst);
-        for (o, v) in out.iter_mut().zip(a.iter()) {
-            *o = bf16_bits_rne(v.to_bits());
-        }
+        let (l, h) = out.split_at_mut(8);
+        l.copy_from_slice(&narrow8(self.0));
+        h.copy_from_slice(&narrow8(self.1));
     }
     #[inline(always)]
     fn load_f16(src: &[f16; GROUP]) -> Self {
