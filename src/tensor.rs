@@ -211,7 +211,7 @@ impl RawTensor {
         if numel > 0 && (self.data as usize).checked_add(bytes).is_none() {
             return Err(Error::SizeOverflow { arg });
         }
-        if numel > 0 && (self.data as usize) % self.dtype.size_bytes() != 0 {
+        if numel > 0 && !(self.data as usize).is_multiple_of(self.dtype.size_bytes()) {
             return Err(invalid(arg, "data is not aligned to its element size"));
         }
         Ok(Checked {

@@ -58,7 +58,7 @@ impl Workspace {
     /// anyone else while the returned slice lives.
     pub unsafe fn region<'a>(&self, offset: usize, floats: usize) -> &'a mut [f32] {
         debug_assert!(offset + floats * 4 <= self.bytes);
-        debug_assert!(offset % 4 == 0);
+        debug_assert!(offset.is_multiple_of(4));
         if floats == 0 {
             return &mut [];
         }

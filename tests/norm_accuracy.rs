@@ -42,7 +42,6 @@ fn forward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
     let cpu = Exec::cpu();
     let refx = reference();
     for &n in &LENGTHS {
-        let m = rows_for(n);
         for (oi, &(off, rounding)) in [
             (0.0f32, Rounding::Fused),
             (1.0, Rounding::Fused),
@@ -52,6 +51,8 @@ fn forward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
         .iter()
         .enumerate()
         {
+            // One row, and many.
+            let m = if oi == 3 { 1 } else { rows_for(n) };
             let x: Vec<T> = vec_of(m * n, || rng.mag());
             let x2: Vec<T> = vec_of(m * n, || rng.mag());
             let g: Vec<G> = if off == 0.0 {
@@ -82,11 +83,26 @@ fn forward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
             s.forward(&got.y, &want.y);
             s.rstd(&got.rstd, &want.rstd);
             // x_sum is exact: bit-identical to the correctly rounded sum.
-            assert_same_bits(&got.x_sum, &want.x_sum, &format!("x_sum {:?} n={n}", T::DTYPE));
+            assert_same_bits(
+                &got.x_sum,
+                &want.x_sum,
+                &format!("x_sum {:?} n={n}", T::DTYPE),
+            );
             let ulp_bar = if rounding == Rounding::Fused { 1 } else { 2 };
-            assert!(s.y_ulps <= ulp_bar, "{:?}/{:?} n={n} {rounding:?}: y {} ulps", T::DTYPE, G::DTYPE, s.y_ulps);
+            assert!(
+                s.y_ulps <= ulp_bar,
+                "{:?}/{:?} n={n} {rounding:?}: y {} ulps",
+                T::DTYPE,
+                G::DTYPE,
+                s.y_ulps
+            );
             assert!(s.y_rel <= 2e-6, "{:?} n={n}: y rel {:e}", T::DTYPE, s.y_rel);
-            assert!(s.rstd_rel <= 1e-6, "{:?} n={n}: rstd rel {:e}", T::DTYPE, s.rstd_rel);
+            assert!(
+                s.rstd_rel <= 1e-6,
+                "{:?} n={n}: rstd rel {:e}",
+                T::DTYPE,
+                s.rstd_rel
+            );
             total.merge(&s);
         }
     }
@@ -100,12 +116,16 @@ fn backward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
     let cpu = Exec::cpu();
     let refx = reference();
     for &n in &LENGTHS {
-        let m = rows_for(n);
-        for (oi, &(off, with_dres, accumulate)) in
-            [(0.0f32, false, false), (1.0, true, false), (0.0, true, true), (1.0, false, true)]
-                .iter()
-                .enumerate()
+        for (oi, &(off, with_dres, accumulate)) in [
+            (0.0f32, false, false),
+            (1.0, true, false),
+            (0.0, true, true),
+            (1.0, false, true),
+        ]
+        .iter()
+        .enumerate()
         {
+            let m = if oi == 3 { 1 } else { rows_for(n) };
             let x: Vec<T> = vec_of(m * n, || rng.mag());
             let dy: Vec<T> = vec_of(m * n, || rng.mag());
             let dres: Vec<T> = vec_of(m * n, || rng.mag());
@@ -124,15 +144,46 @@ fn backward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
             );
             let opts = RmsNormGradOptions {
                 gamma_offset: off,
-                dgamma_mode: if accumulate { DgammaMode::Accumulate } else { DgammaMode::Overwrite },
+                dgamma_mode: if accumulate {
+                    DgammaMode::Accumulate
+                } else {
+                    DgammaMode::Overwrite
+                },
             };
             let init: Vec<f32> = (0..n).map(|_| rng.mag() as f32).collect();
             let ub = ubs()[oi % 2];
             let dres = with_dres.then_some(&dres[..]);
-            let got = run_grad(&cpu.with_ub(ub), &dy, &x, &xs, &fwd.rstd, &g, &gs, dres, &opts, Some(init.clone()));
-            let want = run_grad(&refx, &dy, &x, &xs, &fwd.rstd, &g, &gs, dres, &opts, Some(init.clone()));
+            let got = run_grad(
+                &cpu.with_ub(ub),
+                &dy,
+                &x,
+                &xs,
+                &fwd.rstd,
+                &g,
+                &gs,
+                dres,
+                &opts,
+                Some(init.clone()),
+            );
+            let want = run_grad(
+                &refx,
+                &dy,
+                &x,
+                &xs,
+                &fwd.rstd,
+                &g,
+                &gs,
+                dres,
+                &opts,
+                Some(init.clone()),
+            );
             let mut s = Stats::default();
-            s.dx(&got.dx, &want.dx, n, &dx_scale(&dy, &g, off, &fwd.rstd, dres, n));
+            s.dx(
+                &got.dx,
+                &want.dx,
+                n,
+                &dx_scale(&dy, &g, off, &fwd.rstd, dres, n),
+            );
             let mut cond = dgamma_condition(&dy, &x, &fwd.rstd, n);
             if accumulate {
                 for (c, i) in cond.iter_mut().zip(&init) {
@@ -144,12 +195,26 @@ fn backward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
             for (c, f) in got.dgamma_cast.iter().zip(&got.dgamma) {
                 assert_eq!(c.to_f32().to_bits(), G::from_f32(*f).to_f32().to_bits());
             }
-            assert!(s.dx_score <= 1.0, "{:?} n={n}: dx score {}", T::DTYPE, s.dx_score);
-            assert!(s.dgamma_cond_rel <= 1e-5, "{:?} n={n}: dgamma {:e}", T::DTYPE, s.dgamma_cond_rel);
+            assert!(
+                s.dx_score <= 1.0,
+                "{:?} n={n}: dx score {}",
+                T::DTYPE,
+                s.dx_score
+            );
+            assert!(
+                s.dgamma_cond_rel <= 1e-5,
+                "{:?} n={n}: dgamma {:e}",
+                T::DTYPE,
+                s.dgamma_cond_rel
+            );
             total.merge(&s);
         }
     }
-    println!("backward {:?} x / {:?} gamma: {total:?}", T::DTYPE, G::DTYPE);
+    println!(
+        "backward {:?} x / {:?} gamma: {total:?}",
+        T::DTYPE,
+        G::DTYPE
+    );
     total
 }
 

@@ -233,3 +233,60 @@ pub fn sqrt_f64(x: f64) -> f64 {
 pub fn rstd_f32(sum_sq: f32, n: usize, eps: f32) -> f32 {
     1.0 / sqrt_f32(sum_sq / n as f32 + eps)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Float;
+
+    fn bits_stream(mut s: u32, n: usize) -> impl Iterator<Item = u32> {
+        (0..n).map(move |_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        })
+    }
+
+    /// The SIMD conversions equal the scalar definitions on every pattern
+    /// class (normals, subnormals, Inf, NaN with payloads, ties).
+    #[test]
+    fn portable_conversions_match_scalar() {
+        let specials = [0x7f80_0000u32, 0xff80_0000, 0x7fc0_0001, 0xffff_ffff, 0x7f7f_ffff, 0x3f80_8000, 0x3f81_8000, 0x0000_0001, 0x8000_0000];
+        let all: [u32; 4096] = core::array::from_fn(|i| {
+            if i < specials.len() { specials[i] } else { bits_stream(i as u32 * 7919 + 1, 1).next().unwrap_or(0) }
+        });
+        for chunk in all.chunks_exact(GROUP) {
+            let a: [f32; GROUP] = core::array::from_fn(|i| f32::from_bits(chunk[i]));
+            let v = Portable::load(&a);
+            let mut b = [bf16::ZERO; GROUP];
+            v.store_bf16(&mut b);
+            let mut h = [f16::ZERO; GROUP];
+            v.store_f16(&mut h);
+            for i in 0..GROUP {
+                assert_eq!(b[i].to_bits(), <bf16 as Float>::from_f32(a[i]).to_bits(), "{:#x}", chunk[i]);
+                assert_eq!(h[i].to_bits(), f16::from_f32(a[i]).to_bits(), "{:#x}", chunk[i]);
+            }
+            let w = Portable::load_bf16(&b);
+            let mut back = [0f32; GROUP];
+            w.store(&mut back);
+            for i in 0..GROUP {
+                assert_eq!(back[i].to_bits(), (b[i].to_bits() as u32) << 16);
+            }
+        }
+    }
+
+    #[test]
+    fn row_sum_is_order_fixed_and_accurate() {
+        // 110000 elements: the pairwise segment tree keeps the sum close.
+        let n = 110_000;
+        let xs: [f32; 16] = core::array::from_fn(|i| 1.0 + i as f32 * 1e-3);
+        let mut s = RowSum::<Portable>::new();
+        for _ in 0..n / GROUP {
+            s.push(Portable::load(&xs));
+        }
+        let got = s.finish() as f64;
+        let want = (n / GROUP) as f64 * xs.iter().map(|v| *v as f64).sum::<f64>();
+        assert!(((got - want) / want).abs() < 1e-6, "{got} vs {want}");
+    }
+}

@@ -5,13 +5,13 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    load_group, norm_dims, round_to, rstd_check, same_shape, RmsNormOptions, Rounding,
+    load_group, norm_dims, round_to, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding,
 };
 use super::norm_fwd::{forward_block, FwdCtx, FwdSource};
 use super::{dispatch_isa, dispatch_xg, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{invalid, Error, Result};
-use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, LaneElem, Lanes, GROUP};
+use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
@@ -71,6 +71,7 @@ pub(crate) fn plan(
 }
 
 /// Validates everything and builds the call.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare(
     x1: &RawTensor,
     x2: &RawTensor,
@@ -257,11 +258,18 @@ struct AddSource<T> {
 
 impl<T: LaneElem> FwdSource<T> for AddSource<T> {
     #[inline(always)]
-    fn copy_in<L: Lanes>(&self, off: usize, len: usize, dst: &mut [f32], first: bool) {
+    fn copy_in<L: Lanes>(
+        &self,
+        off: usize,
+        len: usize,
+        dst: &mut [f32],
+        first: bool,
+        mut sum: Option<&mut RowSum<L>>,
+    ) {
         if let (false, Some(xs)) = (first, &self.x_sum) {
             // Split-D's second pass re-reads the sum it wrote (x1 may be gone).
             // SAFETY: written by this block's first pass; in bounds.
-            widen_into::<L, T>(unsafe { Src(xs.0 as *const T).get(off, len) }, dst);
+            widen_sum_sq::<L, T>(unsafe { Src(xs.0 as *const T).get(off, len) }, dst, sum);
             return;
         }
         // SAFETY: x1 is read before this range of x_sum (possibly x1 itself) is written.
@@ -270,7 +278,11 @@ impl<T: LaneElem> FwdSource<T> for AddSource<T> {
         let x2 = unsafe { self.x2.get(off, len) };
         let (groups, _) = dst.as_chunks_mut::<GROUP>();
         for (gi, g) in groups.iter_mut().enumerate() {
-            round_to::<L, T>(L::load(g).add(load_group::<L, T>(x2, gi))).store(g);
+            let v = round_to::<L, T>(L::load(g).add(load_group::<L, T>(x2, gi)));
+            v.store(g);
+            if let Some(s) = sum.as_deref_mut() {
+                s.push(v.mul(v));
+            }
         }
         if let Some(xs) = &self.x_sum {
             // SAFETY: this row range belongs to the calling block; x1's range was consumed above.
@@ -322,16 +334,16 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &AddRmsNormCall, runner:
 /// As for `cpu`.
 pub(crate) unsafe fn reference(call: &AddRmsNormCall) {
     // SAFETY: forwarded.
-    unsafe { dispatch_xg!(call.x1.dtype, call.gamma.dtype, reference_t::<()>(call)) }
+    unsafe { dispatch_xg!(call.x1.dtype, call.gamma.dtype, reference_t(call)) }
 }
 
-unsafe fn reference_t<U, T: Float, G: Float>(call: &AddRmsNormCall) {
+unsafe fn reference_t<T: Float, G: Float>(call: &AddRmsNormCall) {
     let (m, n) = (call.tiling.rows as usize, call.tiling.cols as usize);
     let (x1, x2) = (call.x1.data as *const T, call.x2.data as *const T);
     let g = call.gamma.data as *const G;
     let off = call.gamma_offset as f64;
     // Raw element reads/writes: x_sum may alias x1, so no slices are formed.
-    // SAFETY (all below): indices < m*n (or n for gamma), validated lengths.
+    // SAFETY: i < m*n, inside x1 and x2 (validated lengths).
     let sum = |i: usize| unsafe {
         T::from_f64(x1.add(i).read().to_f64() + x2.add(i).read().to_f64()).to_f64()
     };

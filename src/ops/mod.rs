@@ -3,6 +3,8 @@
 //! same validation, so both see the same errors.
 
 pub mod add_rms_norm;
+pub mod embedding_dense_grad;
+pub mod grad_stats;
 pub mod norm;
 mod norm_fwd;
 pub mod rms_norm;
@@ -70,6 +72,17 @@ macro_rules! dispatch_xg {
             (DType::BF16, DType::BF16) => $f::<$L, bf16, bf16>($($a),*),
             (DType::BF16, _) => $f::<$L, bf16, f32>($($a),*),
             _ => $f::<$L, f32, f32>($($a),*),
+        }
+    }};
+    ($xd:expr, $gd:expr, $f:ident ($($a:expr),*)) => {{
+        use half::{bf16, f16};
+        use $crate::dtype::DType;
+        match ($xd, $gd) {
+            (DType::F16, DType::F16) => $f::<f16, f16>($($a),*),
+            (DType::F16, _) => $f::<f16, f32>($($a),*),
+            (DType::BF16, DType::BF16) => $f::<bf16, bf16>($($a),*),
+            (DType::BF16, _) => $f::<bf16, f32>($($a),*),
+            _ => $f::<f32, f32>($($a),*),
         }
     }};
 }

@@ -3,7 +3,7 @@
 
 use crate::dtype::{gamma_dtype_ok, DType};
 use crate::error::{invalid, Error, Result};
-use crate::lanes::{LaneElem, Lanes, GROUP};
+use crate::lanes::{LaneElem, Lanes, RowSum, GROUP};
 use crate::tensor::{Checked, RawTensor};
 
 /// How the forward output is rounded. Values are the C ABI's `npk_rounding`.
@@ -44,7 +44,7 @@ impl RmsNormOptions {
     /// eps as the f32 the kernels add (it must be finite and >= 0 as an f32 too).
     pub(crate) fn eps_f32(&self) -> Result<f32> {
         let e = self.eps as f32;
-        if !(self.eps >= 0.0) || !self.eps.is_finite() || !e.is_finite() {
+        if self.eps.is_nan() || self.eps < 0.0 || !self.eps.is_finite() || !e.is_finite() {
             return Err(invalid("eps", "must be finite and >= 0"));
         }
         if !self.gamma_offset.is_finite() {
@@ -185,5 +185,34 @@ pub(crate) fn arena_group<L: Lanes>(row: &[f32], i: usize) -> L {
     match g.get(i) {
         Some(a) => L::load(a),
         None => L::splat(0.0),
+    }
+}
+
+/// CopyIn with the optional fused reduction: widens `src` into `dst` (zero
+/// padded to a multiple of 16) and pushes each group's squares into `sum`.
+#[inline(always)]
+pub(crate) fn widen_sum_sq<L: Lanes, T: LaneElem>(
+    src: &[T],
+    dst: &mut [f32],
+    sum: Option<&mut RowSum<L>>,
+) {
+    match sum {
+        None => crate::lanes::widen_into::<L, T>(src, dst),
+        Some(s) => {
+            let (sg, st) = src.as_chunks::<GROUP>();
+            let (dg, _) = dst.as_chunks_mut::<GROUP>();
+            for (v, d) in sg.iter().zip(dg.iter_mut()) {
+                let v = T::load::<L>(v);
+                v.store(d);
+                s.push(v.mul(v));
+            }
+            if !st.is_empty() {
+                let v = load_group::<L, T>(src, sg.len());
+                if let Some(d) = dg.get_mut(sg.len()) {
+                    v.store(d);
+                }
+                s.push(v.mul(v));
+            }
+        }
     }
 }

@@ -5,14 +5,28 @@
 use super::norm::{arena_group, load_gamma, round_to, store_groups};
 use crate::lanes::{rstd_f32, LaneElem, Lanes, RowSum, GROUP};
 use crate::tiling::NormTiling;
+
+/// Rows of one merge-N tile whose rstd the kernel keeps on its stack; the
+/// plan may give more, the kernel then takes the tile in several passes
+/// (per-row results do not depend on it).
+const MAX_TILE_ROWS: usize = 256;
 use crate::workspace::{Dst, Src, Workspace};
 
 /// Produces the f32 row values the norm runs on.
 pub(crate) trait FwdSource<T>: Sync {
     /// Writes elements `off..off + len` (flat, within one row) as f32 into
-    /// `dst[..len]`, zero-padding `dst` to its length (a multiple of 16).
-    /// `first` is false only for split-D's second pass over a row.
-    fn copy_in<L: Lanes>(&self, off: usize, len: usize, dst: &mut [f32], first: bool);
+    /// `dst[..len]`, zero-padding `dst` to its length (a multiple of 16), and
+    /// pushes each group's squares into `sum` when given (CopyIn and the
+    /// reduction share one pass over the data). `first` is false only for
+    /// split-D's second pass over a row.
+    fn copy_in<L: Lanes>(
+        &self,
+        off: usize,
+        len: usize,
+        dst: &mut [f32],
+        first: bool,
+        sum: Option<&mut RowSum<L>>,
+    );
 }
 
 pub(crate) struct FwdCtx<T, G, S> {
@@ -37,12 +51,22 @@ fn y_of<L: Lanes, T: LaneElem>(v: L, rs: L, g: L, cast_before: bool) -> L {
     h.mul(g)
 }
 
+/// y for one row (or chunk): `x` and `g` are f32 arena groups, `dst` the
+/// output; the last partial group goes through a temporary.
 #[inline(always)]
-fn sum_sq<L: Lanes>(s: &mut RowSum<L>, row: &[f32]) {
-    let (groups, _) = row.as_chunks::<GROUP>();
-    for g in groups {
-        let v = L::load(g);
-        s.push(v.mul(v));
+fn write_y<L: Lanes, T: LaneElem>(x: &[f32], g: &[f32], rs: f32, cast_before: bool, dst: &mut [T]) {
+    let vr = L::splat(rs);
+    let (xg, _) = x.as_chunks::<GROUP>();
+    let (gg, _) = g.as_chunks::<GROUP>();
+    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
+    for ((d, xv), gv) in dg.iter_mut().zip(xg).zip(gg) {
+        T::store(y_of::<L, T>(L::load(xv), vr, L::load(gv), cast_before), d);
+    }
+    if !dt.is_empty() {
+        let i = dg.len();
+        store_groups::<L, T>(dt, |_| {
+            y_of::<L, T>(arena_group(x, i), vr, arena_group(g, i), cast_before)
+        });
     }
 }
 
@@ -79,28 +103,27 @@ pub(crate) fn forward_block<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>
         let gbuf = &*gbuf;
         let mut r = r0;
         while r < r1 {
-            let rows = rpt.min(r1 - r);
-            for i in 0..rows {
-                c.src
-                    .copy_in::<L>((r + i) * n, n, &mut tile[i * chunk..(i + 1) * chunk], true);
-            }
-            for i in 0..rows {
-                let row = &tile[i * chunk..(i + 1) * chunk];
+            let rows = rpt.min(r1 - r).min(MAX_TILE_ROWS);
+            // CopyIn (with each row's sum of squares) for the whole tile...
+            let mut rstds = [0f32; MAX_TILE_ROWS];
+            for (i, rs) in rstds.iter_mut().enumerate().take(rows) {
                 let mut s = RowSum::<L>::new();
-                sum_sq(&mut s, row);
-                let rs = rstd_f32(s.finish(), n, c.eps);
+                let dst = &mut tile[i * chunk..(i + 1) * chunk];
+                c.src.copy_in::<L>((r + i) * n, n, dst, true, Some(&mut s));
+                *rs = rstd_f32(s.finish(), n, c.eps);
+            }
+            // ...then Compute + CopyOut.
+            for (i, &rs) in rstds.iter().enumerate().take(rows) {
                 write_rstd(r + i, rs);
-                let vr = L::splat(rs);
                 // SAFETY: row r+i of y belongs to this block alone.
                 let dst = unsafe { c.y.get((r + i) * n, n) };
-                store_groups::<L, T>(dst, |gi| {
-                    y_of::<L, T>(
-                        arena_group(row, gi),
-                        vr,
-                        arena_group(gbuf, gi),
-                        c.cast_before,
-                    )
-                });
+                write_y::<L, T>(
+                    &tile[i * chunk..(i + 1) * chunk],
+                    gbuf,
+                    rs,
+                    c.cast_before,
+                    dst,
+                );
             }
             r += rows;
         }
@@ -113,13 +136,11 @@ pub(crate) fn forward_block<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>
             while k < n {
                 let len = chunk.min(n - k);
                 let xt = &mut tile[..len.div_ceil(GROUP) * GROUP];
-                c.src.copy_in::<L>(r * n + k, len, xt, true);
-                sum_sq(&mut s, xt);
+                c.src.copy_in::<L>(r * n + k, len, xt, true, Some(&mut s));
                 k += len;
             }
             let rs = rstd_f32(s.finish(), n, c.eps);
             write_rstd(r, rs);
-            let vr = L::splat(rs);
             // Pass 2: normalize and store.
             let mut k = 0;
             while k < n {
@@ -128,13 +149,10 @@ pub(crate) fn forward_block<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>
                 // SAFETY: columns k..k+len of gamma.
                 load_gamma::<L, G>(unsafe { c.gamma.get(k, len) }, &mut gbuf[..padded], c.off);
                 let xt = &mut tile[..padded];
-                c.src.copy_in::<L>(r * n + k, len, xt, false);
+                c.src.copy_in::<L>(r * n + k, len, xt, false, None);
                 // SAFETY: this chunk of y's row r belongs to this block alone.
                 let dst = unsafe { c.y.get(r * n + k, len) };
-                let (xt, gb) = (&*xt, &*gbuf);
-                store_groups::<L, T>(dst, |gi| {
-                    y_of::<L, T>(arena_group(xt, gi), vr, arena_group(gb, gi), c.cast_before)
-                });
+                write_y::<L, T>(xt, &gbuf[..padded], rs, c.cast_before, dst);
                 k += len;
             }
         }

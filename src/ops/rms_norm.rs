@@ -2,12 +2,12 @@
 
 use core::ffi::c_void;
 
-use super::norm::{norm_dims, rstd_check, same_shape, RmsNormOptions, Rounding};
+use super::norm::{norm_dims, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding};
 use super::norm_fwd::{forward_block, FwdCtx, FwdSource};
 use super::{dispatch_isa, dispatch_xg, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{invalid, Error, Result};
-use crate::lanes::{sqrt_f64, widen_into, Isa, LaneElem, Lanes};
+use crate::lanes::{sqrt_f64, Isa, LaneElem, Lanes, RowSum};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
@@ -150,9 +150,16 @@ struct XSource<T>(Src<T>);
 
 impl<T: LaneElem> FwdSource<T> for XSource<T> {
     #[inline(always)]
-    fn copy_in<L: Lanes>(&self, off: usize, len: usize, dst: &mut [f32], _first: bool) {
+    fn copy_in<L: Lanes>(
+        &self,
+        off: usize,
+        len: usize,
+        dst: &mut [f32],
+        _first: bool,
+        sum: Option<&mut RowSum<L>>,
+    ) {
         // SAFETY: the kernel asks only for ranges inside x; x is never written.
-        widen_into::<L, T>(unsafe { self.0.get(off, len) }, dst);
+        widen_sum_sq::<L, T>(unsafe { self.0.get(off, len) }, dst, sum);
     }
 }
 
@@ -195,10 +202,10 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormCall, runner: &d
 /// As for `cpu`.
 pub(crate) unsafe fn reference(call: &RmsNormCall) {
     // SAFETY: forwarded.
-    unsafe { dispatch_xg!(call.x.dtype, call.gamma.dtype, reference_t::<()>(call)) }
+    unsafe { dispatch_xg!(call.x.dtype, call.gamma.dtype, reference_t(call)) }
 }
 
-unsafe fn reference_t<U, T: Float, G: Float>(call: &RmsNormCall) {
+unsafe fn reference_t<T: Float, G: Float>(call: &RmsNormCall) {
     let (m, n) = (call.tiling.rows as usize, call.tiling.cols as usize);
     // SAFETY: validated lengths; the reference runs alone on one thread.
     let (x, g) = unsafe {

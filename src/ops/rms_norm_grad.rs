@@ -600,16 +600,16 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
 /// As for `cpu`.
 pub(crate) unsafe fn reference(call: &RmsNormGradCall) {
     // SAFETY: forwarded.
-    unsafe { dispatch_xg!(call.x.dtype, call.gamma.dtype, reference_t::<()>(call)) }
+    unsafe { dispatch_xg!(call.x.dtype, call.gamma.dtype, reference_t(call)) }
 }
 
-unsafe fn reference_t<U, T: Float, G: Float>(call: &RmsNormGradCall) {
+unsafe fn reference_t<T: Float, G: Float>(call: &RmsNormGradCall) {
     let (m, n) = (call.tiling.rows as usize, call.tiling.cols as usize);
     let (dy, x) = (call.dy.data as *const T, call.x.data as *const T);
     let rstd = call.rstd.data as *const f32;
     let g = call.gamma.data as *const G;
     let off = call.gamma_offset as f64;
-    // SAFETY (all reads and writes below): indices within the validated
+    // SAFETY: all reads and writes below use indices within the validated
     // lengths; raw accesses because dx may alias dy.
     unsafe {
         if call.has_dgamma != 0 || call.has_dgamma_cast != 0 {
