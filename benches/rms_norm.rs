@@ -25,10 +25,15 @@ fn data<T: LaneElem>(n: usize, seed: u32) -> Vec<T> {
 }
 
 /// Copies `bytes` bytes (read + write = the kernel's traffic).
-fn copy_baseline(c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, bytes: usize) {
+fn copy_baseline(
+    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    bytes: usize,
+) {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
-    c.bench_function("memcpy", |b| b.iter(|| dst.copy_from_slice(black_box(&src))));
+    c.bench_function("memcpy", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
 }
 
 fn forward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
@@ -40,7 +45,10 @@ fn forward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
     copy_baseline(&mut g, bytes);
     let x: Vec<T> = data(m * n, 1);
     let gamma: Vec<T> = data(n, 2);
-    let (xt, gt) = (TensorRef::new(&x, &[m, n]).unwrap(), TensorRef::new(&gamma, &[n]).unwrap());
+    let (xt, gt) = (
+        TensorRef::new(&x, &[m, n]).unwrap(),
+        TensorRef::new(&gamma, &[n]).unwrap(),
+    );
     let exec = Exec::cpu();
     let opts = RmsNormOptions::default();
     let mut ws = vec![0u8; rms_norm_workspace_size(&exec, xt, gt, &opts).unwrap()];
@@ -55,7 +63,20 @@ fn forward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
     let mut s = vec![T::from_f32(0.0); m * n];
     let mut ws2 = vec![0u8; add_rms_norm_workspace_size(&exec, xt, x2t, gt, &opts).unwrap()];
     g.bench_function(BenchmarkId::new("add_rms_norm_per_2x", ""), |b| {
-        b.iter(|| add_rms_norm(&exec, xt, x2t, gt, &opts, &mut y, Some(&mut rstd), Some(&mut s), &mut ws2).unwrap())
+        b.iter(|| {
+            add_rms_norm(
+                &exec,
+                xt,
+                x2t,
+                gt,
+                &opts,
+                &mut y,
+                Some(&mut rstd),
+                Some(&mut s),
+                &mut ws2,
+            )
+            .unwrap()
+        })
     });
     g.finish();
 }
@@ -85,7 +106,11 @@ fn backward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
     let mut dg = vec![0f32; n];
     g.bench_function("rms_norm_grad", |b| {
         b.iter(|| {
-            let out = RmsNormGradOutputs { dx: &mut dx, dgamma: Some(&mut dg), dgamma_cast: None };
+            let out = RmsNormGradOutputs {
+                dx: &mut dx,
+                dgamma: Some(&mut dg),
+                dgamma_cast: None,
+            };
             rms_norm_grad(&exec, dyt, xt, &rstd, gt, None, &opts, out, &mut ws).unwrap()
         })
     });

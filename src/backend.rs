@@ -7,6 +7,7 @@
 use crate::error::Result;
 use crate::lanes::{detect, Isa};
 use crate::ops::add_rms_norm::AddRmsNormCall;
+use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
 use crate::ops::rms_norm::RmsNormCall;
 use crate::ops::rms_norm_grad::RmsNormGradCall;
 use crate::runner::{Runner, Serial};
@@ -35,6 +36,11 @@ pub unsafe trait Backend: Sync {
     /// # Safety
     /// `call` comes from the front end (see the trait).
     unsafe fn rms_norm_grad(&self, call: &RmsNormGradCall) -> Result<()>;
+    /// EmbeddingDenseGrad.
+    ///
+    /// # Safety
+    /// `call` comes from the front end (see the trait).
+    unsafe fn embedding_dense_grad(&self, call: &EmbeddingDenseGradCall) -> Result<()>;
 }
 
 /// The CPU backend: runs the tiling plan's blocks on `runner`, with the ISA
@@ -91,6 +97,12 @@ unsafe impl<R: Runner> Backend for Cpu<R> {
         unsafe { crate::ops::rms_norm_grad::cpu(call, isa, &self.runner) };
         Ok(())
     }
+    unsafe fn embedding_dense_grad(&self, call: &EmbeddingDenseGradCall) -> Result<()> {
+        let isa = self.isa()?;
+        // SAFETY: forwarded from the trait's contract.
+        unsafe { crate::ops::embedding_dense_grad::cpu(call, isa, &self.runner) };
+        Ok(())
+    }
 }
 
 /// The scalar f64 golden model: exact math, one rounding to each output's
@@ -113,6 +125,11 @@ unsafe impl Backend for Reference {
     unsafe fn rms_norm_grad(&self, call: &RmsNormGradCall) -> Result<()> {
         // SAFETY: forwarded from the trait's contract.
         unsafe { crate::ops::rms_norm_grad::reference(call) };
+        Ok(())
+    }
+    unsafe fn embedding_dense_grad(&self, call: &EmbeddingDenseGradCall) -> Result<()> {
+        // SAFETY: forwarded from the trait's contract.
+        unsafe { crate::ops::embedding_dense_grad::reference(call) };
         Ok(())
     }
 }

@@ -211,3 +211,100 @@ mod tests {
         assert!(NormTiling::new(usize::MAX / 2, usize::MAX / 2, 1, true, &cfg).is_err());
     }
 }
+
+/// Tiling of EmbeddingDenseGrad (the TilingData of `npk_embedding_dense_grad_call`).
+///
+/// Workspace layout from the aligned start: `num_weights + 1` u32 row offsets
+/// (the counting sort's prefix sums), then `positions` u32 positions sorted by
+/// row, then one f32 arena of `chunk_cols` per block. The sort regions are
+/// sized for the worst case (every position in range), so the size depends on
+/// shapes alone. Rows are split over blocks by work at run time (see
+/// `ops::embedding_dense_grad`); the plan fixes only how many blocks there are.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EmbeddingTiling {
+    /// Positions N (elements of indices).
+    pub positions: u64,
+    /// Row length H (grad's last dim).
+    pub cols: u64,
+    /// Rows of the output table.
+    pub num_weights: u64,
+    /// Blocks the rows are split over (`min(blocks, num_weights)`); 0 when
+    /// nothing is written (`cols == 0` or `num_weights == 0`).
+    pub blocks: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Columns per f32 tile, a multiple of 16: H rounded up to 16 when that
+    /// fits the UB, else the largest multiple of 16 that does (split-D).
+    pub chunk_cols: u64,
+    /// Bytes of one block's arena (<= `ub_bytes`, a multiple of 64).
+    pub arena_bytes: u64,
+    /// Offset of the `num_weights + 1` u32 row offsets.
+    pub offsets_offset: u64,
+    /// Offset of the `positions` u32 sorted positions.
+    pub order_offset: u64,
+    /// Offset of block 0's arena; block `b`'s is `arena_offset + b * arena_bytes`.
+    pub arena_offset: u64,
+    /// Total workspace bytes, alignment slack included (0 when nothing is needed).
+    pub workspace_bytes: u64,
+}
+
+impl EmbeddingTiling {
+    /// Plans `positions` gradient rows of `cols` elements into a table of
+    /// `num_weights` rows. Positions are stored as u32, so more than
+    /// `u32::MAX` of them is a `SizeOverflow` (when anything is written).
+    pub fn new(
+        positions: usize,
+        cols: usize,
+        num_weights: usize,
+        cfg: &UbConfig,
+    ) -> Result<EmbeddingTiling> {
+        cfg.validate()?;
+        let ovf = Error::SizeOverflow { arg: "workspace" };
+        let mut t = EmbeddingTiling {
+            positions: positions as u64,
+            cols: cols as u64,
+            num_weights: num_weights as u64,
+            ..Default::default()
+        };
+        if cols == 0 || num_weights == 0 {
+            return Ok(t);
+        }
+        if u32::try_from(positions).is_err() {
+            return Err(Error::SizeOverflow { arg: "indices" });
+        }
+        let blocks = (cfg.blocks as usize).min(num_weights);
+        let floats = cfg.ub_bytes / WORKSPACE_ALIGN * WORKSPACE_ALIGN / 4;
+        let chunk = round_up(cols, GROUP)
+            .ok_or(ovf)?
+            .min(floats / GROUP * GROUP);
+        if chunk == 0 {
+            return Err(invalid("ub_bytes", "too small for one 16-element chunk"));
+        }
+        let arena_bytes = round_up(chunk * 4, WORKSPACE_ALIGN).ok_or(ovf)?;
+        let offsets_bytes = num_weights
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(4))
+            .and_then(|b| round_up(b, WORKSPACE_ALIGN))
+            .ok_or(ovf)?;
+        let order_bytes = positions
+            .checked_mul(4)
+            .and_then(|b| round_up(b, WORKSPACE_ALIGN))
+            .ok_or(ovf)?;
+        let arena_offset = offsets_bytes.checked_add(order_bytes).ok_or(ovf)?;
+        let total = blocks
+            .checked_mul(arena_bytes)
+            .and_then(|b| b.checked_add(arena_offset))
+            .and_then(|b| b.checked_add(WORKSPACE_ALIGN))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(ovf)?;
+        t.blocks = blocks as u32;
+        t.chunk_cols = chunk as u64;
+        t.arena_bytes = arena_bytes as u64;
+        t.offsets_offset = 0;
+        t.order_offset = offsets_bytes as u64;
+        t.arena_offset = arena_offset as u64;
+        t.workspace_bytes = total as u64;
+        Ok(t)
+    }
+}

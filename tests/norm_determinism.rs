@@ -59,10 +59,32 @@ fn backward_invariance<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
     let (xs, gs) = ([m, n], [n]);
     let rstd = run_rms_norm(&Exec::cpu(), &x, &xs, &g, &gs, &RmsNormOptions::default()).rstd;
     let opts = RmsNormGradOptions::default();
-    let base = run_grad(&Exec::cpu(), &dy, &x, &xs, &rstd, &g, &gs, None, &opts, None);
+    let base = run_grad(
+        &Exec::cpu(),
+        &dy,
+        &x,
+        &xs,
+        &rstd,
+        &g,
+        &gs,
+        None,
+        &opts,
+        None,
+    );
     for ub in configs() {
         // dgamma for this `blocks`, from a single thread.
-        let serial = run_grad(&Exec::cpu().with_ub(ub), &dy, &x, &xs, &rstd, &g, &gs, None, &opts, None);
+        let serial = run_grad(
+            &Exec::cpu().with_ub(ub),
+            &dy,
+            &x,
+            &xs,
+            &rstd,
+            &g,
+            &gs,
+            None,
+            &opts,
+            None,
+        );
         assert_same_bits(&serial.dx, &base.dx, "dx across tilings");
         for threads in [2usize, 4] {
             let cpu = Cpu::new(Threads::new(threads));
@@ -73,13 +95,38 @@ fn backward_invariance<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
             assert_same_bits(&b.dgamma, &serial.dgamma, &what);
         }
         // Split-D and merge-N give the same dgamma too (row order per block is fixed).
-        let other = UbConfig { ub_bytes: 196_608, blocks: ub.blocks };
-        let o = run_grad(&Exec::cpu().with_ub(other), &dy, &x, &xs, &rstd, &g, &gs, None, &opts, None);
+        let other = UbConfig {
+            ub_bytes: 196_608,
+            blocks: ub.blocks,
+        };
+        let o = run_grad(
+            &Exec::cpu().with_ub(other),
+            &dy,
+            &x,
+            &xs,
+            &rstd,
+            &g,
+            &gs,
+            None,
+            &opts,
+            None,
+        );
         assert_same_bits(&o.dgamma, &serial.dgamma, "dgamma merge-N vs split-D");
     }
     for r in [0, m - 1] {
         let sl = r * n..(r + 1) * n;
-        let one = run_grad(&Exec::cpu(), &dy[sl.clone()], &x[sl.clone()], &[1, n], &rstd[r..r + 1], &g, &gs, None, &opts, None);
+        let one = run_grad(
+            &Exec::cpu(),
+            &dy[sl.clone()],
+            &x[sl.clone()],
+            &[1, n],
+            &rstd[r..r + 1],
+            &g,
+            &gs,
+            None,
+            &opts,
+            None,
+        );
         assert_same_bits(&one.dx, &base.dx[sl], "dx row alone");
     }
 }
@@ -112,7 +159,11 @@ fn fused_add_equals_add_then_norm() {
         let g: Vec<f32> = vec_of(n, || rng.uniform(-2.0, 2.0));
         let opts = RmsNormOptions::default();
         let fused = run_add_rms_norm(&Exec::cpu(), &x1, &x2, &[m, n], &g, &[n], &opts);
-        let added: Vec<bf16> = x1.iter().zip(&x2).map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32())).collect();
+        let added: Vec<bf16> = x1
+            .iter()
+            .zip(&x2)
+            .map(|(a, b)| bf16::from_f32(a.to_f32() + b.to_f32()))
+            .collect();
         assert_same_bits(&fused.x_sum, &added, "x_sum = round(x1 + x2)");
         let sep = run_rms_norm(&Exec::cpu(), &added, &[m, n], &g, &[n], &opts);
         assert_same_bits(&fused.y, &sep.y, "y");
@@ -121,11 +172,27 @@ fn fused_add_equals_add_then_norm() {
         let mut inplace = x1.clone();
         let mut y = vec![bf16::ZERO; m * n];
         let mut rstd = vec![0f32; m];
-        let exec = Exec::cpu().with_ub(UbConfig { ub_bytes: 2048, blocks: 2 });
-        let (x2t, gt) = (TensorRef::new(&x2, &[m, n]).unwrap(), TensorRef::new(&g, &[n]).unwrap());
+        let exec = Exec::cpu().with_ub(UbConfig {
+            ub_bytes: 2048,
+            blocks: 2,
+        });
+        let (x2t, gt) = (
+            TensorRef::new(&x2, &[m, n]).unwrap(),
+            TensorRef::new(&g, &[n]).unwrap(),
+        );
         let ws_len = add_rms_norm_workspace_size(&exec, x2t, x2t, gt, &opts).unwrap();
         let mut ws = vec![0u8; ws_len];
-        add_rms_norm_in_place(&exec, TensorMut::new(&mut inplace, &[m, n]).unwrap(), x2t, gt, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap();
+        add_rms_norm_in_place(
+            &exec,
+            TensorMut::new(&mut inplace, &[m, n]).unwrap(),
+            x2t,
+            gt,
+            &opts,
+            &mut y,
+            Some(&mut rstd),
+            &mut ws,
+        )
+        .unwrap();
         assert_same_bits(&inplace, &added, "in-place x_sum");
         assert_same_bits(&y, &sep.y, "in-place y");
     }
@@ -139,17 +206,54 @@ fn grad_in_place_and_cast_match() {
     let dy: Vec<f16> = vec_of(m * n, || rng.mag());
     let dres: Vec<f16> = vec_of(m * n, || rng.mag());
     let g: Vec<f16> = vec_of(n, || rng.uniform(-2.0, 2.0));
-    let rstd = run_rms_norm(&Exec::cpu(), &x, &[m, n], &g, &[n], &RmsNormOptions::default()).rstd;
+    let rstd = run_rms_norm(
+        &Exec::cpu(),
+        &x,
+        &[m, n],
+        &g,
+        &[n],
+        &RmsNormOptions::default(),
+    )
+    .rstd;
     let opts = RmsNormGradOptions::default();
-    let sep = run_grad(&Exec::cpu(), &dy, &x, &[m, n], &rstd, &g, &[n], Some(&dres), &opts, None);
+    let sep = run_grad(
+        &Exec::cpu(),
+        &dy,
+        &x,
+        &[m, n],
+        &rstd,
+        &g,
+        &[n],
+        Some(&dres),
+        &opts,
+        None,
+    );
     let mut buf = dy.clone();
     let mut dg = vec![0f32; n];
-    let (xt, gt) = (TensorRef::new(&x, &[m, n]).unwrap(), TensorRef::new(&g, &[n]).unwrap());
-    let exec = Exec::cpu().with_ub(UbConfig { ub_bytes: 1024, blocks: 64 });
+    let (xt, gt) = (
+        TensorRef::new(&x, &[m, n]).unwrap(),
+        TensorRef::new(&g, &[n]).unwrap(),
+    );
+    let exec = Exec::cpu().with_ub(UbConfig {
+        ub_bytes: 1024,
+        blocks: 64,
+    });
     let rt = TensorRef::new(&rstd, &[m]).unwrap();
     let mut ws = vec![0u8; rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, &opts).unwrap()];
     let dres_t = TensorRef::new(&dres, &[m, n]).unwrap();
-    rms_norm_grad_in_place(&exec, &mut buf, xt, &rstd, gt, Some(dres_t), &opts, Some(&mut dg), None, &mut ws).unwrap();
+    rms_norm_grad_in_place(
+        &exec,
+        &mut buf,
+        xt,
+        &rstd,
+        gt,
+        Some(dres_t),
+        &opts,
+        Some(&mut dg),
+        None,
+        &mut ws,
+    )
+    .unwrap();
     assert_same_bits(&buf, &sep.dx, "dx in place");
 }
 
@@ -160,20 +264,37 @@ fn nan_and_inf_propagate() {
     x[3] = f16::NAN; // row 0: NaN
     x[n + 5] = f16::INFINITY; // row 1: Inf -> rstd 0, Inf * 0 = NaN, others 0
     let g = vec![70000.0f32; n]; // rows 2, 3: 0.5 * rstd(=2) * 70000 = 70000 > 65504 -> Inf in f16
-    let opts = RmsNormOptions { eps: 0.0, ..Default::default() };
+    let opts = RmsNormOptions {
+        eps: 0.0,
+        ..Default::default()
+    };
     let cpu = run_rms_norm(&Exec::cpu(), &x, &[4, n], &g, &[n], &opts);
     let refx = run_rms_norm(&reference(), &x, &[4, n], &g, &[n], &opts);
     assert!(cpu.rstd[0].is_nan() && cpu.y[..n].iter().all(|v| v.is_nan()));
     assert_eq!(cpu.rstd[1], 0.0);
     assert!(cpu.y[n + 5].is_nan());
-    assert!(cpu.y[2 * n..3 * n].iter().all(|v| *v == f16::INFINITY), "overflow rounds to Inf, never clamps");
+    assert!(
+        cpu.y[2 * n..3 * n].iter().all(|v| *v == f16::INFINITY),
+        "overflow rounds to Inf, never clamps"
+    );
     assert_same_bits(&cpu.y, &refx.y, "NaN/Inf vs reference");
     // Backward: a NaN in dy spreads over its row's dx and into dgamma's column.
     let mut dy = vec![f16::from_f32(1.0); 4 * n];
     dy[2 * n + 1] = f16::NAN;
     let xs = vec![f16::from_f32(0.25); 4 * n];
     let rstd = vec![2.0f32; 4];
-    let b = run_grad(&Exec::cpu(), &dy, &xs, &[4, n], &rstd, &g, &[n], None, &RmsNormGradOptions::default(), None);
+    let b = run_grad(
+        &Exec::cpu(),
+        &dy,
+        &xs,
+        &[4, n],
+        &rstd,
+        &g,
+        &[n],
+        None,
+        &RmsNormGradOptions::default(),
+        None,
+    );
     assert!(b.dx[2 * n..3 * n].iter().all(|v| v.is_nan()));
     assert!(b.dx[..n].iter().all(|v| !v.is_nan()));
     assert!(b.dgamma[1].is_nan() && !b.dgamma[0].is_nan());

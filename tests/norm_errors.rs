@@ -52,17 +52,32 @@ fn rms_err<G: LaneElemPub>(
     let mut rstd = poison_f32(rstd_len);
     let mut ws = vec![0u8; ws_len];
     let e = rms_norm(exec, x, g, opts, &mut y, Some(&mut rstd), &mut ws).unwrap_err();
-    assert!(untouched_bf16(&y) && untouched_f32(&rstd), "outputs written on error {e}");
+    assert!(
+        untouched_bf16(&y) && untouched_f32(&rstd),
+        "outputs written on error {e}"
+    );
     e
 }
 
 #[test]
 fn rank_and_shape_errors() {
     let d = data(4, 8);
-    assert!(matches!(TensorRef::new(&d.x, &[]), Err(Error::InvalidParam { .. })));
-    assert!(matches!(TensorRef::new(&d.x, &[1, 1, 1, 1, 1, 1, 1, 4, 8]), Err(Error::InvalidParam { .. })));
-    assert!(matches!(Shape::new(&[1 << 40, 1 << 40]), Err(Error::SizeOverflow { .. })));
-    assert!(matches!(Shape::new(&[usize::MAX, 2]), Err(Error::SizeOverflow { .. })));
+    assert!(matches!(
+        TensorRef::new(&d.x, &[]),
+        Err(Error::InvalidParam { .. })
+    ));
+    assert!(matches!(
+        TensorRef::new(&d.x, &[1, 1, 1, 1, 1, 1, 1, 4, 8]),
+        Err(Error::InvalidParam { .. })
+    ));
+    assert!(matches!(
+        Shape::new(&[1 << 40, 1 << 40]),
+        Err(Error::SizeOverflow { .. })
+    ));
+    assert!(matches!(
+        Shape::new(&[usize::MAX, 2]),
+        Err(Error::SizeOverflow { .. })
+    ));
     let x = TensorRef::new(&d.x, &[4, 8]).unwrap();
     let exec = Exec::cpu();
     let opts = RmsNormOptions::default();
@@ -70,7 +85,13 @@ fn rank_and_shape_errors() {
     // gamma not the trailing dims of x
     let g4 = TensorRef::new(&d.g[..4], &[4]).unwrap();
     let e = rms_err(&exec, x, g4, &opts, 32, 4, ws);
-    assert_eq!(e, Error::InvalidParam { arg: "gamma", reason: "shape must equal the trailing dims of x" });
+    assert_eq!(
+        e,
+        Error::InvalidParam {
+            arg: "gamma",
+            reason: "shape must equal the trailing dims of x"
+        }
+    );
     let g2 = TensorRef::new(&d.g, &[2, 4]).unwrap();
     assert_eq!(rms_err(&exec, x, g2, &opts, 32, 4, ws).argument(), "gamma");
     let xg = TensorRef::new(&d.x, &[32]).unwrap();
@@ -78,9 +99,18 @@ fn rank_and_shape_errors() {
     assert_eq!(rms_err(&exec, xg, g8, &opts, 32, 1, ws).argument(), "gamma");
     let g = TensorRef::new(&d.g, &[8]).unwrap();
     // y and rstd of the wrong length
-    assert!(matches!(rms_err(&exec, x, g, &opts, 31, 4, ws), Error::InvalidParam { arg: "y", .. }));
-    assert!(matches!(rms_err(&exec, x, g, &opts, 32, 5, ws), Error::InvalidParam { arg: "rstd", .. }));
-    assert!(matches!(rms_err(&exec, x, g, &opts, 32, 3, ws), Error::InvalidParam { arg: "rstd", .. }));
+    assert!(matches!(
+        rms_err(&exec, x, g, &opts, 31, 4, ws),
+        Error::InvalidParam { arg: "y", .. }
+    ));
+    assert!(matches!(
+        rms_err(&exec, x, g, &opts, 32, 5, ws),
+        Error::InvalidParam { arg: "rstd", .. }
+    ));
+    assert!(matches!(
+        rms_err(&exec, x, g, &opts, 32, 3, ws),
+        Error::InvalidParam { arg: "rstd", .. }
+    ));
 }
 
 #[test]
@@ -89,37 +119,90 @@ fn dtype_pairs() {
     let x = TensorRef::new(&d.x, &[4, 8]).unwrap();
     let g16: Vec<f16> = d.g.iter().map(|v| f16::from_f32(v.to_f32())).collect();
     let g = TensorRef::new(&g16, &[8]).unwrap();
-    let e = rms_err(&Exec::cpu(), x, g, &RmsNormOptions::default(), 32, 4, 1 << 20);
+    let e = rms_err(
+        &Exec::cpu(),
+        x,
+        g,
+        &RmsNormOptions::default(),
+        32,
+        4,
+        1 << 20,
+    );
     assert_eq!(e, Error::DtypeUnsupported { arg: "gamma" });
 }
 
 #[test]
 fn eps_and_config() {
     let d = data(4, 8);
-    let (x, g) = (TensorRef::new(&d.x, &[4, 8]).unwrap(), TensorRef::new(&d.g, &[8]).unwrap());
+    let (x, g) = (
+        TensorRef::new(&d.x, &[4, 8]).unwrap(),
+        TensorRef::new(&d.g, &[8]).unwrap(),
+    );
     for eps in [-1e-6, f64::NAN, f64::INFINITY, 1e300] {
-        let o = RmsNormOptions { eps, ..Default::default() };
-        assert!(matches!(rms_err(&Exec::cpu(), x, g, &o, 32, 4, 1 << 20), Error::InvalidParam { arg: "eps", .. }), "{eps}");
+        let o = RmsNormOptions {
+            eps,
+            ..Default::default()
+        };
+        assert!(
+            matches!(
+                rms_err(&Exec::cpu(), x, g, &o, 32, 4, 1 << 20),
+                Error::InvalidParam { arg: "eps", .. }
+            ),
+            "{eps}"
+        );
     }
-    let o = RmsNormOptions { gamma_offset: f32::NAN, ..Default::default() };
-    assert!(matches!(rms_err(&Exec::cpu(), x, g, &o, 32, 4, 1 << 20), Error::InvalidParam { arg: "gamma_offset", .. }));
+    let o = RmsNormOptions {
+        gamma_offset: f32::NAN,
+        ..Default::default()
+    };
+    assert!(matches!(
+        rms_err(&Exec::cpu(), x, g, &o, 32, 4, 1 << 20),
+        Error::InvalidParam {
+            arg: "gamma_offset",
+            ..
+        }
+    ));
     let opts = RmsNormOptions::default();
-    let bad_ub = Exec::cpu().with_ub(UbConfig { ub_bytes: 100, blocks: 4 });
-    assert!(matches!(rms_err(&bad_ub, x, g, &opts, 32, 4, 1 << 20), Error::InvalidParam { arg: "ub_bytes", .. }));
-    let bad_blocks = Exec::cpu().with_ub(UbConfig { ub_bytes: 4096, blocks: 0 });
-    assert!(matches!(rms_err(&bad_blocks, x, g, &opts, 32, 4, 1 << 20), Error::InvalidParam { arg: "blocks", .. }));
+    let bad_ub = Exec::cpu().with_ub(UbConfig {
+        ub_bytes: 100,
+        blocks: 4,
+    });
+    assert!(matches!(
+        rms_err(&bad_ub, x, g, &opts, 32, 4, 1 << 20),
+        Error::InvalidParam {
+            arg: "ub_bytes",
+            ..
+        }
+    ));
+    let bad_blocks = Exec::cpu().with_ub(UbConfig {
+        ub_bytes: 4096,
+        blocks: 0,
+    });
+    assert!(matches!(
+        rms_err(&bad_blocks, x, g, &opts, 32, 4, 1 << 20),
+        Error::InvalidParam { arg: "blocks", .. }
+    ));
 }
 
 #[test]
 fn workspace_too_small() {
     let d = data(4, 8);
-    let (x, g) = (TensorRef::new(&d.x, &[4, 8]).unwrap(), TensorRef::new(&d.g, &[8]).unwrap());
+    let (x, g) = (
+        TensorRef::new(&d.x, &[4, 8]).unwrap(),
+        TensorRef::new(&d.g, &[8]).unwrap(),
+    );
     let exec = Exec::cpu();
     let opts = RmsNormOptions::default();
     let need = rms_norm_workspace_size(&exec, x, g, &opts).unwrap();
     assert!(need > 0);
     let e = rms_err(&exec, x, g, &opts, 32, 4, need - 1);
-    assert_eq!(e, Error::WorkspaceTooSmall { needed: need, given: need - 1 });
+    assert_eq!(
+        e,
+        Error::WorkspaceTooSmall {
+            needed: need,
+            given: need - 1
+        }
+    );
     // Exactly the size works, whatever the buffer's alignment.
     let mut buf = vec![0u8; need + 7];
     for off in 0..8 {
@@ -132,13 +215,24 @@ fn workspace_too_small() {
 #[test]
 fn isa_unavailable() {
     let d = data(4, 8);
-    let (x, g) = (TensorRef::new(&d.x, &[4, 8]).unwrap(), TensorRef::new(&d.g, &[8]).unwrap());
+    let (x, g) = (
+        TensorRef::new(&d.x, &[4, 8]).unwrap(),
+        TensorRef::new(&d.g, &[8]).unwrap(),
+    );
     for isa in [Isa::Avx2, Isa::Avx512] {
         if available(isa) {
             continue;
         }
         let cpu = Cpu::new(Serial).with_isa(isa);
-        let e = rms_err(&Exec::new(&cpu), x, g, &RmsNormOptions::default(), 32, 4, 1 << 20);
+        let e = rms_err(
+            &Exec::new(&cpu),
+            x,
+            g,
+            &RmsNormOptions::default(),
+            32,
+            4,
+            1 << 20,
+        );
         assert_eq!(e, Error::IsaUnavailable);
     }
 }
@@ -157,14 +251,37 @@ fn add_rms_norm_errors() {
         let mut s = poison_bf16(s_len);
         let mut r = poison_f32(4);
         let mut ws = vec![0u8; 1 << 20];
-        let e = add_rms_norm(&exec, x1, x2, g, &opts, &mut y, Some(&mut r), Some(&mut s), &mut ws).unwrap_err();
+        let e = add_rms_norm(
+            &exec,
+            x1,
+            x2,
+            g,
+            &opts,
+            &mut y,
+            Some(&mut r),
+            Some(&mut s),
+            &mut ws,
+        )
+        .unwrap_err();
         assert!(untouched_bf16(&y) && untouched_bf16(&s) && untouched_f32(&r));
         e
     };
-    assert!(matches!(run(x2_wrong, g, 32, 32), Error::InvalidParam { arg: "x2", .. }));
-    assert!(matches!(run(x1, g16, 32, 32), Error::InvalidParam { arg: "gamma", .. }));
-    assert!(matches!(run(x1, g, 32, 31), Error::InvalidParam { arg: "x_sum", .. }));
-    assert!(matches!(run(x1, g, 33, 32), Error::InvalidParam { arg: "y", .. }));
+    assert!(matches!(
+        run(x2_wrong, g, 32, 32),
+        Error::InvalidParam { arg: "x2", .. }
+    ));
+    assert!(matches!(
+        run(x1, g16, 32, 32),
+        Error::InvalidParam { arg: "gamma", .. }
+    ));
+    assert!(matches!(
+        run(x1, g, 32, 31),
+        Error::InvalidParam { arg: "x_sum", .. }
+    ));
+    assert!(matches!(
+        run(x1, g, 33, 32),
+        Error::InvalidParam { arg: "y", .. }
+    ));
 }
 
 #[test]
@@ -175,7 +292,12 @@ fn rms_norm_grad_errors() {
     let g = TensorRef::new(&d.g, &[8]).unwrap();
     let rstd = vec![1.0f32; 4];
     let exec = Exec::cpu();
-    let run = |dy: TensorRef<'_, bf16>, rstd: &[f32], opts: RmsNormGradOptions, dx_len: usize, dg_len: usize, with_dg: bool| {
+    let run = |dy: TensorRef<'_, bf16>,
+               rstd: &[f32],
+               opts: RmsNormGradOptions,
+               dx_len: usize,
+               dg_len: usize,
+               with_dg: bool| {
         let mut dx = poison_bf16(dx_len);
         let mut dg = poison_f32(dg_len);
         let mut dgc = poison_bf16(8);
@@ -188,22 +310,56 @@ fn rms_norm_grad_errors() {
             g,
             None,
             &opts,
-            RmsNormGradOutputs { dx: &mut dx, dgamma: with_dg.then_some(&mut dg[..]), dgamma_cast: Some(&mut dgc) },
+            RmsNormGradOutputs {
+                dx: &mut dx,
+                dgamma: with_dg.then_some(&mut dg[..]),
+                dgamma_cast: Some(&mut dgc),
+            },
             &mut ws,
         )
         .unwrap_err();
-        assert!(untouched_bf16(&dx) && untouched_f32(&dg) && untouched_bf16(&dgc), "{e}");
+        assert!(
+            untouched_bf16(&dx) && untouched_f32(&dg) && untouched_bf16(&dgc),
+            "{e}"
+        );
         e
     };
     let o = RmsNormGradOptions::default();
-    assert!(matches!(run(dy_wrong, &rstd, o, 32, 8, true), Error::InvalidParam { arg: "dy", .. }));
-    assert!(matches!(run(x, &rstd[..3], o, 32, 8, true), Error::InvalidParam { arg: "rstd", .. }));
-    assert!(matches!(run(x, &rstd, o, 31, 8, true), Error::InvalidParam { arg: "dx", .. }));
-    assert!(matches!(run(x, &rstd, o, 32, 7, true), Error::InvalidParam { arg: "dgamma", .. }));
-    let acc = RmsNormGradOptions { dgamma_mode: DgammaMode::Accumulate, ..o };
-    assert!(matches!(run(x, &rstd, acc, 32, 8, false), Error::InvalidParam { arg: "dgamma", .. }));
-    let nan_off = RmsNormGradOptions { gamma_offset: f32::INFINITY, ..o };
-    assert!(matches!(run(x, &rstd, nan_off, 32, 8, true), Error::InvalidParam { arg: "gamma_offset", .. }));
+    assert!(matches!(
+        run(dy_wrong, &rstd, o, 32, 8, true),
+        Error::InvalidParam { arg: "dy", .. }
+    ));
+    assert!(matches!(
+        run(x, &rstd[..3], o, 32, 8, true),
+        Error::InvalidParam { arg: "rstd", .. }
+    ));
+    assert!(matches!(
+        run(x, &rstd, o, 31, 8, true),
+        Error::InvalidParam { arg: "dx", .. }
+    ));
+    assert!(matches!(
+        run(x, &rstd, o, 32, 7, true),
+        Error::InvalidParam { arg: "dgamma", .. }
+    ));
+    let acc = RmsNormGradOptions {
+        dgamma_mode: DgammaMode::Accumulate,
+        ..o
+    };
+    assert!(matches!(
+        run(x, &rstd, acc, 32, 8, false),
+        Error::InvalidParam { arg: "dgamma", .. }
+    ));
+    let nan_off = RmsNormGradOptions {
+        gamma_offset: f32::INFINITY,
+        ..o
+    };
+    assert!(matches!(
+        run(x, &rstd, nan_off, 32, 8, true),
+        Error::InvalidParam {
+            arg: "gamma_offset",
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -211,7 +367,10 @@ fn empty_tensors_are_valid() {
     // No rows: nothing to write, no workspace needed.
     let x: Vec<f32> = vec![];
     let g = vec![1.0f32; 8];
-    let (xt, gt) = (TensorRef::new(&x, &[0, 8]).unwrap(), TensorRef::new(&g, &[8]).unwrap());
+    let (xt, gt) = (
+        TensorRef::new(&x, &[0, 8]).unwrap(),
+        TensorRef::new(&g, &[8]).unwrap(),
+    );
     let exec = Exec::cpu();
     let opts = RmsNormOptions::default();
     assert_eq!(rms_norm_workspace_size(&exec, xt, gt, &opts).unwrap(), 0);
@@ -219,14 +378,34 @@ fn empty_tensors_are_valid() {
     // dgamma of zero rows is zero (overwrite).
     let rt = TensorRef::new(&[] as &[f32], &[0]).unwrap();
     let mut dg = vec![5.0f32; 8];
-    let ws_len = rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, &RmsNormGradOptions::default()).unwrap();
+    let ws_len =
+        rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, &RmsNormGradOptions::default())
+            .unwrap();
     let mut ws = vec![0u8; ws_len];
-    rms_norm_grad(&exec, xt, xt, &[], gt, None, &RmsNormGradOptions::default(), RmsNormGradOutputs { dx: &mut [], dgamma: Some(&mut dg), dgamma_cast: None }, &mut ws).unwrap();
+    rms_norm_grad(
+        &exec,
+        xt,
+        xt,
+        &[],
+        gt,
+        None,
+        &RmsNormGradOptions::default(),
+        RmsNormGradOutputs {
+            dx: &mut [],
+            dgamma: Some(&mut dg),
+            dgamma_cast: None,
+        },
+        &mut ws,
+    )
+    .unwrap();
     assert!(dg.iter().all(|v| *v == 0.0));
     // Zero-length rows: y is empty, rstd = 1/sqrt(0/0 + eps) = NaN (as torch's mean of nothing).
     let x0: Vec<f32> = vec![];
     let g0: Vec<f32> = vec![];
-    let (xt, gt) = (TensorRef::new(&x0, &[3, 0]).unwrap(), TensorRef::new(&g0, &[0]).unwrap());
+    let (xt, gt) = (
+        TensorRef::new(&x0, &[3, 0]).unwrap(),
+        TensorRef::new(&g0, &[0]).unwrap(),
+    );
     let mut rstd = vec![0f32; 3];
     let mut ws = vec![0u8; rms_norm_workspace_size(&exec, xt, gt, &opts).unwrap()];
     rms_norm(&exec, xt, gt, &opts, &mut [], Some(&mut rstd), &mut ws).unwrap();

@@ -16,8 +16,18 @@ fn seed_cases_match_reference() {
         let r = seed_cases::run(case, &exec);
         println!("{:?}: {r:?}", case.shape);
         assert!(r.y_ulps <= 1, "{:?}: y {} ulps", case.shape, r.y_ulps);
-        assert!(r.rstd_rel <= 1e-6, "{:?}: rstd {:e}", case.shape, r.rstd_rel);
+        assert!(
+            r.rstd_rel <= 1e-6,
+            "{:?}: rstd {:e}",
+            case.shape,
+            r.rstd_rel
+        );
         assert!(r.dx_score <= 1.0, "{:?}: dx {}", case.shape, r.dx_score);
-        assert!(r.dgamma_rel <= 1e-5, "{:?}: dgamma {:e}", case.shape, r.dgamma_rel);
+        assert!(
+            r.dgamma_rel <= 1e-5,
+            "{:?}: dgamma {:e}",
+            case.shape,
+            r.dgamma_rel
+        );
     }
 }

@@ -2,7 +2,7 @@
 //! elsewhere): two 8-lane vectors make the 16 logical lanes.
 
 use half::{bf16, f16};
-use wide::{f32x8, i16x8, i32x8, u16x8, CmpGt};
+use wide::{f32x8, i16x8, i32x8, u16x8};
 
 use super::{Isa, Lanes, GROUP};
 

@@ -54,10 +54,18 @@ fn ordered(bits: u64, sign_bit: u64) -> i128 {
 pub fn ulps<T: Float>(a: T, b: T) -> u64 {
     let (x, y) = (a.to_f64(), b.to_f64());
     if x.is_nan() || y.is_nan() {
-        return if x.is_nan() && y.is_nan() { 0 } else { u64::MAX };
+        return if x.is_nan() && y.is_nan() {
+            0
+        } else {
+            u64::MAX
+        };
     }
     let (ba, bb, sb) = match T::DTYPE {
-        DType::F32 => (a.to_f32().to_bits() as u64, b.to_f32().to_bits() as u64, 1u64 << 31),
+        DType::F32 => (
+            a.to_f32().to_bits() as u64,
+            b.to_f32().to_bits() as u64,
+            1u64 << 31,
+        ),
         DType::F16 => (
             f16::from_f32(a.to_f32()).to_bits() as u64,
             f16::from_f32(b.to_f32()).to_bits() as u64,
@@ -112,7 +120,11 @@ pub fn run_rms_norm<T: LaneElemPub, G: LaneElemPub>(
     let mut y = vec![T::from_f64(0.0); x.len()];
     let mut rstd = vec![0f32; rows_of(xs, gs)];
     rms_norm(exec, xt, gt, opts, &mut y, Some(&mut rstd), &mut ws).unwrap();
-    Fwd { y, rstd, x_sum: vec![] }
+    Fwd {
+        y,
+        rstd,
+        x_sum: vec![],
+    }
 }
 
 pub fn run_add_rms_norm<T: LaneElemPub, G: LaneElemPub>(
@@ -124,13 +136,27 @@ pub fn run_add_rms_norm<T: LaneElemPub, G: LaneElemPub>(
     gs: &[usize],
     opts: &RmsNormOptions,
 ) -> Fwd<T> {
-    let (a, b) = (TensorRef::new(x1, xs).unwrap(), TensorRef::new(x2, xs).unwrap());
+    let (a, b) = (
+        TensorRef::new(x1, xs).unwrap(),
+        TensorRef::new(x2, xs).unwrap(),
+    );
     let gt = TensorRef::new(g, gs).unwrap();
     let mut ws = vec![0u8; add_rms_norm_workspace_size(exec, a, b, gt, opts).unwrap()];
     let mut y = vec![T::from_f64(0.0); x1.len()];
     let mut s = vec![T::from_f64(0.0); x1.len()];
     let mut rstd = vec![0f32; rows_of(xs, gs)];
-    add_rms_norm(exec, a, b, gt, opts, &mut y, Some(&mut rstd), Some(&mut s), &mut ws).unwrap();
+    add_rms_norm(
+        exec,
+        a,
+        b,
+        gt,
+        opts,
+        &mut y,
+        Some(&mut rstd),
+        Some(&mut s),
+        &mut ws,
+    )
+    .unwrap();
     Fwd { y, rstd, x_sum: s }
 }
 
@@ -154,7 +180,10 @@ pub fn run_grad<T: LaneElemPub, G: LaneElemPub>(
     opts: &RmsNormGradOptions,
     dgamma_init: Option<Vec<f32>>,
 ) -> Bwd<T, G> {
-    let (dyt, xt) = (TensorRef::new(dy, xs).unwrap(), TensorRef::new(x, xs).unwrap());
+    let (dyt, xt) = (
+        TensorRef::new(dy, xs).unwrap(),
+        TensorRef::new(x, xs).unwrap(),
+    );
     let rt = TensorRef::new(rstd, &[rstd.len()]).unwrap();
     let gt = TensorRef::new(g, gs).unwrap();
     let mut ws = vec![0u8; rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, opts).unwrap()];
@@ -283,7 +312,9 @@ impl Stats {
             if g == w {
                 continue;
             }
-            self.dgamma_cond_rel = self.dgamma_cond_rel.max((g - w).abs() / c.max(f64::MIN_POSITIVE));
+            self.dgamma_cond_rel = self
+                .dgamma_cond_rel
+                .max((g - w).abs() / c.max(f64::MIN_POSITIVE));
             self.dgamma_rel = self.dgamma_rel.max(rel(g, w));
         }
     }
@@ -304,7 +335,9 @@ pub fn dgamma_condition<T: Float>(dy: &[T], x: &[T], rstd: &[f32], n: usize) -> 
 #[track_caller]
 pub fn assert_same_bits<T: Float>(got: &[T], want: &[T], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
-    if let Some(i) = (0..got.len()).find(|&i| got[i].to_f32().to_bits() != want[i].to_f32().to_bits()) {
+    if let Some(i) =
+        (0..got.len()).find(|&i| got[i].to_f32().to_bits() != want[i].to_f32().to_bits())
+    {
         panic!(
             "{what}: first difference at {i} of {}: {:e} vs {:e}",
             got.len(),
@@ -315,13 +348,21 @@ pub fn assert_same_bits<T: Float>(got: &[T], want: &[T], what: &str) {
 }
 
 /// Per row: max_j |rstd * dy_j * (gamma_j + off)| + max_j |dres_j|.
-pub fn dx_scale<T: Float, G: Float>(dy: &[T], g: &[G], off: f32, rstd: &[f32], dres: Option<&[T]>, n: usize) -> Vec<f64> {
+pub fn dx_scale<T: Float, G: Float>(
+    dy: &[T],
+    g: &[G],
+    off: f32,
+    rstd: &[f32],
+    dres: Option<&[T]>,
+    n: usize,
+) -> Vec<f64> {
     (0..rstd.len())
         .map(|r| {
             let mut a = 0f64;
             let mut d = 0f64;
             for j in 0..n {
-                let t = (rstd[r] as f64 * dy[r * n + j].to_f64() * (g[j].to_f64() + off as f64)).abs();
+                let t =
+                    (rstd[r] as f64 * dy[r * n + j].to_f64() * (g[j].to_f64() + off as f64)).abs();
                 a = a.max(t);
                 if let Some(dr) = dres {
                     d = d.max(dr[r * n + j].to_f64().abs());

@@ -1,0 +1,110 @@
+//! grad_stats and clip_grad_norm against the memory floors of the same bytes,
+//! in one criterion group per dtype, single-threaded (serial runner):
+//! - `read_floor`: a trivial reduction (wrapping u64 sum) over the tensors'
+//!   bytes — the floor of `grad_stats`, which reads every byte once;
+//! - `copy_floor`: a `copy_from_slice` of the same bytes (read + write) —
+//!   the floor of the scale pass;
+//! - `clip_grad_norm` (max_norm 0: the coefficient is 0 and every iteration
+//!   scales, on values that stay zero, so no subnormal slows it down) reads
+//!   once for the norm and reads + writes once to scale: its floor is
+//!   `read_floor + copy_floor`.
+//!
+//! The data (64 MiB of f32, 32 MiB of f16/bf16) is split over 8 tensors of
+//! mixed sizes and exceeds the caches, so every figure is memory-bound.
+//!
+//! Run: `cargo bench --bench grad_stats` (add `-- --quick` for a short run).
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use half::{bf16, f16};
+use npukern::lanes::LaneElem;
+use npukern::*;
+
+const ELEMS: usize = 1 << 24;
+/// Eight tensors of unequal sizes (parts of ELEMS).
+const SPLIT: [usize; 8] = [1, 3, 2, 5, 1, 7, 4, 9];
+
+fn data<T: LaneElem>(n: usize, seed: u32) -> Vec<T> {
+    let mut s = seed.wrapping_mul(2_654_435_761).max(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            T::from_f32((s % 2000) as f32 / 500.0 - 2.0)
+        })
+        .collect()
+}
+
+fn sizes() -> Vec<usize> {
+    let total: usize = SPLIT.iter().sum();
+    let mut v: Vec<usize> = SPLIT.iter().map(|p| ELEMS / total * p).collect();
+    let used: usize = v.iter().sum();
+    v[7] += ELEMS - used;
+    v
+}
+
+fn group<T: LaneElem>(
+    c: &mut Criterion,
+    wrap: fn(&[T]) -> GradTensor<'_>,
+    wrap_mut: fn(&mut [T]) -> GradTensorMut<'_>,
+) {
+    let elem = core::mem::size_of::<T>();
+    let bytes = ELEMS * elem;
+    let mut g = c.benchmark_group(format!("grad_stats/{:?}/{}x8", T::DTYPE, ELEMS));
+    g.throughput(Throughput::Bytes(bytes as u64));
+
+    let words = vec![1u64; bytes / 8];
+    g.bench_function("read_floor", |b| {
+        b.iter(|| {
+            black_box(&words)
+                .iter()
+                .fold(0u64, |a, &w| a.wrapping_add(w))
+        })
+    });
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    g.bench_function("copy_floor", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
+    drop((words, src, dst));
+
+    let mut tensors: Vec<Vec<T>> = sizes()
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| data(n, i as u32 + 1))
+        .collect();
+    let exec = GradExec::cpu();
+    {
+        let views: Vec<GradTensor<'_>> = tensors.iter().map(|t| wrap(t)).collect();
+        let mut ws = vec![0u8; grad_stats_workspace_size(&exec, &views).unwrap()];
+        g.bench_function("grad_stats", |b| {
+            b.iter(|| grad_stats(&exec, black_box(&views), &mut ws).unwrap())
+        });
+        let two = Threads::new(2);
+        let exec2 = GradExec::new(&two);
+        g.bench_function("grad_stats_2_threads", |b| {
+            b.iter(|| grad_stats(&exec2, black_box(&views), &mut ws).unwrap())
+        });
+    }
+    let mut views: Vec<GradTensorMut<'_>> = tensors.iter_mut().map(|t| wrap_mut(t)).collect();
+    let mut ws = vec![0u8; clip_grad_norm_workspace_size(&exec, &views).unwrap()];
+    g.bench_function("clip_grad_norm", |b| {
+        b.iter(|| clip_grad_norm(&exec, black_box(&mut views), 0.0, false, &mut ws).unwrap())
+    });
+    g.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    group::<f32>(c, |s| GradTensor::F32(s), |s| GradTensorMut::F32(s));
+    group::<bf16>(c, |s| GradTensor::BF16(s), |s| GradTensorMut::BF16(s));
+    group::<f16>(c, |s| GradTensor::F16(s), |s| GradTensorMut::F16(s));
+}
+
+criterion_group! {
+    name = grad;
+    config = Criterion::default().sample_size(20);
+    targets = benches
+}
+criterion_main!(grad);

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds the C11 and C++17 FFI tests against the npukern static and shared
+# libraries and runs all four binaries. Used by tests/ffi.rs (so `cargo test`
+# runs it); also usable by hand:
+#
+#   cargo build --release --lib && ffi-tests/run.sh target/release
+#
+# Arguments: LIBDIR (holding libnpukern.a and libnpukern.so; default
+# target/release). Environment: CC (default gcc), CXX (default g++),
+# NPK_FFI_BUILD (output directory; default LIBDIR/ffi-tests).
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+libdir="$(cd "${1:-$root/target/release}" && pwd)"
+build="${NPK_FFI_BUILD:-$libdir/ffi-tests}"
+cc="${CC:-gcc}"
+cxx="${CXX:-g++}"
+mkdir -p "$build"
+
+for f in libnpukern.a libnpukern.so; do
+  [[ -f "$libdir/$f" ]] || { echo "run.sh: $libdir/$f not found (cargo build --lib first)" >&2; exit 2; }
+done
+
+version="$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$root/Cargo.toml" | head -n1)"
+flags=(-Wall -Wextra -Werror -pedantic -O1 -g -I"$root/include" -I"$root/ffi-tests"
+       "-DNPK_EXPECTED_VERSION=\"$version\"")
+# What the Rust standard library needs from the system when linked statically
+# (`cargo rustc --release --lib --crate-type staticlib -- --print native-static-libs`).
+static_libs=(-lgcc_s -lutil -lrt -lpthread -lm -ldl)
+# Shared: by name, found at run time through the rpath.
+shared_libs=(-L"$libdir" -l:libnpukern.so -Wl,-rpath,"$libdir" -lpthread -lm)
+
+set -x
+"$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
+  -o "$build/test_c_static"
+"$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "${shared_libs[@]}" -o "$build/test_c_shared"
+"$cxx" -std=c++17 "${flags[@]}" "$root/ffi-tests/test_cpp.cpp" "$libdir/libnpukern.a" "${static_libs[@]}" \
+  -o "$build/test_cpp_static"
+"$cxx" -std=c++17 "${flags[@]}" "$root/ffi-tests/test_cpp.cpp" "${shared_libs[@]}" -o "$build/test_cpp_shared"
+set +x
+
+# Make sure each binary is linked the way its name says.
+for t in test_c test_cpp; do
+  if ! readelf -d "$build/${t}_shared" | grep -q 'NEEDED.*libnpukern\.so'; then
+    echo "run.sh: ${t}_shared does not load libnpukern.so" >&2; exit 1
+  fi
+  if readelf -d "$build/${t}_static" | grep -q 'NEEDED.*libnpukern'; then
+    echo "run.sh: ${t}_static loads libnpukern dynamically" >&2; exit 1
+  fi
+done
+
+status=0
+for t in test_c_static test_c_shared test_cpp_static test_cpp_shared; do
+  echo "== $t"
+  if ! "$build/$t"; then
+    echo "run.sh: $t FAILED" >&2
+    status=1
+  fi
+done
+exit $status

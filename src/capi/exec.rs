@@ -1,0 +1,247 @@
+//! `npk_exec` → `Exec`: the tiling machine model, the backend, and the host
+//! runner callback adapted into a `Runner`. Every exported operator goes
+//! through `run`, which also fills `npk_error_detail`.
+
+use core::ffi::c_void;
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::foreign::{npk_foreign_backend, Foreign};
+use super::status::report;
+use super::types::{npk_error_detail, npk_exec, npk_parallel_for_fn, npk_status};
+use crate::backend::{Backend, Cpu, Reference};
+use crate::error::{invalid, Error, Result};
+use crate::lanes::{detect, Isa};
+use crate::ops::Exec;
+use crate::runner::Runner;
+use crate::tiling::{UbConfig, DEFAULT_BLOCKS, DEFAULT_UB_BYTES};
+
+/// Which backend `npk_exec.backend` names.
+#[derive(Clone, Copy)]
+enum Kind {
+    Cpu,
+    Reference,
+    Foreign(npk_foreign_backend),
+}
+
+/// A validated copy of an `npk_exec`.
+pub(crate) struct ExecConfig {
+    ub: UbConfig,
+    isa: Option<Isa>,
+    kind: Kind,
+    runner: HostRunner,
+}
+
+/// Reads `exec->detail` (NULL exec: none).
+///
+/// # Safety
+/// `exec` is NULL or points to a readable `npk_exec`.
+unsafe fn detail_of(exec: *const npk_exec) -> *mut npk_error_detail {
+    if exec.is_null() {
+        return core::ptr::null_mut();
+    }
+    // SAFETY: non-NULL and readable (caller).
+    unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() }
+}
+
+impl ExecConfig {
+    /// Validates an `npk_exec`; NULL is the serial CPU backend with defaults.
+    ///
+    /// # Safety
+    /// `exec` is NULL or points to a readable `npk_exec` whose `foreign` is
+    /// NULL or points to a readable `npk_foreign_backend`.
+    unsafe fn read(exec: *const npk_exec) -> Result<ExecConfig> {
+        let mut cfg = ExecConfig {
+            ub: UbConfig::default(),
+            isa: None,
+            kind: Kind::Cpu,
+            runner: HostRunner::new(None, core::ptr::null_mut()),
+        };
+        if exec.is_null() {
+            return Ok(cfg);
+        }
+        // SAFETY: non-NULL and readable (caller). All fields are integers,
+        // pointers or `Option<fn>`, valid for every bit pattern C can store
+        // (a C function pointer is NULL or non-NULL).
+        let e = unsafe { exec.read_unaligned() };
+        if e.ub_bytes != 0 {
+            cfg.ub.ub_bytes =
+                usize::try_from(e.ub_bytes).map_err(|_| Error::SizeOverflow { arg: "ub_bytes" })?;
+        } else {
+            cfg.ub.ub_bytes = DEFAULT_UB_BYTES;
+        }
+        cfg.ub.blocks = if e.blocks == 0 {
+            DEFAULT_BLOCKS
+        } else {
+            e.blocks
+        };
+        cfg.isa = match e.isa {
+            0 => None,
+            1 => Some(Isa::Portable),
+            2 => Some(Isa::Avx2),
+            3 => Some(Isa::Avx512),
+            _ => return Err(invalid("isa", "not an npk_isa value")),
+        };
+        // A forced ISA is checked whichever backend runs, so the same exec
+        // fails the same way everywhere.
+        detect::resolve(cfg.isa)?;
+        cfg.kind = match e.backend {
+            0 => Kind::Cpu,
+            1 => Kind::Reference,
+            2 => {
+                if e.foreign.is_null() {
+                    return Err(Error::NullPointer { arg: "foreign" });
+                }
+                // SAFETY: non-NULL and readable (caller); a table of a pointer
+                // and `Option<fn>`s, valid for any C value.
+                Kind::Foreign(unsafe { e.foreign.read_unaligned() })
+            }
+            _ => return Err(invalid("backend", "not an npk_backend_kind value")),
+        };
+        cfg.runner = HostRunner::new(e.parallel_for, e.runner_ctx);
+        Ok(cfg)
+    }
+
+    /// Builds the backend on the stack and runs `f` with it.
+    fn run(&self, f: impl FnOnce(&Exec<'_>) -> Result<()>) -> Result<()> {
+        let cpu = Cpu {
+            runner: &self.runner,
+            isa: self.isa,
+        };
+        let foreign;
+        let backend: &dyn Backend = match self.kind {
+            Kind::Cpu => &cpu,
+            Kind::Reference => &Reference,
+            Kind::Foreign(table) => {
+                foreign = Foreign {
+                    table,
+                    fallback: &cpu,
+                };
+                &foreign
+            }
+        };
+        let r = f(&Exec {
+            ub: self.ub,
+            backend,
+        });
+        if r.is_ok() && self.runner.faulted.load(Ordering::Relaxed) {
+            return Err(invalid(
+                "parallel_for",
+                "did not run every block exactly once",
+            ));
+        }
+        r
+    }
+}
+
+/// The body of every exported operator: validates `exec`, runs `f` on the
+/// backend it names, and reports the result (status + detail).
+///
+/// # Safety
+/// `exec` is NULL or a valid `npk_exec` (see `ExecConfig::read`); `f` upholds
+/// its own contract.
+pub(crate) unsafe fn run(
+    exec: *const npk_exec,
+    f: impl FnOnce(&Exec<'_>) -> Result<()>,
+) -> npk_status {
+    // SAFETY: forwarded from the caller.
+    let detail = unsafe { detail_of(exec) };
+    // SAFETY: forwarded from the caller.
+    let r = unsafe { ExecConfig::read(exec) }.and_then(|cfg| cfg.run(f));
+    // SAFETY: `detail` came from a valid `npk_exec` (NULL or writable).
+    unsafe { report(detail, &r) }
+}
+
+/// Writes a size call's answer to the caller's `size_t*`.
+///
+/// # Safety
+/// `out` is non-NULL and writable (checked by the caller for NULL).
+pub(crate) unsafe fn write_size(out: *mut usize, bytes: u64) -> Result<()> {
+    let n = usize::try_from(bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })?;
+    // SAFETY: non-NULL and writable (caller).
+    unsafe { out.write_unaligned(n) };
+    Ok(())
+}
+
+/// The host's `parallel_for` callback as a `Runner`; NULL runs serially.
+pub(crate) struct HostRunner {
+    f: npk_parallel_for_fn,
+    ctx: *mut c_void,
+    /// Set when the callback skipped a block, ran one twice or passed a block
+    /// number out of range: the call then fails instead of reporting success.
+    faulted: AtomicBool,
+}
+
+// SAFETY: `ctx` is only passed back to the host's callback, whose contract
+// (c-api.md) allows it to be called from the calling thread; the runner is
+// never used after the C call returns.
+unsafe impl Sync for HostRunner {}
+
+impl HostRunner {
+    fn new(f: npk_parallel_for_fn, ctx: *mut c_void) -> Self {
+        HostRunner {
+            f,
+            ctx,
+            faulted: AtomicBool::new(false),
+        }
+    }
+}
+
+/// What the trampoline receives as `task_ctx`.
+struct Trampoline<'a> {
+    task: &'a (dyn Fn(usize) + Sync),
+    n: usize,
+    ran: AtomicUsize,
+    bad: AtomicBool,
+}
+
+/// The `npk_task_fn` handed to the host: runs block `block` of the task.
+///
+/// # Safety
+/// `ctx` is the `Trampoline` of a `parallel_for` that has not returned.
+unsafe extern "C" fn trampoline(ctx: *mut c_void, block: usize) {
+    // SAFETY: the host passes back our `task_ctx`, alive until its
+    // `parallel_for` returns (the callback's contract).
+    let t = unsafe { &*(ctx as *const Trampoline<'_>) };
+    // A block number out of range would address rows beyond the plan: refuse.
+    if block >= t.n {
+        t.bad.store(true, Ordering::Relaxed);
+        return;
+    }
+    (t.task)(block);
+    t.ran.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Runner for HostRunner {
+    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
+        let Some(f) = self.f else {
+            for b in 0..n_blocks {
+                task(b);
+            }
+            return;
+        };
+        if n_blocks == 0 {
+            return;
+        }
+        let t = Trampoline {
+            task,
+            n: n_blocks,
+            ran: AtomicUsize::new(0),
+            bad: AtomicBool::new(false),
+        };
+        // SAFETY: the host's callback, called as c-api.md says; `t` outlives
+        // the call, which returns only after every block ran.
+        unsafe {
+            f(
+                self.ctx,
+                n_blocks,
+                Some(trampoline),
+                &t as *const Trampoline<'_> as *mut c_void,
+            )
+        };
+        // The callback's return is the synchronization point; the counts
+        // were published by whatever joined the worker threads.
+        if t.bad.load(Ordering::Acquire) || t.ran.load(Ordering::Acquire) != n_blocks {
+            self.faulted.store(true, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,42 @@
+//! The C ABI (`include/npukern.h`, contract in `c-api.md`): aclnn-shaped
+//! two-phase calls — `npk_<op>_workspace_size(...)` then
+//! `npk_<op>(..., workspace, workspace_bytes, exec)` — over the same front end
+//! Rust callers use (`ops::*::{plan, prepare, launch}`), so validation exists
+//! once. This module only reads C memory soundly (see `types`), turns
+//! `npk_exec` into an `Exec` (see `exec`), and reports errors through
+//! `npk_error_detail` (see `status`).
+//!
+//! Layout, one file per concern:
+//! - `types`: the `#[repr(C)]` enums, descriptors and options, and the
+//!   checked readers of C-provided structs;
+//! - `status`: `Error` → `npk_status` + `npk_error_detail`, and the
+//!   informational functions;
+//! - `exec`: `npk_exec` → `Exec` (tiling, backend, host runner callback);
+//! - `foreign`: the `npk_foreign_backend` table and the `Foreign` backend;
+//! - one file per operator; `threads`: the pool behind
+//!   `npk_threads_parallel_for`.
+//!
+//! `grad_stats` (npk_grad_stats / npk_clip_grad_norm) is wired in its own
+//! file by its author; it reuses `exec::run`, `exec::write_size` and
+//! `types::read_tensor`.
+//!
+//! No panic can cross the boundary: the C libraries are built with
+//! `panic = "abort"`, and no input reaches a panicking path (every size is
+//! computed with checked arithmetic before anything is indexed).
+//!
+//! The header is generated from this module by cbindgen (`cbindgen.toml`);
+//! `tests/header.rs` fails when the checked-in copy is stale.
+
+pub mod add_rms_norm;
+pub mod embedding_dense_grad;
+pub mod exec;
+pub mod foreign;
+pub mod rms_norm;
+pub mod rms_norm_grad;
+pub mod status;
+pub mod threads;
+pub mod types;
+
+pub use embedding_dense_grad::npk_embedding_grad_options;
+pub use foreign::npk_foreign_backend;
+pub use types::*;

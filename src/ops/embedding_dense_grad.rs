@@ -1,0 +1,477 @@
+//! EmbeddingDenseGrad: the gradient of an embedding table,
+//! `out[v] = scale(v) * sum over positions i with indices[i] == vocab_start + v of grad[i]`.
+//!
+//! Exact semantics (design.md section 1):
+//! - `grad` is `[..., H]` (f32 | f16 | bf16); `indices` (i32 | i64) has as many
+//!   elements as grad has leading positions (`numel(grad) / H`; with `H == 0`
+//!   the product of grad's leading dims); `out` is `[num_weights, H]`, grad's
+//!   dtype or f32. Row `v` of `out` is global id `vocab_start + v`.
+//! - Each element is summed in f32 in ascending position order, starting from
+//!   the first contributing term (so a row with one occurrence is an exact
+//!   copy, `-0.0` included), and rounded to `out`'s dtype once.
+//! - `scale_grad_by_freq`: the f32 sum is divided once by `count(v)` (the
+//!   number of in-range, non-padding occurrences of the row in this call,
+//!   converted to f32): `sum / count`, one IEEE division.
+//! - `accumulate`: `out = round(old + sum)` (after the scale), with `old`
+//!   widened exactly; rows nothing contributed to are left untouched.
+//!   Without it those rows are written +0.0.
+//! - `padding_idx` is compared with the raw index value (a global id, as in
+//!   PyTorch) before the range check: such positions contribute nothing and
+//!   are never out of range. Negative means none (aclnn's convention; a
+//!   PyTorch-style negative `padding_idx` must be normalized to
+//!   `num_weights + padding_idx` by the caller).
+//! - Out-of-range indices (outside `[vocab_start, vocab_start + num_weights)`)
+//!   under `IndexPolicy::Error` fail with `IndexOutOfRange` naming the first
+//!   bad flat position; under `Ignore` they are skipped.
+//!
+//! Algorithm: the front end makes one validation pass over the indices; the
+//! CPU backend then counting-sorts the positions by row into the workspace
+//! (stable, O(N + num_weights), serial), and the blocks write the table row
+//! by row exactly once. Rows are split over the plan's blocks by work (a
+//! row's cost is its count + 1), from the sorted offsets alone, so the split
+//! is a function of the indices and `blocks`, never of the thread count, and
+//! a hot row does not drag its neighbours into one block.
+
+mod cpu;
+mod reference;
+
+pub(crate) use cpu::cpu;
+pub(crate) use reference::reference;
+
+use core::ffi::c_void;
+
+use super::Exec;
+use crate::dtype::{DType, Element};
+use crate::error::{invalid, Error, Result};
+use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
+use crate::tiling::{EmbeddingTiling, UbConfig};
+use crate::workspace::{Src, Workspace};
+
+/// What to do with an index outside this call's rows (`npk_index_policy`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum IndexPolicy {
+    /// Fail with `IndexOutOfRange` (first bad position) and write nothing.
+    #[default]
+    Error = 0,
+    /// Skip the position (the natural policy for one shard of a
+    /// vocab-parallel table).
+    Ignore = 1,
+}
+
+impl IndexPolicy {
+    /// Parses the C ABI's numeric value; `None` for anything else.
+    pub const fn from_u32(v: u32) -> Option<IndexPolicy> {
+        match v {
+            0 => Some(IndexPolicy::Error),
+            1 => Some(IndexPolicy::Ignore),
+            _ => None,
+        }
+    }
+}
+
+/// Options of EmbeddingDenseGrad (`npk_embedding_grad_options`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EmbeddingGradOptions {
+    /// Global id whose positions contribute nothing; negative = none. Default -1.
+    pub padding_idx: i64,
+    /// Divide each row's sum by its occurrence count. Default false.
+    pub scale_grad_by_freq: bool,
+    /// Global id of the output's row 0 (>= 0). Default 0.
+    pub vocab_start: i64,
+    /// Out-of-range policy. Default `Error`.
+    pub out_of_range: IndexPolicy,
+    /// `out += grad` instead of `out = grad`. Default false.
+    pub accumulate: bool,
+}
+
+impl Default for EmbeddingGradOptions {
+    fn default() -> Self {
+        EmbeddingGradOptions {
+            padding_idx: -1,
+            scale_grad_by_freq: false,
+            vocab_start: 0,
+            out_of_range: IndexPolicy::Error,
+            accumulate: false,
+        }
+    }
+}
+
+/// The validated arguments of one EmbeddingDenseGrad
+/// (`npk_embedding_dense_grad_call`): what a backend, or an adapter's NPU
+/// launch, receives. Under `IndexPolicy::Error` every index has been checked
+/// to be padding or in range.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddingDenseGradCall {
+    /// Upstream gradient `[..., H]`, f32 | f16 | bf16.
+    pub grad: RawTensor,
+    /// Indices, i32 | i64, `tiling.positions` elements.
+    pub indices: RawTensor,
+    /// Output `[num_weights, H]`, grad's dtype or f32.
+    pub out: RawTensor,
+    /// Rows of `out`.
+    pub num_weights: u64,
+    /// Global id whose positions are skipped; negative = none.
+    pub padding_idx: i64,
+    /// Global id of `out`'s row 0.
+    pub vocab_start: i64,
+    /// Out-of-range policy.
+    pub out_of_range: IndexPolicy,
+    /// 1: divide each row's sum by its count.
+    pub scale_grad_by_freq: u32,
+    /// 1: `out += sum`; 0: `out = sum` (and untouched rows zeroed).
+    pub accumulate: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// The tiling plan (TilingData).
+    pub tiling: EmbeddingTiling,
+    /// The caller's workspace (unaligned; kernels align inside).
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+/// An index element type (i32 or i64).
+pub(crate) trait IndexElem: Element {
+    fn to_i64(self) -> i64;
+}
+
+impl IndexElem for i32 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self as i64
+    }
+}
+
+impl IndexElem for i64 {
+    #[inline(always)]
+    fn to_i64(self) -> i64 {
+        self
+    }
+}
+
+/// Where a position's gradient goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Row of the output.
+    Row(usize),
+    /// The padding index: contributes nothing, never an error.
+    Padding,
+    /// Outside this call's rows.
+    OutOfRange,
+}
+
+/// Maps raw index values to output rows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RowMap {
+    padding_idx: i64,
+    vocab_start: i64,
+    rows: u64,
+}
+
+impl RowMap {
+    pub(crate) fn of(call: &EmbeddingDenseGradCall) -> RowMap {
+        RowMap {
+            padding_idx: call.padding_idx,
+            vocab_start: call.vocab_start,
+            rows: call.num_weights,
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn slot(&self, v: i64) -> Slot {
+        if self.padding_idx >= 0 && v == self.padding_idx {
+            return Slot::Padding;
+        }
+        match v.checked_sub(self.vocab_start) {
+            Some(r) if r >= 0 && (r as u64) < self.rows => Slot::Row(r as usize),
+            _ => Slot::OutOfRange,
+        }
+    }
+
+    /// The row of `v`, or None for padding and out-of-range values (which a
+    /// kernel skips: under `Error` the front end has already rejected them).
+    #[inline(always)]
+    pub(crate) fn row(&self, v: i64) -> Option<usize> {
+        match self.slot(v) {
+            Slot::Row(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// Calls `$f::<[$p,]* I>($args)` for the index dtype (already validated).
+/// (Two arms, so both call forms survive rustfmt.)
+macro_rules! dispatch_index {
+    ($d:expr, $f:ident ($($a:expr),*)) => {
+        $crate::ops::embedding_dense_grad::dispatch_index!($d, $f::<>($($a),*))
+    };
+    ($d:expr, $f:ident :: <$($p:ty),*> ($($a:expr),*)) => {{
+        match $d {
+            $crate::dtype::DType::I32 => $f::<$($p,)* i32>($($a),*),
+            _ => $f::<$($p,)* i64>($($a),*),
+        }
+    }};
+}
+pub(crate) use dispatch_index;
+
+/// Calls `$f::<[$p,]* G, O>($args)` for the validated (grad, out) dtype pair.
+macro_rules! dispatch_go {
+    ($gd:expr, $od:expr, $f:ident ($($a:expr),*)) => {
+        $crate::ops::embedding_dense_grad::dispatch_go!($gd, $od, $f::<>($($a),*))
+    };
+    ($gd:expr, $od:expr, $f:ident :: <$($p:ty),*> ($($a:expr),*)) => {{
+        use half::{bf16, f16};
+        use $crate::dtype::DType;
+        match ($gd, $od) {
+            (DType::F16, DType::F16) => $f::<$($p,)* f16, f16>($($a),*),
+            (DType::F16, _) => $f::<$($p,)* f16, f32>($($a),*),
+            (DType::BF16, DType::BF16) => $f::<$($p,)* bf16, bf16>($($a),*),
+            (DType::BF16, _) => $f::<$($p,)* bf16, f32>($($a),*),
+            _ => $f::<$($p,)* f32, f32>($($a),*),
+        }
+    }};
+}
+pub(crate) use dispatch_go;
+
+/// Validates the inputs, the options and the sizes, and cuts the plan: all
+/// that `workspace_size` needs (shapes and options; no index data is read).
+pub(crate) fn plan(
+    grad: &RawTensor,
+    indices: &RawTensor,
+    num_weights: u64,
+    opts: &EmbeddingGradOptions,
+    ub: &UbConfig,
+) -> Result<EmbeddingTiling> {
+    let gc = grad.check("grad")?;
+    let ic = indices.check("indices")?;
+    if !grad.dtype.is_float() {
+        return Err(Error::DtypeUnsupported { arg: "grad" });
+    }
+    if !matches!(indices.dtype, DType::I32 | DType::I64) {
+        return Err(Error::DtypeUnsupported { arg: "indices" });
+    }
+    let dims = gc.shape.dims();
+    let (&h, lead) = dims
+        .split_last()
+        .ok_or(invalid("grad", "rank must be 1..=8"))?;
+    // Shape::new checked that the full product fits, so this one does too.
+    let positions: usize = lead.iter().product();
+    if ic.numel != positions {
+        return Err(invalid(
+            "indices",
+            "numel(indices) * H must equal numel(grad)",
+        ));
+    }
+    let v = usize::try_from(num_weights)
+        .ok()
+        .filter(|&v| v <= i64::MAX as usize)
+        .ok_or(Error::SizeOverflow { arg: "num_weights" })?;
+    // The table must be addressable even as f32.
+    v.checked_mul(h)
+        .and_then(|n| n.checked_mul(4))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or(Error::SizeOverflow { arg: "out" })?;
+    if opts.vocab_start < 0 {
+        return Err(invalid("vocab_start", "must be >= 0"));
+    }
+    if opts.vocab_start.checked_add(v as i64).is_none() {
+        return Err(invalid(
+            "vocab_start",
+            "vocab_start + num_weights exceeds i64",
+        ));
+    }
+    EmbeddingTiling::new(positions, h, v, ub)
+}
+
+/// Validates everything (outputs, overlaps, and under `IndexPolicy::Error`
+/// every index value) and builds the call (workspace not yet attached).
+///
+/// The descriptors must point at readable memory of their shapes, as every
+/// front end guarantees (Rust slices; the C ABI's contract): the index pass
+/// reads `indices`.
+pub(crate) fn prepare(
+    grad: &RawTensor,
+    indices: &RawTensor,
+    num_weights: u64,
+    opts: &EmbeddingGradOptions,
+    out: &RawTensor,
+    ub: &UbConfig,
+) -> Result<EmbeddingDenseGradCall> {
+    let tiling = plan(grad, indices, num_weights, opts, ub)?;
+    let gc = grad.check("grad")?;
+    let ic = indices.check("indices")?;
+    let oc = out.check("out")?;
+    if !(out.dtype == grad.dtype || out.dtype == DType::F32) {
+        return Err(Error::DtypeUnsupported { arg: "out" });
+    }
+    if oc.shape.dims() != [tiling.num_weights as usize, tiling.cols as usize] {
+        return Err(invalid("out", "shape must be [num_weights, H]"));
+    }
+    no_overlap(&oc, [&gc, &ic])?;
+    let call = EmbeddingDenseGradCall {
+        grad: *grad,
+        indices: *indices,
+        out: *out,
+        num_weights: tiling.num_weights,
+        padding_idx: opts.padding_idx,
+        vocab_start: opts.vocab_start,
+        out_of_range: opts.out_of_range,
+        scale_grad_by_freq: opts.scale_grad_by_freq as u32,
+        accumulate: opts.accumulate as u32,
+        reserved: 0,
+        tiling,
+        workspace: core::ptr::null_mut(),
+        workspace_bytes: 0,
+    };
+    if call.out_of_range == IndexPolicy::Error {
+        let n = tiling.positions as usize;
+        let map = RowMap::of(&call);
+        // SAFETY: indices was checked to hold `n` elements of its dtype at a
+        // readable, aligned address (see above); it is only read.
+        unsafe { dispatch_index!(indices.dtype, first_out_of_range(indices.data, n, map)) }?;
+    }
+    Ok(call)
+}
+
+/// The validation pass: the first position whose index is neither padding
+/// nor in range.
+///
+/// # Safety
+/// `data` holds `n` readable `I`.
+unsafe fn first_out_of_range<I: IndexElem>(data: *mut c_void, n: usize, map: RowMap) -> Result<()> {
+    // SAFETY: guaranteed by the caller.
+    let idx = unsafe { Src(data as *const I).get(0, n) };
+    match idx
+        .iter()
+        .position(|v| map.slot(v.to_i64()) == Slot::OutOfRange)
+    {
+        None => Ok(()),
+        Some(p) => Err(Error::IndexOutOfRange {
+            arg: "indices",
+            position: p as u64,
+            value: idx.get(p).map_or(0, |v| v.to_i64()),
+        }),
+    }
+}
+
+/// Attaches and checks the workspace, then runs the call on the backend.
+pub(crate) fn launch(
+    exec: &Exec<'_>,
+    mut call: EmbeddingDenseGradCall,
+    ws: *mut c_void,
+    bytes: usize,
+) -> Result<()> {
+    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
+    call.workspace = ws;
+    call.workspace_bytes = bytes;
+    // SAFETY: `call` was built by `prepare` from validated descriptors.
+    unsafe { exec.backend.embedding_dense_grad(&call) }
+}
+
+/// Workspace bytes `embedding_dense_grad` needs for these shapes and options
+/// under `exec.ub` (sized for the worst case; no index value is read).
+pub fn embedding_dense_grad_workspace_size<G: Element, I: Element>(
+    exec: &Exec<'_>,
+    grad: TensorRef<'_, G>,
+    indices: TensorRef<'_, I>,
+    num_weights: usize,
+    opts: &EmbeddingGradOptions,
+) -> Result<usize> {
+    let t = plan(
+        &grad.raw(),
+        &indices.raw(),
+        num_weights as u64,
+        opts,
+        &exec.ub,
+    )?;
+    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+}
+
+/// EmbeddingDenseGrad: writes (or, with `opts.accumulate`, adds) the gradient
+/// of a `[num_weights, H]` embedding table into `out`.
+///
+/// `grad` is `[..., H]` (f32 | f16 | bf16), `indices` i32 | i64 with one
+/// element per gradient row, `out` `[num_weights, H]` of grad's dtype or f32;
+/// other element types fail with `DtypeUnsupported`. `workspace` must hold
+/// `embedding_dense_grad_workspace_size` bytes. On error nothing is written.
+/// See the module docs for the exact arithmetic.
+pub fn embedding_dense_grad<G: Element, I: Element, O: Element>(
+    exec: &Exec<'_>,
+    grad: TensorRef<'_, G>,
+    indices: TensorRef<'_, I>,
+    num_weights: usize,
+    opts: &EmbeddingGradOptions,
+    mut out: TensorMut<'_, O>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    let call = prepare(
+        &grad.raw(),
+        &indices.raw(),
+        num_weights as u64,
+        opts,
+        &out.raw(),
+        &exec.ub,
+    )?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Shape;
+
+    fn raw(dtype: DType, dims: &[usize]) -> RawTensor {
+        // Never dereferenced: plan() reads shapes only.
+        let p = 4096usize as *mut c_void;
+        RawTensor::from_parts(p, dtype, &Shape::new(dims).unwrap())
+    }
+
+    #[test]
+    fn more_than_u32_max_positions_is_an_overflow() {
+        let ub = UbConfig::default();
+        let opts = EmbeddingGradOptions::default();
+        let n = u32::MAX as usize + 1;
+        let g = raw(DType::BF16, &[n, 2]);
+        let i = raw(DType::I64, &[n]);
+        assert_eq!(
+            plan(&g, &i, 10, &opts, &ub),
+            Err(Error::SizeOverflow { arg: "indices" })
+        );
+        // Nothing to write: nothing to sort, so no limit.
+        let g = raw(DType::BF16, &[n, 0]);
+        assert_eq!(plan(&g, &i, 10, &opts, &ub).unwrap().workspace_bytes, 0);
+    }
+
+    #[test]
+    fn sizes_follow_shapes() {
+        let ub = UbConfig::default();
+        let opts = EmbeddingGradOptions::default();
+        let g = raw(DType::F32, &[4, 5, 100]);
+        let i = raw(DType::I32, &[20]);
+        let t = plan(&g, &i, 7, &opts, &ub).unwrap();
+        assert_eq!(
+            (t.positions, t.cols, t.num_weights, t.blocks),
+            (20, 100, 7, 7)
+        );
+        assert_eq!(t.chunk_cols, 112);
+        assert_eq!(t.order_offset, 64);
+        assert_eq!(t.arena_offset, 192);
+        assert_eq!(t.workspace_bytes, 192 + 7 * 448 + 64);
+        let t = plan(
+            &raw(DType::F32, &[2, 100_000]),
+            &raw(DType::I32, &[2]),
+            3,
+            &opts,
+            &ub,
+        )
+        .unwrap();
+        assert_eq!(t.chunk_cols as usize * 4, ub.ub_bytes);
+    }
+}

@@ -1,0 +1,345 @@
+//! The CPU kernel: a serial stable counting sort of the positions by row into
+//! the workspace, then the plan's blocks write the table row by row, each
+//! row exactly once, the rows split over blocks by work.
+
+use core::ffi::c_void;
+
+use super::{dispatch_go, dispatch_index, EmbeddingDenseGradCall, IndexElem, RowMap};
+use crate::lanes::{widen_into, Isa, LaneElem, Lanes, GROUP};
+use crate::ops::dispatch_isa;
+use crate::runner::Runner;
+use crate::workspace::{Dst, Src, Workspace};
+
+/// Runs the call on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &EmbeddingDenseGradCall, isa: Isa, runner: &dyn Runner) {
+    let t = &call.tiling;
+    if t.blocks == 0 {
+        return; // H == 0 or num_weights == 0: nothing to write.
+    }
+    let Ok(ws) = Workspace::new(call.workspace, call.workspace_bytes, t.workspace_bytes) else {
+        return;
+    };
+    let (v, n) = (t.num_weights as usize, t.positions as usize);
+    // SAFETY: both regions are inside the checked workspace, disjoint from
+    // each other and from the arenas, and used by this call alone.
+    let (offs, order) = unsafe {
+        (
+            ws.region_u32(t.offsets_offset as usize, v + 1),
+            ws.region_u32(t.order_offset as usize, n),
+        )
+    };
+    let map = RowMap::of(call);
+    // SAFETY: indices holds `n` elements of its validated dtype.
+    unsafe {
+        dispatch_index!(
+            call.indices.dtype,
+            counting_sort(call.indices.data, n, map, offs, order)
+        )
+    };
+    let sorted = Sorted {
+        offs: &*offs,
+        order: &*order,
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_go!(call.grad.dtype, call.out.dtype,
+            run::<L>(call, sorted, ws, runner)))
+    }
+}
+
+/// Stable counting sort: afterwards `offs[r]..offs[r + 1]` are the slots of
+/// row `r` in `order`, holding its positions in ascending order. Padding and
+/// out-of-range positions are left out.
+///
+/// # Safety
+/// `data` holds `n` readable `I`; `offs` has `num_weights + 1` entries and
+/// `order` `n`.
+unsafe fn counting_sort<I: IndexElem>(
+    data: *mut c_void,
+    n: usize,
+    map: RowMap,
+    offs: &mut [u32],
+    order: &mut [u32],
+) {
+    // SAFETY: guaranteed by the caller.
+    let idx = unsafe { Src(data as *const I).get(0, n) };
+    offs.fill(0);
+    for x in idx {
+        if let Some(c) = map.row(x.to_i64()).and_then(|r| offs.get_mut(r + 1)) {
+            *c += 1;
+        }
+    }
+    // Exclusive prefix sums, shifted by one: offs[r + 1] = start of row r.
+    // The scatter then advances offs[r + 1] to the end of row r = start of
+    // row r + 1, which leaves offs[r] = start of row r for every r. Sums stay
+    // <= n <= u32::MAX (the plan rejects more positions).
+    let mut run = 0u32;
+    for o in offs.iter_mut().skip(1) {
+        let c = *o;
+        *o = run;
+        run += c;
+    }
+    for (i, x) in idx.iter().enumerate() {
+        if let Some(c) = map.row(x.to_i64()).and_then(|r| offs.get_mut(r + 1)) {
+            if let Some(slot) = order.get_mut(*c as usize) {
+                *slot = i as u32;
+            }
+            *c += 1;
+        }
+    }
+}
+
+/// The counting sort's result, shared read-only by the blocks.
+#[derive(Clone, Copy)]
+struct Sorted<'a> {
+    offs: &'a [u32],
+    order: &'a [u32],
+}
+
+impl Sorted<'_> {
+    /// Work before row `r`: its positions plus one per row (a row costs its
+    /// count + 1: untouched rows are still written).
+    #[inline]
+    fn work(&self, r: usize) -> u64 {
+        self.offs.get(r).map_or(u64::MAX, |&o| o as u64 + r as u64)
+    }
+
+    /// First row `r` with `work(r) >= target` (work is strictly increasing).
+    fn first_row_at(&self, target: u64) -> usize {
+        let (mut lo, mut hi) = (0, self.offs.len().saturating_sub(1));
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.work(mid) < target {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// Rows `[start, end)` of block `b` of `blocks`: block `b` starts at
+    /// work `floor(b * total / blocks)`. A function of the counts and
+    /// `blocks` alone.
+    fn block_rows(&self, blocks: usize, b: usize) -> (usize, usize) {
+        let total = self.work(self.offs.len().saturating_sub(1)) as u128;
+        let at = |b: usize| (total * b as u128 / blocks.max(1) as u128) as u64;
+        (self.first_row_at(at(b)), self.first_row_at(at(b + 1)))
+    }
+}
+
+struct Ctx<'a, G, O> {
+    grad: Src<G>,
+    out: Dst<O>,
+    sorted: Sorted<'a>,
+    cols: usize,
+    chunk: usize,
+    blocks: usize,
+    scale: bool,
+    accumulate: bool,
+    arena_offset: usize,
+    arena_bytes: usize,
+    ws: Workspace,
+}
+
+/// # Safety
+/// As for `cpu`; `sorted` is the counting sort of this call's indices.
+unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
+    call: &EmbeddingDenseGradCall,
+    sorted: Sorted<'_>,
+    ws: Workspace,
+    runner: &dyn Runner,
+) {
+    let t = &call.tiling;
+    let c = Ctx::<G, O> {
+        grad: Src(call.grad.data as *const G),
+        out: Dst(call.out.data as *mut O),
+        sorted,
+        cols: t.cols as usize,
+        chunk: t.chunk_cols as usize,
+        blocks: t.blocks as usize,
+        scale: call.scale_grad_by_freq != 0,
+        accumulate: call.accumulate != 0,
+        arena_offset: t.arena_offset as usize,
+        arena_bytes: t.arena_bytes as usize,
+        ws,
+    };
+    runner.parallel_for(c.blocks, &|b| block::<L, G, O>(&c, b));
+}
+
+fn block<L: Lanes, G: LaneElem, O: LaneElem>(c: &Ctx<'_, G, O>, b: usize) {
+    let (r0, r1) = c.sorted.block_rows(c.blocks, b);
+    let h = c.cols;
+    // SAFETY: block b's arena lies inside the workspace and only block b uses it.
+    let tile = unsafe { c.ws.region(c.arena_offset + b * c.arena_bytes, c.chunk) };
+    // A run of untouched rows is contiguous in the table: one large fill
+    // streams faster than many row-sized ones.
+    let zero_rows = |from: usize, to: usize| {
+        if !c.accumulate && to > from {
+            // SAFETY: rows [from, to) are inside `out`, which overlaps no
+            // input, and belong to this block alone.
+            unsafe { c.out.get(from * h, (to - from) * h) }.fill(O::zeroed());
+        }
+    };
+    // Same dtype in and out, nothing to scale or add: a single occurrence is
+    // the gradient row itself (widening and rounding it back is the identity).
+    let copy_single = !c.scale && !c.accumulate && G::DTYPE == O::DTYPE;
+    let mut zeros_from = r0;
+    for r in r0..r1 {
+        let (s, e) = (c.sorted.offs[r] as usize, c.sorted.offs[r + 1] as usize);
+        let Some((&p0, rest)) = c.sorted.order.get(s..e).and_then(|p| p.split_first()) else {
+            continue;
+        };
+        zero_rows(zeros_from, r);
+        zeros_from = r + 1;
+        // SAFETY: row r < num_weights is inside `out`, which overlaps no
+        // input, and belongs to this block alone.
+        let row = unsafe { c.out.get(r * h, h) };
+        // SAFETY: positions are < N, so the range is grad's row p0; grad is
+        // never written.
+        let g0 = unsafe { c.grad.get(p0 as usize * h, h) };
+        if rest.is_empty() && copy_single {
+            if let Ok(g0) = bytemuck::try_cast_slice::<G, O>(g0) {
+                row.copy_from_slice(g0);
+                continue;
+            }
+        }
+        let count = e - s;
+        let mut c0 = 0;
+        while c0 < h {
+            let w = c.chunk.min(h - c0);
+            let Some(t) = tile.get_mut(..w.next_multiple_of(GROUP)) else {
+                return;
+            };
+            widen_into::<L, G>(&g0[c0..c0 + w], t);
+            for batch in rest.chunks(BATCH) {
+                let mut srcs: [&[G]; BATCH] = [&[]; BATCH];
+                for (d, &p) in srcs.iter_mut().zip(batch) {
+                    // SAFETY: as for g0, for row p.
+                    *d = unsafe { c.grad.get(p as usize * h + c0, w) };
+                }
+                add_rows::<L, G>(&srcs[..batch.len()], t);
+            }
+            finish::<L, O>(t, &mut row[c0..c0 + w], count, c.scale, c.accumulate);
+            c0 += w;
+        }
+    }
+    zero_rows(zeros_from, r1);
+}
+
+/// Positions added per pass over a tile chunk: the running sums of a group
+/// stay in registers across the batch, in position order.
+const BATCH: usize = 8;
+
+/// `tile[j] = (((tile[j] + srcs[0][j]) + srcs[1][j]) + ...)`, lane-wise for
+/// whole groups and in scalar f32 for the tail (the same IEEE additions in
+/// the same order, so the same bits). Every `srcs[k]` has the same length.
+#[inline(always)]
+fn add_rows<L: Lanes, T: LaneElem>(srcs: &[&[T]], tile: &mut [f32]) {
+    let Some(len) = srcs.first().map(|s| s.len()) else {
+        return;
+    };
+    let full = len / GROUP;
+    let (tg, _) = tile.as_chunks_mut::<GROUP>();
+    for (gi, t) in tg.iter_mut().enumerate().take(full) {
+        let mut acc = L::load(t);
+        for s in srcs {
+            let (sg, _) = s.as_chunks::<GROUP>();
+            if let Some(g) = sg.get(gi) {
+                acc = acc.add(T::load::<L>(g));
+            }
+        }
+        acc.store(t);
+    }
+    if let Some(t) = tg.get_mut(full) {
+        for s in srcs {
+            for (o, v) in t.iter_mut().zip(s.get(full * GROUP..).unwrap_or(&[])) {
+                *o += v.to_f32();
+            }
+        }
+    }
+}
+
+/// Applies the scale (`sum / count`) and the accumulation (`sum + old`) and
+/// rounds once into `out`.
+#[inline(always)]
+fn finish<L: Lanes, O: LaneElem>(
+    tile: &[f32],
+    out: &mut [O],
+    count: usize,
+    scale: bool,
+    accumulate: bool,
+) {
+    let cnt = count as f32;
+    let (tg, _) = tile.as_chunks::<GROUP>();
+    let (og, ot) = out.as_chunks_mut::<GROUP>();
+    for (t, o) in tg.iter().zip(og.iter_mut()) {
+        let mut s = L::load(t);
+        if scale {
+            s = s.div(L::splat(cnt));
+        }
+        if accumulate {
+            s = s.add(O::load::<L>(o));
+        }
+        O::store(s, o);
+    }
+    let done = og.len() * GROUP;
+    for (o, &t) in ot.iter_mut().zip(tile.get(done..).unwrap_or(&[])) {
+        let mut s = t;
+        if scale {
+            s /= cnt;
+        }
+        if accumulate {
+            s += o.to_f32(); // sum first, as in the lanes (NaN payloads)
+        }
+        *o = O::from_f32(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Sorted;
+
+    #[test]
+    fn block_split_follows_work_and_partitions_rows() {
+        // Row 5 holds 100 000 positions; 999 other rows hold one each.
+        let v = 1000usize;
+        let mut offs = [0u32; 1001];
+        let mut run = 0u32;
+        for (r, o) in offs.iter_mut().enumerate().take(v) {
+            *o = run;
+            run += if r == 5 { 100_000 } else { 1 };
+        }
+        offs[v] = run;
+        let order = [0u32; 0];
+        let s = Sorted {
+            offs: &offs,
+            order: &order,
+        };
+        let total = s.work(v);
+        for blocks in [1usize, 3, 4, 64] {
+            let mut next = 0;
+            let mut holder = None;
+            for b in 0..blocks {
+                let (r0, r1) = s.block_rows(blocks, b);
+                assert_eq!(r0, next, "blocks partition the rows in order");
+                next = r1;
+                if (r0..r1).contains(&5) {
+                    holder = Some((r0, r1));
+                }
+                // Each block's work is at most its share plus one row's cost.
+                let w = s.work(r1) - s.work(r0);
+                assert!(w <= total / blocks as u64 + 100_002, "{blocks} {b} {w}");
+            }
+            assert_eq!(next, v);
+            let (r0, r1) = holder.unwrap();
+            if blocks >= 3 {
+                // The hot row does not take the rest of the table with it.
+                assert!(r1 - r0 < v / 2, "{blocks}: {r0}..{r1}");
+            }
+        }
+    }
+}

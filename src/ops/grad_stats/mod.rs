@@ -1,0 +1,443 @@
+//! Gradient health over many tensors: `grad_stats` (sum of squares, NaN and
+//! Inf counts, min, max, absmax) and `clip_grad_norm` (PyTorch's
+//! `torch.nn.utils.clip_grad_norm_` for the L2 norm) — global operations over
+//! all of a model's gradients, as AMP's non-finite check and gradient
+//! clipping are.
+//!
+//! # Plan and determinism
+//! The tensors (f32 | f16 | bf16, any shapes, any mix) are one flat sequence
+//! of elements in list order. `GradTiling` cuts it into equal blocks from the
+//! element count and `UbConfig::blocks` alone. A block widens its elements
+//! to f32 on the `Lanes`, accumulates them into a fixed 16-lane pattern
+//! (squares in f64) and folds the lanes in a fixed tree; the blocks'
+//! partials are combined in f64 in block order. So the same tensors and
+//! `UbConfig` give the same bits with any runner, thread count or ISA.
+//!
+//! # Precision of the norm
+//! Every square is exact in f64 (a 24-bit significand squared fits in 53
+//! bits); the sums are f64: sequential per lane within a block (at most
+//! `elems_per_block / 16` terms), a 4-level lane fold, then at most
+//! `blocks` block partials. The relative error of `sum_sq` is below
+//! `(elements / 16 + 4 + blocks) * 2^-53` (all terms are >= 0), so the
+//! norm's is below half that plus one rounding of the square root: under
+//! 1e-9 for 10^9 elements, ~1e-15 in practice. A finite gradient never
+//! overflows the f64 sum (unlike an f32 one, which overflows past ~1.8e19).
+//!
+//! # Clipping (`clip_grad_norm`), PyTorch's rule
+//! - `total_norm` = L2 norm of all elements: NaN if any element is NaN, +Inf
+//!   if any is ±Inf (and none NaN), else `sqrt(sum_sq)` in f64. PyTorch
+//!   computes per-tensor norms in each tensor's dtype and then the norm of
+//!   those; ours is the f64 value they approximate.
+//! - With a NaN/Inf present and `error_if_nonfinite`: `Error::NonFinite`,
+//!   and no tensor is touched.
+//! - Else `coef = max_norm / (total_norm + 1e-6)` in f64, clamped to at most
+//!   1.0 with NaN propagating (`torch.clamp(max=1.0)`), rounded once to f32.
+//!   A NaN norm gives a NaN coefficient, an infinite norm gives 0 (or NaN for
+//!   an infinite `max_norm`); both are applied, as PyTorch applies them.
+//! - Every element becomes `round(f32(x) * coef)`: one f32 product, rounded
+//!   once (to nearest even) to the tensor's dtype — what `mul_` by an f32
+//!   scalar does to f32/f16/bf16 tensors on CPU.
+//! - PyTorch multiplies even when `coef == 1.0`. We skip that pass, and the
+//!   result is bitwise the same: `coef == 1.0` implies the norm is finite,
+//!   so no element is NaN/Inf, and `x * 1.0 == x` bit for bit for every
+//!   finite x (±0 and subnormals included) with no rounding in f32, f16 or
+//!   bf16. The reference model does multiply, and the tests compare the two.
+//! - `max_norm` must be >= 0 and not NaN (`InvalidParam`): PyTorch accepts a
+//!   negative or NaN `max_norm` and silently flips or poisons every gradient.
+//!   `+Inf` is accepted (compute the norm, never clip).
+//!
+//! # Why not `Backend`
+//! c-api.md's foreign table has no entry for these operators, so they do not
+//! go through the `Backend` trait: a `GradExec` names the `Runner` (and ISA)
+//! directly, or selects the f64 reference model.
+//!
+//! # Validation
+//! Everything is checked before anything is written: dtypes (i32/i64 are
+//! `DtypeUnsupported`), sizes (checked arithmetic, `SizeOverflow`), the
+//! workspace (size, and for descriptors: not overlapping a tensor), and for
+//! clipping that no two tensors overlap (`InvalidParam`). The workspace
+//! holds the segment table and the per-block partials; no allocation.
+
+mod kernel;
+mod plan;
+mod reference;
+mod types;
+
+use core::ffi::c_void;
+
+pub use plan::{GradTiling, GRAD_MIN_BLOCK_ELEMS};
+pub use types::{GradEngine, GradExec, GradSummary, GradTensor, GradTensorMut};
+
+#[allow(unused_imports)] // the C ABI fills its error detail with it
+pub(crate) use plan::first_bad_raw;
+use plan::{plan_of, GradSource, Partial, RawList, RoList, RwList, Seg, ARG};
+
+use super::dispatch_isa;
+use crate::dtype::DType;
+use crate::error::{invalid, Error, Result};
+use crate::lanes::{detect, Isa, Lanes};
+use crate::runner::Runner;
+use crate::tensor::RawTensor;
+use crate::workspace::{Dst, Workspace};
+
+/// PyTorch's clipping coefficient: `min(1, max_norm / (total_norm + 1e-6))`
+/// in f64, NaN propagating through the clamp, rounded once to f32.
+pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f32 {
+    let c = max_norm / (total_norm + 1e-6);
+    let c = if c > 1.0 { 1.0 } else { c };
+    c as f32
+}
+
+/// Workspace bytes `grad_stats` needs for these tensors under `exec.ub`
+/// (depends on the number of non-empty tensors and the element count only).
+pub fn grad_stats_workspace_size(exec: &GradExec<'_>, tensors: &[GradTensor<'_>]) -> Result<usize> {
+    bytes_of(plan_of(&mut RoList(tensors), &exec.ub)?)
+}
+
+/// Workspace bytes `clip_grad_norm` needs: the same as `grad_stats` for the
+/// same tensors.
+pub fn clip_grad_norm_workspace_size(
+    exec: &GradExec<'_>,
+    tensors: &[GradTensorMut<'_>],
+) -> Result<usize> {
+    bytes_of(plan_of(&mut ShapeList(tensors), &exec.ub)?)
+}
+
+/// `grad_stats_workspace_size` for C-style descriptors (validates them; the
+/// data pointers are not dereferenced).
+pub fn grad_stats_workspace_size_raw(exec: &GradExec<'_>, tensors: &[RawTensor]) -> Result<usize> {
+    bytes_of(plan_of(&mut RawList(tensors), &exec.ub)?)
+}
+
+/// Sum of squares, NaN/Inf counts, min, max and absmax over every element of
+/// every tensor, in one read of the data. `workspace` must hold
+/// `grad_stats_workspace_size` bytes (any alignment).
+pub fn grad_stats(
+    exec: &GradExec<'_>,
+    tensors: &[GradTensor<'_>],
+    workspace: &mut [u8],
+) -> Result<GradSummary> {
+    let ws = workspace.as_mut_ptr() as *mut c_void;
+    stats_with(exec, &mut RoList(tensors), ws, workspace.len(), None)
+}
+
+/// `torch.nn.utils.clip_grad_norm_` (L2): returns the total norm of all
+/// tensors and scales them in place by `min(1, max_norm / (norm + 1e-6))`
+/// (see the module docs for NaN/Inf and rounding). With
+/// `error_if_nonfinite` and a NaN/Inf present it returns
+/// `Error::NonFinite` and changes nothing. `workspace` must hold
+/// `clip_grad_norm_workspace_size` bytes.
+pub fn clip_grad_norm(
+    exec: &GradExec<'_>,
+    tensors: &mut [GradTensorMut<'_>],
+    max_norm: f64,
+    error_if_nonfinite: bool,
+    workspace: &mut [u8],
+) -> Result<f64> {
+    let ws = workspace.as_mut_ptr() as *mut c_void;
+    let n = workspace.len();
+    clip_with(
+        exec,
+        &mut RwList(tensors),
+        max_norm,
+        error_if_nonfinite,
+        ws,
+        n,
+        None,
+    )
+}
+
+/// `grad_stats` over C-style descriptors (what `npk_grad_stats` runs).
+///
+/// # Safety
+/// Every descriptor's `data` must be valid for reads of its shape's elements
+/// of its dtype (or may be anything when empty); `workspace` must be valid
+/// for writes of `workspace_bytes` bytes (or NULL when the size is 0). The
+/// descriptors themselves are validated (rank, dims, dtype, NULL data,
+/// alignment, overflow, workspace overlap).
+pub unsafe fn grad_stats_raw(
+    exec: &GradExec<'_>,
+    tensors: &[RawTensor],
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+) -> Result<GradSummary> {
+    stats_with(
+        exec,
+        &mut RawList(tensors),
+        workspace,
+        workspace_bytes,
+        None,
+    )
+}
+
+/// `clip_grad_norm` over C-style descriptors (what `npk_clip_grad_norm` runs).
+///
+/// # Safety
+/// As for `grad_stats_raw`, and every non-empty tensor must be valid for
+/// writes. Overlapping tensors are detected and rejected.
+pub unsafe fn clip_grad_norm_raw(
+    exec: &GradExec<'_>,
+    tensors: &[RawTensor],
+    max_norm: f64,
+    error_if_nonfinite: bool,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+) -> Result<f64> {
+    let mut l = RawList(tensors);
+    clip_with(
+        exec,
+        &mut l,
+        max_norm,
+        error_if_nonfinite,
+        workspace,
+        workspace_bytes,
+        None,
+    )
+}
+
+/// Read-only view of a mutable list, for sizing only.
+struct ShapeList<'l, 'a>(&'l [GradTensorMut<'a>]);
+
+impl GradSource for ShapeList<'_, '_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
+        let t = self.0.get(i).ok_or(invalid(ARG, "index past the list"))?;
+        // Never dereferenced: the plan needs lengths only.
+        Ok((core::ptr::null_mut(), t.dtype(), t.len()))
+    }
+}
+
+fn bytes_of(t: GradTiling) -> Result<usize> {
+    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+}
+
+/// A byte range an output other than the tensors occupies (the C ABI's
+/// `out` / `total_norm`), checked against the tensors and the workspace.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OutRange {
+    pub name: &'static str,
+    pub addr: usize,
+    pub bytes: usize,
+}
+
+fn overlaps(a: usize, an: usize, b: usize, bn: usize) -> bool {
+    an > 0 && bn > 0 && a < b.saturating_add(bn) && b < a.saturating_add(an)
+}
+
+/// A validated call: the plan, its segment table and partials in the
+/// workspace, and the resolved ISA (None on the reference model).
+struct Prepared {
+    t: GradTiling,
+    segs: *const Seg,
+    parts: *mut Partial,
+    isa: Option<Isa>,
+}
+
+/// Validates everything, then writes the segment table into the workspace.
+/// `writes`: the tensors are outputs too (clip), so they must not overlap.
+fn prepare<S: GradSource>(
+    exec: &GradExec<'_>,
+    src: &mut S,
+    ws: *mut c_void,
+    bytes: usize,
+    writes: bool,
+    out: Option<OutRange>,
+) -> Result<Prepared> {
+    let t = plan_of(src, &exec.ub)?;
+    let isa = match exec.engine {
+        types::GradEngine::Cpu => Some(detect::resolve(exec.isa)?),
+        types::GradEngine::Reference => None,
+    };
+    let needed = bytes_of(t)?;
+    let w = Workspace::new(ws, bytes, t.workspace_bytes)?;
+    let used = bytes.min(needed);
+    if let Some(o) = out {
+        if overlaps(o.addr, o.bytes, ws as usize, used) {
+            return Err(invalid(o.name, "output buffer overlaps the workspace"));
+        }
+    }
+    for i in 0..src.count() {
+        let (p, dt, n) = src.get(i)?;
+        let tb = n * dt.size_bytes(); // validated not to overflow
+        if overlaps(p as usize, tb, ws as usize, used) {
+            return Err(invalid("workspace", "workspace overlaps a tensor"));
+        }
+        if let Some(o) = out {
+            if overlaps(o.addr, o.bytes, p as usize, tb) {
+                return Err(invalid(o.name, "output buffer overlaps a tensor"));
+            }
+        }
+    }
+    let mut prep = Prepared {
+        t,
+        segs: core::ptr::null(),
+        parts: core::ptr::null_mut(),
+        isa,
+    };
+    if t.blocks == 0 {
+        return Ok(prep);
+    }
+    let nseg = t.tensors as usize;
+    // SAFETY: the plan's table and partials regions lie inside the checked
+    // workspace, which overlaps no tensor; nothing else uses it during the call.
+    let (table, parts) = unsafe {
+        (
+            w.region(
+                t.table_offset as usize,
+                (t.partials_offset - t.table_offset) as usize / 4,
+            )
+            .as_mut_ptr() as *mut Seg,
+            w.region(t.partials_offset as usize, t.blocks as usize * 16)
+                .as_mut_ptr() as *mut Partial,
+        )
+    };
+    let mut k = 0usize;
+    let mut start = 0usize;
+    for i in 0..src.count() {
+        let (data, dtype, numel) = src.get(i)?;
+        if numel == 0 {
+            continue;
+        }
+        if k >= nseg {
+            return Err(invalid(ARG, "the list changed while it was read"));
+        }
+        let seg = Seg {
+            data,
+            start,
+            numel,
+            dtype,
+        };
+        // SAFETY: k < nseg rows fit in the table region (64-byte aligned).
+        unsafe { table.add(k).write(seg) };
+        k += 1;
+        start += numel;
+    }
+    if k != nseg {
+        return Err(invalid(ARG, "the list changed while it was read"));
+    }
+    // SAFETY: the first `nseg` rows were just written.
+    let rows = unsafe { core::slice::from_raw_parts_mut(table, nseg) };
+    if writes {
+        // Overlap check without allocating: sort the table by address, look
+        // at neighbours, sort it back (flat starts are distinct).
+        rows.sort_unstable_by_key(|s| s.data as usize);
+        let clash = rows.windows(2).any(|w| {
+            let a = w[0].data as usize + w[0].numel * w[0].dtype.size_bytes();
+            a > w[1].data as usize
+        });
+        rows.sort_unstable_by_key(|s| s.start);
+        if clash {
+            return Err(invalid(ARG, "two tensors overlap"));
+        }
+    }
+    prep.segs = table;
+    prep.parts = parts;
+    Ok(prep)
+}
+
+pub(crate) fn stats_with<S: GradSource>(
+    exec: &GradExec<'_>,
+    src: &mut S,
+    ws: *mut c_void,
+    bytes: usize,
+    out: Option<OutRange>,
+) -> Result<GradSummary> {
+    let p = prepare(exec, src, ws, bytes, false, out)?;
+    match p.isa {
+        // SAFETY: `src` was validated by `prepare`.
+        None => Ok(unsafe { reference::stats(src) }),
+        // SAFETY: `p` was built by `prepare`.
+        Some(isa) => Ok(unsafe { run_stats(&p, isa, exec.runner) }),
+    }
+}
+
+pub(crate) fn clip_with<S: GradSource>(
+    exec: &GradExec<'_>,
+    src: &mut S,
+    max_norm: f64,
+    error_if_nonfinite: bool,
+    ws: *mut c_void,
+    bytes: usize,
+    out: Option<OutRange>,
+) -> Result<f64> {
+    if max_norm.is_nan() || max_norm < 0.0 {
+        return Err(invalid("max_norm", "must be >= 0 and not NaN"));
+    }
+    let p = prepare(exec, src, ws, bytes, true, out)?;
+    let s = match p.isa {
+        // SAFETY: `src` was validated by `prepare`.
+        None => unsafe { reference::stats(src) },
+        // SAFETY: `p` was built by `prepare`.
+        Some(isa) => unsafe { run_stats(&p, isa, exec.runner) },
+    };
+    if error_if_nonfinite && !s.is_finite() {
+        return Err(Error::NonFinite);
+    }
+    let norm = s.norm();
+    let c = clip_coefficient(norm, max_norm);
+    match p.isa {
+        // SAFETY: validated, writable, pairwise disjoint (checked by `prepare`).
+        None => unsafe { reference::scale(src, c) },
+        // Multiplying by exactly 1.0 changes no bit here (see module docs).
+        Some(_) if c == 1.0 => {}
+        // SAFETY: as above.
+        Some(isa) => unsafe { run_scale(&p, isa, exec.runner, c) },
+    }
+    Ok(norm)
+}
+
+/// # Safety
+/// `p` was built by `prepare`.
+unsafe fn run_stats(p: &Prepared, isa: Isa, runner: &dyn Runner) -> GradSummary {
+    if p.t.blocks == 0 {
+        return kernel::combine(&[], 0);
+    }
+    // SAFETY: forwarded.
+    unsafe { dispatch_isa!(isa, L => stats_blocks::<L>(p, runner)) }
+}
+
+unsafe fn stats_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner) -> GradSummary {
+    let t = p.t;
+    let nb = t.blocks as usize;
+    // SAFETY: `prepare` wrote `t.tensors` rows at `segs`.
+    let segs = unsafe { core::slice::from_raw_parts(p.segs, t.tensors as usize) };
+    let parts = Dst(p.parts);
+    runner.parallel_for(nb, &|b| {
+        if b < nb {
+            // SAFETY: the table describes validated tensors.
+            let r = unsafe { kernel::block_stats::<L>(segs, &t, b) };
+            // SAFETY: partial b is block b's alone; b < blocks.
+            unsafe { parts.get(b, 1)[0] = r };
+        }
+    });
+    // SAFETY: every block wrote its partial (the runner contract) and the
+    // runner has returned.
+    let parts = unsafe { core::slice::from_raw_parts(p.parts, nb) };
+    kernel::combine(parts, t.elements)
+}
+
+/// # Safety
+/// `p` was built by `prepare` with `writes`.
+unsafe fn run_scale(p: &Prepared, isa: Isa, runner: &dyn Runner, c: f32) {
+    if p.t.blocks == 0 {
+        return;
+    }
+    // SAFETY: forwarded.
+    unsafe { dispatch_isa!(isa, L => scale_blocks::<L>(p, runner, c)) }
+}
+
+unsafe fn scale_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner, c: f32) {
+    let t = p.t;
+    let nb = t.blocks as usize;
+    // SAFETY: `prepare` wrote `t.tensors` rows at `segs`.
+    let segs = unsafe { core::slice::from_raw_parts(p.segs, t.tensors as usize) };
+    runner.parallel_for(nb, &|b| {
+        if b < nb {
+            // SAFETY: validated, writable, disjoint tensors; block b's range
+            // is touched by this task only.
+            unsafe { kernel::block_scale::<L>(segs, &t, b, c) };
+        }
+    });
+}

@@ -1,0 +1,101 @@
+//! The f64 golden model: a plain sequential pass in list order, every square
+//! and sum in f64; scaling by the literal PyTorch rule (multiply every element
+//! unconditionally, one f32 product rounded once to the tensor's dtype).
+
+use super::plan::GradSource;
+use super::GradSummary;
+use crate::dtype::{DType, Float};
+use crate::workspace::{Dst, Src};
+use half::{bf16, f16};
+
+struct RefAcc {
+    s: GradSummary,
+    finite: u64,
+}
+
+fn visit<T: Float>(x: &[T], r: &mut RefAcc) {
+    for v in x {
+        let f = v.to_f64();
+        if f.is_nan() {
+            r.s.nan_count += 1;
+        } else if f.is_infinite() {
+            r.s.inf_count += 1;
+        } else {
+            r.finite += 1;
+            r.s.sum_sq += f * f;
+            let x = v.to_f32();
+            if x < r.s.min {
+                r.s.min = x;
+            }
+            if x > r.s.max {
+                r.s.max = x;
+            }
+            let m = f32::from_bits(x.to_bits() & 0x7fff_ffff);
+            if m > r.s.absmax {
+                r.s.absmax = m;
+            }
+        }
+    }
+}
+
+/// The summary of all tensors.
+///
+/// # Safety
+/// Every tensor of `src` was validated by the front end.
+pub(crate) unsafe fn stats<S: GradSource>(src: &mut S) -> GradSummary {
+    let mut r = RefAcc {
+        s: GradSummary {
+            sum_sq: 0.0,
+            nan_count: 0,
+            inf_count: 0,
+            min: f32::INFINITY,
+            max: f32::NEG_INFINITY,
+            absmax: 0.0,
+        },
+        finite: 0,
+    };
+    for i in 0..src.count() {
+        let Ok((p, dt, n)) = src.get(i) else { continue };
+        // SAFETY: validated descriptor of `n` elements of `dt`; only read.
+        unsafe {
+            match dt {
+                DType::F32 => visit(Src(p as *const f32).get(0, n), &mut r),
+                DType::F16 => visit(Src(p as *const f16).get(0, n), &mut r),
+                DType::BF16 => visit(Src(p as *const bf16).get(0, n), &mut r),
+                DType::I32 | DType::I64 => {}
+            }
+        }
+    }
+    if r.finite == 0 {
+        r.s.min = f32::NAN;
+        r.s.max = f32::NAN;
+        r.s.absmax = f32::NAN;
+    }
+    r.s
+}
+
+fn scale_t<T: Float>(x: &mut [T], c: f32) {
+    for v in x {
+        *v = T::from_f32(v.to_f32() * c);
+    }
+}
+
+/// Multiplies every element by `c`, unconditionally (as `torch.mul_`).
+///
+/// # Safety
+/// Every tensor of `src` was validated by the front end as writable and
+/// pairwise disjoint.
+pub(crate) unsafe fn scale<S: GradSource>(src: &mut S, c: f32) {
+    for i in 0..src.count() {
+        let Ok((p, dt, n)) = src.get(i) else { continue };
+        // SAFETY: validated, writable, disjoint from every other tensor.
+        unsafe {
+            match dt {
+                DType::F32 => scale_t(Dst(p as *mut f32).get(0, n), c),
+                DType::F16 => scale_t(Dst(p as *mut f16).get(0, n), c),
+                DType::BF16 => scale_t(Dst(p as *mut bf16).get(0, n), c),
+                DType::I32 | DType::I64 => {}
+            }
+        }
+    }
+}
