@@ -1,6 +1,7 @@
-/* Helpers shared by the C11 test (test_c.c): element conversion, random
+/* Helpers shared by the C11 and C++17 tests (test_c.c, test_cpp.cpp): element conversion, random
  * data, tensor descriptors, tolerant comparison and a tiny check counter.
- * Plain C11; no compiler extensions (the tests build with -pedantic). */
+ * Plain C11 that is also valid C++17; no compiler extensions (the tests
+ * build with -pedantic). */
 #ifndef NPK_FFI_COMMON_H
 #define NPK_FFI_COMMON_H
 
@@ -29,28 +30,28 @@ static int g_failed = 0;
 
 /* ---- element conversion ---- */
 
-static uint32_t f2bits(float f) {
+static inline uint32_t f2bits(float f) {
   uint32_t x;
   memcpy(&x, &f, 4);
   return x;
 }
 
-static float bits2f(uint32_t x) {
+static inline float bits2f(uint32_t x) {
   float f;
   memcpy(&f, &x, 4);
   return f;
 }
 
-static uint16_t f2bf(float f) {
+static inline uint16_t f2bf(float f) {
   uint32_t x = f2bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
   return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-static float bf2f(uint16_t h) { return bits2f((uint32_t)h << 16); }
+static inline float bf2f(uint16_t h) { return bits2f((uint32_t)h << 16); }
 
 /* f32 -> f16, round to nearest even (finite inputs of moderate size). */
-static uint16_t f2h(float f) {
+static inline uint16_t f2h(float f) {
   uint32_t x = f2bits(f);
   uint32_t sign = (x >> 16) & 0x8000u;
   int32_t e = (int32_t)((x >> 23) & 0xffu) - 127 + 15;
@@ -76,7 +77,7 @@ static uint16_t f2h(float f) {
   }
 }
 
-static float h2f(uint16_t h) {
+static inline float h2f(uint16_t h) {
   uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
   uint32_t e = ((uint32_t)h >> 10) & 0x1fu;
   uint32_t m = (uint32_t)h & 0x3ffu;
@@ -88,7 +89,7 @@ static float h2f(uint16_t h) {
   return bits2f(sign | ((e - 15u + 127u) << 23) | (m << 13));
 }
 
-static size_t dsize(npk_dtype dt) {
+static inline size_t dsize(npk_dtype dt) {
   switch (dt) {
     case NPK_F16:
     case NPK_BF16: return 2;
@@ -97,7 +98,7 @@ static size_t dsize(npk_dtype dt) {
   }
 }
 
-static const char *dname(npk_dtype dt) {
+static inline const char *dname(npk_dtype dt) {
   switch (dt) {
     case NPK_F32: return "f32";
     case NPK_F16: return "f16";
@@ -107,7 +108,7 @@ static const char *dname(npk_dtype dt) {
   }
 }
 
-static double get(const void *p, npk_dtype dt, size_t i) {
+static inline double get(const void *p, npk_dtype dt, size_t i) {
   switch (dt) {
     case NPK_F32: return ((const float *)p)[i];
     case NPK_F16: return h2f(((const uint16_t *)p)[i]);
@@ -117,7 +118,7 @@ static double get(const void *p, npk_dtype dt, size_t i) {
   }
 }
 
-static void put(void *p, npk_dtype dt, size_t i, double v) {
+static inline void put(void *p, npk_dtype dt, size_t i, double v) {
   switch (dt) {
     case NPK_F32: ((float *)p)[i] = (float)v; break;
     case NPK_F16: ((uint16_t *)p)[i] = f2h((float)v); break;
@@ -131,7 +132,7 @@ static void put(void *p, npk_dtype dt, size_t i, double v) {
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 
-static double urand(double lo, double hi) {
+static inline double urand(double lo, double hi) {
   g_rng ^= g_rng << 13;
   g_rng ^= g_rng >> 7;
   g_rng ^= g_rng << 17;
@@ -146,7 +147,7 @@ typedef struct {
   size_t n;
 } buf;
 
-static buf balloc(npk_dtype dt, size_t n) {
+static inline buf balloc(npk_dtype dt, size_t n) {
   buf b;
   b.dt = dt;
   b.n = n;
@@ -158,30 +159,30 @@ static buf balloc(npk_dtype dt, size_t n) {
   return b;
 }
 
-static buf bclone(buf src) {
+static inline buf bclone(buf src) {
   buf b = balloc(src.dt, src.n);
   memcpy(b.p, src.p, src.n * dsize(src.dt));
   return b;
 }
 
-static void bfree(buf *b) {
+static inline void bfree(buf *b) {
   free(b->p);
   b->p = NULL;
 }
 
-static void bfill_rand(buf b, double lo, double hi) {
+static inline void bfill_rand(buf b, double lo, double hi) {
   size_t i;
   for (i = 0; i < b.n; i++) put(b.p, b.dt, i, urand(lo, hi));
 }
 
-static void bfill(buf b, double v) {
+static inline void bfill(buf b, double v) {
   size_t i;
   for (i = 0; i < b.n; i++) put(b.p, b.dt, i, v);
 }
 
-static int bsame(buf a, buf b) { return a.n == b.n && memcmp(a.p, b.p, a.n * dsize(a.dt)) == 0; }
+static inline int bsame(buf a, buf b) { return a.n == b.n && memcmp(a.p, b.p, a.n * dsize(a.dt)) == 0; }
 
-static npk_tensor tens(void *data, npk_dtype dt, uint32_t ndim, const int64_t *shape) {
+static inline npk_tensor tens(void *data, npk_dtype dt, uint32_t ndim, const int64_t *shape) {
   npk_tensor t;
   uint32_t i;
   memset(&t, 0, sizeof t);
@@ -192,10 +193,10 @@ static npk_tensor tens(void *data, npk_dtype dt, uint32_t ndim, const int64_t *s
   return t;
 }
 
-static npk_tensor btens(buf b, uint32_t ndim, const int64_t *shape) { return tens(b.p, b.dt, ndim, shape); }
+static inline npk_tensor btens(buf b, uint32_t ndim, const int64_t *shape) { return tens(b.p, b.dt, ndim, shape); }
 
 /* Relative tolerance of one rounding to dt, with slack for f32 arithmetic. */
-static double tol_of(npk_dtype dt) {
+static inline double tol_of(npk_dtype dt) {
   switch (dt) {
     case NPK_F16: return 2.5e-3;
     case NPK_BF16: return 2e-2;
@@ -205,7 +206,7 @@ static double tol_of(npk_dtype dt) {
 
 /* |a - b| <= tol * max(|b|, floor_frac * max|b|) for every element; prints
  * the worst element when it fails. */
-static int close_enough(buf got, buf want, double tol, double floor_frac, const char *what) {
+static inline int close_enough(buf got, buf want, double tol, double floor_frac, const char *what) {
   size_t i, worst = 0;
   double scale = 0, worst_err = -1;
   int ok = 1;

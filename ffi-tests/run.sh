@@ -49,12 +49,38 @@ for t in test_c test_cpp; do
   fi
 done
 
+# The pkg-config template, as an installed copy would be used: a staged
+# prefix whose include/ and lib/ point at this tree and its libraries.
+tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared)
+if command -v pkg-config >/dev/null; then
+  stage="$build/stage"
+  mkdir -p "$stage/include" "$stage/lib/pkgconfig"
+  ln -sf "$root/include/npukern.h" "$stage/include/npukern.h"
+  ln -sf "$libdir/libnpukern.so" "$stage/lib/libnpukern.so"
+  sed -e "s|@PREFIX@|$stage|" -e "s|@VERSION@|$version|" "$root/ffi-tests/npukern.pc.in" \
+    > "$stage/lib/pkgconfig/npukern.pc"
+  pc_flags="$(PKG_CONFIG_PATH="$stage/lib/pkgconfig" pkg-config --cflags --libs npukern)"
+  # shellcheck disable=SC2086 # word splitting of the flags is intended
+  "$cc" -std=c11 "${flags[@]}" -I"$root/ffi-tests" "$root/ffi-tests/test_c.c" $pc_flags \
+    -Wl,-rpath,"$stage/lib" -lpthread -lm -o "$build/test_c_pkgconfig"
+  tests+=(test_c_pkgconfig)
+else
+  echo "run.sh: pkg-config not found; the .pc template is not exercised"
+fi
+
 status=0
-for t in test_c_static test_c_shared test_cpp_static test_cpp_shared; do
-  echo "== $t"
-  if ! "$build/$t"; then
-    echo "run.sh: $t FAILED" >&2
+run() { # NAME [ENV=VALUE...]
+  local t="$1"
+  shift
+  echo "== $t $*"
+  if ! env "$@" "$build/$t"; then
+    echo "run.sh: $t $* FAILED" >&2
     status=1
   fi
-done
+}
+for t in "${tests[@]}"; do run "$t"; done
+# Under an ISA ceiling (see npk_exec.isa), so the narrower kernels run and
+# forcing a wider ISA is NPK_ERR_ISA_UNAVAILABLE even on an AVX-512 machine.
+run test_c_static NPK_MAX_CPU_ISA=portable NPK_REQUIRE_ISA_UNAVAILABLE=1
+run test_cpp_shared NPK_MAX_CPU_ISA=avx2
 exit $status

@@ -299,3 +299,58 @@ fn nan_and_inf_propagate() {
     assert!(b.dx[..n].iter().all(|v| !v.is_nan()));
     assert!(b.dgamma[1].is_nan() && !b.dgamma[0].is_nan());
 }
+
+/// Every kernel under every ISA this machine has gives the portable bits
+/// (y, rstd, x_sum, dx and dgamma), in every dtype, merge-N and split-D.
+#[test]
+fn bits_identical_across_isas() {
+    fn check<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
+        let mut rng = Rng(seed);
+        let x: Vec<T> = vec_of(m * n, || rng.mag());
+        let x2: Vec<T> = vec_of(m * n, || rng.mag());
+        let dy: Vec<T> = vec_of(m * n, || rng.mag());
+        let mut g: Vec<T> = vec_of(n, || rng.uniform(-2.0, 2.0));
+        // Specials must convert identically too.
+        let mut x = x;
+        if m * n > 8 {
+            x[1] = T::from_f64(f64::NAN);
+            x[n.min(m * n - 1)] = T::from_f64(1e30);
+            g[0] = T::from_f64(-0.0);
+        }
+        let (xs, gs) = ([m, n], [n]);
+        let base = Cpu::new(Serial).with_isa(Isa::Portable);
+        for opts in [
+            RmsNormOptions::default(),
+            RmsNormOptions { gamma_offset: 1.0, rounding: Rounding::CastBeforeGamma, ..Default::default() },
+        ] {
+            for ub in [UbConfig::default(), UbConfig { ub_bytes: 2048, blocks: 5 }] {
+                let pe = Exec::new(&base).with_ub(ub);
+                let want = run_rms_norm(&pe, &x, &xs, &g, &gs, &opts);
+                let want_add = run_add_rms_norm(&pe, &x, &x2, &xs, &g, &gs, &opts);
+                let gopts = RmsNormGradOptions { gamma_offset: opts.gamma_offset, ..Default::default() };
+                let want_bwd = run_grad(&pe, &dy, &x, &xs, &want.rstd, &g, &gs, Some(&x2), &gopts, None);
+                for isa in Isa::ALL.into_iter().filter(|i| npukern::lanes::available(*i)) {
+                    let cpu = Cpu::new(Serial).with_isa(isa);
+                    let e = Exec::new(&cpu).with_ub(ub);
+                    let what = format!("{isa:?} {:?} n={n} {ub:?}", T::DTYPE);
+                    let got = run_rms_norm(&e, &x, &xs, &g, &gs, &opts);
+                    assert_same_bits(&got.y, &want.y, &what);
+                    assert_same_bits(&got.rstd, &want.rstd, &what);
+                    let got = run_add_rms_norm(&e, &x, &x2, &xs, &g, &gs, &opts);
+                    assert_same_bits(&got.y, &want_add.y, &what);
+                    assert_same_bits(&got.x_sum, &want_add.x_sum, &what);
+                    let got = run_grad(&e, &dy, &x, &xs, &want.rstd, &g, &gs, Some(&x2), &gopts, None);
+                    assert_same_bits(&got.dx, &want_bwd.dx, &what);
+                    assert_same_bits(&got.dgamma, &want_bwd.dgamma, &what);
+                    assert_same_bits(&got.dgamma_cast, &want_bwd.dgamma_cast, &what);
+                }
+            }
+        }
+    }
+    for (i, n) in [1usize, 17, 300, 4095].into_iter().enumerate() {
+        check::<f32>(n, 7, 700 + i as u64);
+        check::<f16>(n, 7, 710 + i as u64);
+        check::<bf16>(n, 7, 720 + i as u64);
+    }
+    check::<bf16>(110_000, 2, 730);
+}

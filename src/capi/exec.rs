@@ -4,6 +4,7 @@
 
 use core::ffi::c_void;
 use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use super::foreign::{npk_foreign_backend, Foreign};
 use super::status::report;
@@ -74,7 +75,7 @@ impl ExecConfig {
         } else {
             e.blocks
         };
-        cfg.isa = match e.isa {
+        let forced = match e.isa {
             0 => None,
             1 => Some(Isa::Portable),
             2 => Some(Isa::Avx2),
@@ -83,7 +84,7 @@ impl ExecConfig {
         };
         // A forced ISA is checked whichever backend runs, so the same exec
         // fails the same way everywhere.
-        detect::resolve(cfg.isa)?;
+        cfg.isa = resolve_isa(forced)?;
         cfg.kind = match e.backend {
             0 => Kind::Cpu,
             1 => Kind::Reference,
@@ -130,6 +131,45 @@ impl ExecConfig {
             ));
         }
         r
+    }
+}
+
+/// The ISA ceiling of the C ABI: the environment variable `NPK_MAX_CPU_ISA`
+/// (`portable`, `avx2` or `avx512`, case-insensitive; read once), like
+/// oneDNN's `ONEDNN_MAX_CPU_ISA`. `NPK_ISA_AUTO` then picks the best ISA at or
+/// below it, `npk_detected_isa` reports that, and forcing an ISA above it is
+/// `NPK_ERR_ISA_UNAVAILABLE`. Unset or unrecognized: no ceiling. It lets a
+/// test (or a user chasing a CPU-specific problem) run the narrower kernels,
+/// and exercise the "unavailable" path, on a machine that has every ISA.
+fn isa_cap() -> Isa {
+    static CAP: OnceLock<Isa> = OnceLock::new();
+    *CAP.get_or_init(|| {
+        let v = std::env::var("NPK_MAX_CPU_ISA").unwrap_or_default();
+        match v.to_ascii_lowercase().as_str() {
+            "portable" => Isa::Portable,
+            "avx2" => Isa::Avx2,
+            _ => Isa::Avx512,
+        }
+    })
+}
+
+/// What `NPK_ISA_AUTO` runs: the best available ISA at or below the ceiling.
+pub(crate) fn auto_isa() -> Isa {
+    let cap = isa_cap() as u32;
+    [Isa::Avx512, Isa::Avx2]
+        .into_iter()
+        .find(|&i| i as u32 <= cap && detect::available(i))
+        .unwrap_or(Isa::Portable)
+}
+
+/// Resolves `npk_exec.isa` under the ceiling: `None` lets the CPU backend
+/// detect (when no ceiling applies), `Some` pins the ISA.
+fn resolve_isa(forced: Option<Isa>) -> Result<Option<Isa>> {
+    match forced {
+        None if auto_isa() == detect::detected() => Ok(None),
+        None => Ok(Some(auto_isa())),
+        Some(i) if i as u32 > isa_cap() as u32 => Err(Error::IsaUnavailable),
+        Some(i) => detect::resolve(Some(i)).map(Some),
     }
 }
 

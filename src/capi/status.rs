@@ -7,7 +7,7 @@ use core::fmt::{self, Write};
 
 use super::types::{npk_error_detail, npk_isa, npk_status, RawStatus};
 use crate::error::{Error, Result};
-use crate::lanes::{detect, Isa};
+use crate::lanes::Isa;
 
 /// The C status of an error. `Error::status` is the one table of codes; this
 /// only turns a code into the enum.
@@ -144,10 +144,11 @@ pub extern "C" fn npk_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-/// What `NPK_ISA_AUTO` picks on this machine.
+/// What `NPK_ISA_AUTO` picks on this machine (at or below the environment's
+/// `NPK_MAX_CPU_ISA` ceiling, if set).
 #[no_mangle]
 pub extern "C" fn npk_detected_isa() -> npk_isa {
-    match detect::detected() {
+    match super::exec::auto_isa() {
         Isa::Portable => npk_isa::NPK_ISA_PORTABLE,
         Isa::Avx2 => npk_isa::NPK_ISA_AVX2,
         Isa::Avx512 => npk_isa::NPK_ISA_AVX512,

@@ -197,8 +197,9 @@ pub struct npk_exec {
     pub ub_bytes: u64,
     /// Blocks the plan is cut for; 0 = 64. The plan uses `min(blocks, rows)`.
     pub blocks: u32,
-    /// ISA of the CPU backend (also checked, and so an error when unavailable,
-    /// with the other backends).
+    /// ISA of the CPU backend. A forced ISA this CPU or build lacks (or above
+    /// the `NPK_MAX_CPU_ISA` environment ceiling) is `NPK_ERR_ISA_UNAVAILABLE`,
+    /// whichever backend runs.
     pub isa: RawIsa,
     /// CPU, reference or foreign.
     pub backend: RawBackendKind,

@@ -1,6 +1,9 @@
-//! Which ISA the kernels run on. Auto-detection picks the best one this build
-//! has an implementation for; a forced ISA the CPU (or this build) lacks is an
-//! error, never a silent fallback.
+//! Which ISA the kernels run on. Detection works without std (cpuid and
+//! xgetbv, so an OS that does not save the wide registers is respected) and is
+//! cached; a forced ISA the CPU or the build lacks is an error, never a silent
+//! fallback.
+
+use core::sync::atomic::{AtomicU8, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -10,9 +13,9 @@ use crate::error::{Error, Result};
 pub enum Isa {
     /// `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
     Portable = 1,
-    /// AVX2 + FMA + F16C (x86_64).
+    /// AVX2 + FMA + F16C (x86_64); FMA is enabled but never used.
     Avx2 = 2,
-    /// AVX-512F/BW (x86_64).
+    /// AVX-512F (with AVX2, FMA, F16C) on x86_64.
     Avx512 = 3,
 }
 
@@ -25,16 +28,74 @@ impl Isa {
             Isa::Avx512 => "avx512",
         }
     }
+
+    /// Every ISA, best last.
+    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+}
+
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+const KNOWN: u8 = 0x80;
+static CACHE: AtomicU8 = AtomicU8::new(0);
+
+#[cfg(target_arch = "x86_64")]
+fn probe() -> u8 {
+    use core::arch::x86_64::{__cpuid, __cpuid_count, _xgetbv};
+    let (max, l1) = (__cpuid(0).eax, __cpuid(1));
+    let osxsave = l1.ecx & (1 << 27) != 0;
+    if max < 7 || !osxsave {
+        return 0;
+    }
+    // SAFETY: OSXSAVE is set, so xgetbv is enabled by the OS.
+    let xcr0 = unsafe { _xgetbv(0) };
+    let ymm_saved = xcr0 & 0b110 == 0b110;
+    let zmm_saved = ymm_saved && xcr0 & 0xe0 == 0xe0;
+    let (fma, avx, f16c) = (l1.ecx & (1 << 12) != 0, l1.ecx & (1 << 28) != 0, l1.ecx & (1 << 29) != 0);
+    let l7 = __cpuid_count(7, 0); // leaf 7 exists: max >= 7
+    let (avx2, avx512f) = (l7.ebx & (1 << 5) != 0, l7.ebx & (1 << 16) != 0);
+    let mut f = 0;
+    if ymm_saved && avx && fma && f16c && avx2 {
+        f |= AVX2;
+        if zmm_saved && avx512f {
+            f |= AVX512;
+        }
+    }
+    f
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn probe() -> u8 {
+    0
+}
+
+fn features() -> u8 {
+    let c = CACHE.load(Ordering::Relaxed);
+    if c & KNOWN != 0 {
+        return c;
+    }
+    let f = probe() | KNOWN;
+    CACHE.store(f, Ordering::Relaxed);
+    f
 }
 
 /// True when this build has kernels for `isa` and this CPU can run them.
 pub fn available(isa: Isa) -> bool {
-    matches!(isa, Isa::Portable)
+    match isa {
+        Isa::Portable => true,
+        Isa::Avx2 => cfg!(target_arch = "x86_64") && features() & AVX2 != 0,
+        Isa::Avx512 => cfg!(target_arch = "x86_64") && features() & AVX512 != 0,
+    }
 }
 
-/// What automatic selection picks on this machine.
+/// What automatic selection picks on this machine: the widest available.
 pub fn detected() -> Isa {
-    Isa::Portable
+    if available(Isa::Avx512) {
+        Isa::Avx512
+    } else if available(Isa::Avx2) {
+        Isa::Avx2
+    } else {
+        Isa::Portable
+    }
 }
 
 /// Resolves an optional forced ISA.

@@ -13,9 +13,13 @@ use crate::dtype::Float;
 
 pub mod detect;
 pub mod portable;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
 
 pub use detect::{available, detected, Isa};
 pub use portable::Portable;
+#[cfg(target_arch = "x86_64")]
+pub use x86::{Avx2, Avx512};
 
 /// The logical vector width and the reduction pattern's lane count.
 pub const GROUP: usize = 16;
@@ -29,6 +33,13 @@ pub const SEGMENT_GROUPS: usize = 128;
 pub trait Lanes: Copy + Send + Sync + 'static {
     /// Which ISA this is.
     const ISA: Isa;
+    /// Runs `f` inside this ISA's `#[target_feature]` context, so the lane
+    /// operations of a kernel body instantiated for `Self` inline as vector
+    /// instructions. Kernels call it once per block.
+    ///
+    /// # Safety
+    /// The CPU must support `Self::ISA` (`detect::available`).
+    unsafe fn enter<R>(f: impl FnOnce() -> R) -> R;
     /// All lanes `x`.
     fn splat(x: f32) -> Self;
     /// Loads sixteen f32.

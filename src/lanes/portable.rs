@@ -44,6 +44,11 @@ impl Lanes for Portable {
     const ISA: Isa = Isa::Portable;
 
     #[inline(always)]
+    unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    #[inline(always)]
     fn splat(x: f32) -> Self {
         Portable(f32x8::splat(x), f32x8::splat(x))
     }

@@ -397,6 +397,26 @@ pub fn embedding_dense_grad_workspace_size<G: Element, I: Element>(
 /// other element types fail with `DtypeUnsupported`. `workspace` must hold
 /// `embedding_dense_grad_workspace_size` bytes. On error nothing is written.
 /// See the module docs for the exact arithmetic.
+///
+/// ```
+/// use half::bf16;
+/// use npukern::*;
+///
+/// let grad: Vec<bf16> = (0..4 * 2).map(|i| bf16::from_f32(i as f32)).collect();
+/// let indices = [2i64, 0, 2, 0];
+/// let (g, ix) = (
+///     TensorRef::new(&grad, &[4, 2]).unwrap(),
+///     TensorRef::new(&indices, &[4]).unwrap(),
+/// );
+/// let exec = Exec::cpu();
+/// let opts = EmbeddingGradOptions::default();
+/// let n = embedding_dense_grad_workspace_size(&exec, g, ix, 3, &opts).unwrap();
+/// let mut ws = vec![0u8; n];
+/// let mut table = vec![0f32; 3 * 2];
+/// let out = TensorMut::new(&mut table, &[3, 2]).unwrap();
+/// embedding_dense_grad(&exec, g, ix, 3, &opts, out, &mut ws).unwrap();
+/// assert_eq!(table, [2.0 + 6.0, 3.0 + 7.0, 0.0, 0.0, 0.0 + 4.0, 1.0 + 5.0]);
+/// ```
 pub fn embedding_dense_grad<G: Element, I: Element, O: Element>(
     exec: &Exec<'_>,
     grad: TensorRef<'_, G>,

@@ -88,10 +88,22 @@ macro_rules! dispatch_xg {
 }
 pub(crate) use dispatch_xg;
 
-/// Calls `$body` with `$L` bound to the Lanes type of `$isa`.
+/// Calls `$body` with `$L` bound to the Lanes type of `$isa` (an ISA that
+/// `detect::resolve` returned, so available on this CPU). Kernel bodies must
+/// run their per-block work inside `L::enter`.
 macro_rules! dispatch_isa {
     ($isa:expr, $L:ident => $body:expr) => {{
         match $isa {
+            #[cfg(target_arch = "x86_64")]
+            $crate::lanes::Isa::Avx512 => {
+                type $L = $crate::lanes::Avx512;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            $crate::lanes::Isa::Avx2 => {
+                type $L = $crate::lanes::Avx2;
+                $body
+            }
             _ => {
                 type $L = $crate::lanes::Portable;
                 $body

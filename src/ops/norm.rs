@@ -133,20 +133,15 @@ pub(crate) fn load_gamma<L: Lanes, G: LaneElem>(src: &[G], dst: &mut [f32], offs
     }
 }
 
-/// Stores `dst.len()` elements computed group by group by `f(group_index)`;
-/// the last partial group goes through a temporary.
+/// Stores the first `dst.len()` (< 16) lanes of `v` into `dst`: the last,
+/// partial group of a row. (A value, not a closure: kernels run inside a
+/// `#[target_feature]` context and must not depend on closure inlining.)
 #[inline(always)]
-pub(crate) fn store_groups<L: Lanes, T: LaneElem>(dst: &mut [T], mut f: impl FnMut(usize) -> L) {
-    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
-    let full = dg.len();
-    for (i, d) in dg.iter_mut().enumerate() {
-        T::store(f(i), d);
-    }
-    if !dt.is_empty() {
-        let mut tmp = [T::from_f32(0.0); GROUP];
-        T::store(f(full), &mut tmp);
-        dt.copy_from_slice(&tmp[..dt.len()]);
-    }
+pub(crate) fn store_tail<L: Lanes, T: LaneElem>(dst: &mut [T], v: L) {
+    let mut tmp = [T::from_f32(0.0); GROUP];
+    T::store(v, &mut tmp);
+    let n = dst.len().min(GROUP);
+    dst[..n].copy_from_slice(&tmp[..n]);
 }
 
 /// Loads group `i` of `src` widened (the last partial group zero-padded).

@@ -2,7 +2,7 @@
 //! differ only in CopyIn (x, or round(x1 + x2) with x_sum written out), which
 //! a `FwdSource` supplies.
 
-use super::norm::{arena_group, load_gamma, round_to, store_groups};
+use super::norm::{arena_group, load_gamma, round_to, store_tail};
 use crate::lanes::{rstd_f32, LaneElem, Lanes, RowSum, GROUP};
 use crate::tiling::NormTiling;
 
@@ -64,9 +64,8 @@ fn write_y<L: Lanes, T: LaneElem>(x: &[f32], g: &[f32], rs: f32, cast_before: bo
     }
     if !dt.is_empty() {
         let i = dg.len();
-        store_groups::<L, T>(dt, |_| {
-            y_of::<L, T>(arena_group(x, i), vr, arena_group(g, i), cast_before)
-        });
+        let v = y_of::<L, T>(arena_group(x, i), vr, arena_group(g, i), cast_before);
+        store_tail::<L, T>(dt, v);
     }
 }
 

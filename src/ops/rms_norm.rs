@@ -193,7 +193,10 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormCall, runner: &d
         t: call.tiling,
         ws,
     };
-    runner.parallel_for(c.t.blocks as usize, &|b| forward_block::<L, T, G, _>(&c, b));
+    runner.parallel_for(c.t.blocks as usize, &|b| {
+        // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
+        unsafe { L::enter(#[inline(always)] || forward_block::<L, T, G, _>(&c, b)) }
+    });
 }
 
 /// The f64 golden model.

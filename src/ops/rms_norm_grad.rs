@@ -6,7 +6,7 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    arena_group, load_gamma, load_group, norm_dims, rstd_check, same_shape, store_groups,
+    arena_group, load_gamma, load_group, norm_dims, rstd_check, same_shape, store_tail,
 };
 use super::{dispatch_isa, dispatch_xg, Exec};
 use crate::dtype::{DType, Float};
@@ -399,7 +399,10 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner
         t: call.tiling,
         ws,
     };
-    runner.parallel_for(c.t.blocks as usize, &|b| block::<L, T, G>(&c, b));
+    runner.parallel_for(c.t.blocks as usize, &|b| {
+        // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
+        unsafe { L::enter(#[inline(always)] || block::<L, T, G>(&c, b)) }
+    });
     if call.has_dgamma == 0 && call.has_dgamma_cast == 0 {
         return;
     }
@@ -409,7 +412,8 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner
     let acc = call.accumulate_dgamma != 0;
     let t = c.t;
     runner.parallel_for(n.div_ceil(REDUCE_COLS), &|task| {
-        reduce_dgamma::<L, G>(&t, &ws, task, dg, dgc, acc)
+        // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
+        unsafe { L::enter(#[inline(always)] || reduce_dgamma::<L, G>(&t, &ws, task, dg, dgc, acc)) }
     });
 }
 
@@ -451,9 +455,105 @@ fn reduce_dgamma<L: Lanes, G: LaneElem>(
         }
         if let Some(d) = &dgc {
             // SAFETY: this task's columns of dgamma_cast belong to it alone.
-            store_groups::<L, G>(unsafe { d.get(start, len) }, |_| sum);
+            store_tail::<L, G>(unsafe { d.get(start, len) }, sum);
         }
         gi += 1;
+    }
+}
+
+/// Split-D CopyIn of one chunk: gamma (+ offset), dy and x at column `k` of row `r`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn load_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
+    c: &Ctx<T, G>,
+    r: usize,
+    k: usize,
+    len: usize,
+    dyt: &mut [f32],
+    xt: &mut [f32],
+    g: &mut [f32],
+) {
+    let n = c.t.cols as usize;
+    // SAFETY: columns k..k+len of row r (dx's chunk is written after).
+    unsafe {
+        load_gamma::<L, G>(c.gamma.get(k, len), g, c.off);
+        widen_into::<L, T>(c.dy.get(r * n + k, len), dyt);
+        widen_into::<L, T>(c.x.get(r * n + k, len), xt);
+    }
+}
+
+/// Pushes `sum_j (dy * g) * (x * rstd)` of one chunk (f32 arena rows).
+#[inline(always)]
+fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L) {
+    let (dg, _) = dy.as_chunks::<GROUP>();
+    let (xg, _) = x.as_chunks::<GROUP>();
+    let (gg, _) = g.as_chunks::<GROUP>();
+    for ((d, xv), gv) in dg.iter().zip(xg).zip(gg) {
+        let gy = L::load(d).mul(L::load(gv));
+        let xh = L::load(xv).mul(rs);
+        s.push(gy.mul(xh));
+    }
+}
+
+/// `rstd * (dy * g - (x * rstd) * c)` for group `gi`: dx's arithmetic.
+#[inline(always)]
+fn dx_group<L: Lanes>(dy: &[f32], x: &[f32], g: &[f32], gi: usize, rs: L, cc: L) -> L {
+    let gy = arena_group::<L>(dy, gi).mul(arena_group(g, gi));
+    let xh = arena_group::<L>(x, gi).mul(rs);
+    rs.mul(gy.sub(xh.mul(cc)))
+}
+
+/// dx for one chunk of row `r` at column `k` (`rows` = dy, x, gamma as f32),
+/// and the chunk's `dy * xh` added into the block's dgamma partial.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn emit_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
+    c: &Ctx<T, G>,
+    r: usize,
+    k: usize,
+    len: usize,
+    rows: [&[f32]; 3],
+    rs: L,
+    cc: L,
+    part: &mut [f32],
+) {
+    let n = c.t.cols as usize;
+    let [dy, x, g] = rows;
+    let dres = c.dres.map(|d| {
+        // SAFETY: dres is an input; columns k..k+len of row r.
+        unsafe { d.get(r * n + k, len) }
+    });
+    // SAFETY: this chunk of dx's row r belongs to this block; dy's same
+    // range (if dx is dy) was copied into the arena before.
+    let dst = unsafe { c.dx.get(r * n + k, len) };
+    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
+    let full = dg.len();
+    match dres {
+        Some(dr) => {
+            let (rg, _) = dr.as_chunks::<GROUP>();
+            for (gi, (d, rv)) in dg.iter_mut().zip(rg).enumerate() {
+                T::store(dx_group(dy, x, g, gi, rs, cc).add(T::load::<L>(rv)), d);
+            }
+        }
+        None => {
+            for (gi, d) in dg.iter_mut().enumerate() {
+                T::store(dx_group(dy, x, g, gi, rs, cc), d);
+            }
+        }
+    }
+    if !dt.is_empty() {
+        let mut v = dx_group(dy, x, g, full, rs, cc);
+        if let Some(dr) = dres {
+            v = v.add(load_group::<L, T>(dr, full));
+        }
+        store_tail::<L, T>(dt, v);
+    }
+    let (pg, _) = part.as_chunks_mut::<GROUP>();
+    let (dyg, _) = dy.as_chunks::<GROUP>();
+    let (xg, _) = x.as_chunks::<GROUP>();
+    for ((p, d), xv) in pg.iter_mut().zip(dyg).zip(xg).take(len.div_ceil(GROUP)) {
+        let xh = L::load(xv).mul(rs);
+        L::load(p).add(L::load(d).mul(xh)).store(p);
     }
 }
 
@@ -480,45 +580,6 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
     let rpt = t.rows_per_tile as usize;
     let (dyt, xt) = rest.split_at_mut(rpt * chunk);
     let xt = &mut xt[..rpt * chunk];
-    // One chunk of one row: (dy, x, gamma) rows in f32 at column k.
-    let reduce = |s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L| {
-        for gi in 0..dy.len() / GROUP {
-            let gg = arena_group::<L>(dy, gi).mul(arena_group(g, gi));
-            let xh = arena_group::<L>(x, gi).mul(rs);
-            s.push(gg.mul(xh));
-        }
-    };
-    let emit = |r: usize,
-                k: usize,
-                len: usize,
-                dy: &[f32],
-                x: &[f32],
-                g: &[f32],
-                rs: L,
-                cc: L,
-                part: &mut [f32]| {
-        let dres = c.dres.map(|d| {
-            // SAFETY: dres is an input; columns k..k+len of row r.
-            unsafe { d.get(r * n + k, len) }
-        });
-        // SAFETY: this chunk of dx's row r belongs to this block; dy's same
-        // range (if dx is dy) was copied into the arena before.
-        let dst = unsafe { c.dx.get(r * n + k, len) };
-        store_groups::<L, T>(dst, |gi| {
-            let gg = arena_group::<L>(dy, gi).mul(arena_group(g, gi));
-            let xh = arena_group::<L>(x, gi).mul(rs);
-            let d = rs.mul(gg.sub(xh.mul(cc)));
-            match dres {
-                Some(dr) => d.add(load_group::<L, T>(dr, gi)),
-                None => d,
-            }
-        });
-        let (pg, _) = part.as_chunks_mut::<GROUP>();
-        for (gi, p) in pg.iter_mut().enumerate().take(len.div_ceil(GROUP)) {
-            let xh = arena_group::<L>(x, gi).mul(rs);
-            L::load(p).add(arena_group::<L>(dy, gi).mul(xh)).store(p);
-        }
-    };
     // SAFETY: rstd has one element per row.
     let rstd_of = |r: usize| unsafe { c.rstd.get(r, 1)[0] };
     if t.split_d == 0 {
@@ -543,9 +604,9 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
                 );
                 let rs = L::splat(rstd_of(r + i));
                 let mut s = RowSum::<L>::new();
-                reduce(&mut s, dy, x, gbuf, rs);
+                reduce_chunk(&mut s, dy, x, gbuf, rs);
                 let cc = L::splat(s.finish() / n as f32);
-                emit(r + i, 0, n, dy, x, gbuf, rs, cc, &mut part[..]);
+                emit_chunk::<L, T, G>(c, r + i, 0, n, [dy, x, gbuf], rs, cc, &mut part[..]);
             }
             r += rows;
         }
@@ -553,21 +614,13 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
         let (dyt, xt) = (&mut dyt[..chunk], &mut xt[..chunk]);
         for r in r0..r1 {
             let rs = L::splat(rstd_of(r));
-            let load = |k: usize, len: usize, dyt: &mut [f32], xt: &mut [f32], g: &mut [f32]| {
-                // SAFETY: columns k..k+len of row r (dx's chunk is written after).
-                unsafe {
-                    load_gamma::<L, G>(c.gamma.get(k, len), g, c.off);
-                    widen_into::<L, T>(c.dy.get(r * n + k, len), dyt);
-                    widen_into::<L, T>(c.x.get(r * n + k, len), xt);
-                }
-            };
             let mut s = RowSum::<L>::new();
             let mut k = 0;
             while k < n {
                 let len = chunk.min(n - k);
                 let p = len.div_ceil(GROUP) * GROUP;
-                load(k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
-                reduce(&mut s, &dyt[..p], &xt[..p], &gbuf[..p], rs);
+                load_chunk::<L, T, G>(c, r, k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
+                reduce_chunk(&mut s, &dyt[..p], &xt[..p], &gbuf[..p], rs);
                 k += len;
             }
             let cc = L::splat(s.finish() / n as f32);
@@ -575,18 +628,9 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
             while k < n {
                 let len = chunk.min(n - k);
                 let p = len.div_ceil(GROUP) * GROUP;
-                load(k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
-                emit(
-                    r,
-                    k,
-                    len,
-                    &dyt[..p],
-                    &xt[..p],
-                    &gbuf[..p],
-                    rs,
-                    cc,
-                    &mut part[k..k + p],
-                );
+                load_chunk::<L, T, G>(c, r, k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
+                let rows = [&dyt[..p], &xt[..p], &gbuf[..p]];
+                emit_chunk::<L, T, G>(c, r, k, len, rows, rs, cc, &mut part[k..k + p]);
                 k += len;
             }
         }

@@ -167,9 +167,13 @@ unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
         arena_bytes: t.arena_bytes as usize,
         ws,
     };
-    runner.parallel_for(c.blocks, &|b| block::<L, G, O>(&c, b));
+    runner.parallel_for(c.blocks, &|b| {
+        // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
+        unsafe { L::enter(#[inline(always)] || block::<L, G, O>(&c, b)) }
+    });
 }
 
+#[inline(always)]
 fn block<L: Lanes, G: LaneElem, O: LaneElem>(c: &Ctx<'_, G, O>, b: usize) {
     let (r0, r1) = c.sorted.block_rows(c.blocks, b);
     let h = c.cols;

@@ -1,78 +1,109 @@
 //! The CPU kernels: one block of the flat element range at a time.
 //!
-//! Stats: every element is widened to f32 on the `Lanes` (the crate's
-//! load/convert layer) and accumulated into a fixed 16-lane pattern — element
-//! `k` of a tensor's piece in the block goes to lane `k % 16`, sequentially —
-//! then the lanes are folded in one fixed tree (lane `i + 8` onto `i`, then
-//! `+4`, `+2`, `+1`). Squares are exact in f64 (an f32 has a 24-bit
-//! significand) and summed in f64: an f32 lane sum of squares would overflow
-//! for finite f32/bf16 values above ~1.8e19 and drift on long blocks.
-//! `Lanes` has no compare, min/max or f64 widening, so this arithmetic is
-//! written as fixed-width `[f64; 16]` / `[f32; 16]` loops, which LLVM
-//! vectorizes; the order of every operation is fixed by the plan alone.
+//! # Stats: the fixed 16-lane pattern
+//! Element `k` of a tensor's piece inside a block goes to lane `k % 16`.
+//! The piece is read in windows of `WINDOW_GROUPS` groups of 16 (256
+//! elements). In a window each lane sums its 16 squares in f32 (the `Lanes`
+//! widen the elements; `wide` vectors square, add and take min/max, since
+//! `Lanes` has no min/max), then the 16 window sums are widened to f64 and
+//! added to the block's 16 f64 lane sums. The tail of a piece (< 16
+//! elements) goes, element `k` to lane `k % 16`, straight into the f64 lanes.
+//! At the end of the block the 16 f64 lanes fold in one fixed tree (lane
+//! `i + 8` onto `i`, then `+4`, `+2`, `+1`). The order of every operation is
+//! fixed by the plan alone, never by the runner; there is no FMA.
 //!
-//! Non-finite values: the hot loop does not test each element. It keeps
-//! ±Inf in min/max and lets NaN/Inf reach the f64 sums; after each window of
-//! `chunk_elems` elements it checks the 16 sums (finite squares can never
-//! overflow f64), and only a window that did meet NaN/Inf is restored and
-//! re-scanned with the masked, counting loop while it is still in cache. On
-//! finite data both loops perform the same operations, so the result never
-//! depends on which one ran.
+//! # Why f32 windows are exact enough, and when they are not used
+//! A lane's window sum has 16 terms, so its relative error is at most
+//! 16 * 2^-24 (each square and each partial sum rounds once): < 9.6e-7 on
+//! `sum_sq`, < 4.8e-7 on the norm, before the f64 part (~1e-15). That holds
+//! only while no square overflows or underflows f32, so a window is taken
+//! as is only when its f32 sums are finite and its largest magnitude `m` is
+//! 0 or in `[2^-50, 2^60]`. Otherwise — a window holding NaN/Inf, a huge
+//! value, or only tiny nonzero ones — the window is re-read, masked, while
+//! it is in L1: each finite element's exact f64 square is added to its f64
+//! lane, NaN/Inf are counted, min/max see the finite elements only. Whether
+//! a window is masked depends on its contents alone, so results stay
+//! deterministic. (Below `2^-50` the f32 squares would lose bits to
+//! underflow; in a window whose largest magnitude is at least `2^-50`
+//! those lost bits are below 2^-40 of the window's sum.)
 
 use super::plan::{GradTiling, Partial, Seg};
+use super::GradSummary;
 use crate::dtype::DType;
 use crate::lanes::{LaneElem, Lanes, GROUP};
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
+use wide::f32x8;
 
 const INF_BITS: u32 = 0x7f80_0000;
+/// Groups of 16 per f32 window (16 terms per lane sum).
+pub(crate) const WINDOW_GROUPS: usize = 16;
+/// Largest magnitude a window may hold for its f32 sums: 2^60 (squares up to
+/// 2^120, 16 of them stay below f32::MAX).
+const BIG: f32 = f32::from_bits((127 + 60) << 23);
+/// Smallest nonzero largest-magnitude an f32 window may have: 2^-50.
+const SMALL: f32 = f32::from_bits((127 - 50) << 23);
 
-/// The 16 lanes of one block's running statistics.
-#[derive(Clone, Copy)]
-struct LaneAcc {
-    sq: [f64; GROUP],
-    min: [f32; GROUP],
-    max: [f32; GROUP],
-    absmax: [f32; GROUP],
-}
-
+/// One block's running statistics.
 struct Acc {
-    lanes: LaneAcc,
+    /// The 16 f64 lane sums of squares.
+    sq: [f64; GROUP],
+    /// Min/max of the f32 windows, lanes `i` and `i + 8` of a group merged.
+    vmin: f32x8,
+    vmax: f32x8,
+    /// Min/max of the masked windows and tails (finite elements only).
+    min: f32,
+    max: f32,
     nan: u64,
     inf: u64,
 }
 
 impl Acc {
+    #[inline(always)]
     fn new() -> Self {
         Acc {
-            lanes: LaneAcc {
-                sq: [0.0; GROUP],
-                min: [f32::INFINITY; GROUP],
-                max: [f32::NEG_INFINITY; GROUP],
-                absmax: [0.0; GROUP],
-            },
+            sq: [0.0; GROUP],
+            vmin: f32x8::splat(f32::INFINITY),
+            vmax: f32x8::splat(f32::NEG_INFINITY),
+            min: f32::INFINITY,
+            max: f32::NEG_INFINITY,
             nan: 0,
             inf: 0,
         }
     }
 
+    #[inline(always)]
     fn finish(self) -> Partial {
-        let l = self.lanes;
+        let lo = |a: f32, b: f32| if b < a { b } else { a };
+        let hi = |a: f32, b: f32| if b > a { b } else { a };
+        let min = lo(fold8(self.vmin.to_array(), lo), self.min);
+        let max = hi(fold8(self.vmax.to_array(), hi), self.max);
         Partial {
-            sum_sq: fold(l.sq, |a, b| a + b),
+            sum_sq: fold16(self.sq),
             nan: self.nan,
             inf: self.inf,
-            min: fold(l.min, |a, b| if b < a { b } else { a }),
-            max: fold(l.max, |a, b| if b > a { b } else { a }),
-            absmax: fold(l.absmax, |a, b| if b > a { b } else { a }),
+            min,
+            max,
         }
     }
 }
 
-/// The fixed lane fold: `i + 8` onto `i`, then `+4`, `+2`, `+1`.
+/// The fixed lane fold of the sums: `i + 8` onto `i`, then `+4`, `+2`, `+1`.
 #[inline(always)]
-fn fold<T: Copy>(mut w: [T; GROUP], f: impl Fn(T, T) -> T) -> T {
+fn fold16(mut w: [f64; GROUP]) -> f64 {
     let mut step = GROUP / 2;
+    while step > 0 {
+        for i in 0..step {
+            w[i] += w[i + step];
+        }
+        step /= 2;
+    }
+    w[0]
+}
+
+#[inline(always)]
+fn fold8(mut w: [f32; 8], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut step = 4;
     while step > 0 {
         for i in 0..step {
             w[i] = f(w[i], w[i + step]);
@@ -82,41 +113,22 @@ fn fold<T: Copy>(mut w: [T; GROUP], f: impl Fn(T, T) -> T) -> T {
     w[0]
 }
 
-#[inline(always)]
-fn abs32(x: f32) -> f32 {
-    f32::from_bits(x.to_bits() & 0x7fff_ffff)
-}
-
-/// The hot loop body: no per-element test; NaN is ignored by the compares,
-/// ±Inf is not (the window check catches both).
-#[inline(always)]
-fn fast(a: &mut LaneAcc, v: &[f32; GROUP]) {
-    for i in 0..GROUP {
-        let x = v[i];
-        let d = x as f64;
-        // Separate mul and add: Rust never contracts them into an FMA.
-        a.sq[i] += d * d;
-        a.min[i] = if x < a.min[i] { x } else { a.min[i] };
-        a.max[i] = if x > a.max[i] { x } else { a.max[i] };
-        let m = abs32(x);
-        a.absmax[i] = if m > a.absmax[i] { m } else { a.absmax[i] };
-    }
-}
-
-/// The masked loop: finite elements exactly as `fast`, NaN/Inf only counted.
-/// `v` holds up to 16 lanes starting at lane 0.
+/// Masked, exact path for up to 16 elements starting at lane 0: finite
+/// elements add their f64 square to their lane; NaN/Inf are counted.
 #[inline(always)]
 fn masked(acc: &mut Acc, v: &[f32]) {
-    let a = &mut acc.lanes;
     for (i, &x) in v.iter().enumerate().take(GROUP) {
         let bits = x.to_bits() & 0x7fff_ffff;
         if bits < INF_BITS {
             let d = x as f64;
-            a.sq[i] += d * d;
-            a.min[i] = if x < a.min[i] { x } else { a.min[i] };
-            a.max[i] = if x > a.max[i] { x } else { a.max[i] };
-            let m = abs32(x);
-            a.absmax[i] = if m > a.absmax[i] { m } else { a.absmax[i] };
+            // Separate mul and add: Rust never contracts them into an FMA.
+            acc.sq[i] += d * d;
+            if x < acc.min {
+                acc.min = x;
+            }
+            if x > acc.max {
+                acc.max = x;
+            }
         } else if bits == INF_BITS {
             acc.inf += 1;
         } else {
@@ -125,28 +137,52 @@ fn masked(acc: &mut Acc, v: &[f32]) {
     }
 }
 
+/// One window of whole groups: squares summed on the `Lanes`, min/max on
+/// `wide` vectors (the `Lanes` have no min/max).
 #[inline(always)]
-fn widen<L: Lanes, T: LaneElem>(g: &[T; GROUP]) -> [f32; GROUP] {
+fn window<L: Lanes, T: LaneElem>(acc: &mut Acc, win: &[[T; GROUP]]) {
+    let mut s = L::splat(0.0);
+    let mut mn = f32x8::splat(f32::INFINITY);
+    let mut mx = f32x8::splat(f32::NEG_INFINITY);
     let mut v = [0f32; GROUP];
-    T::load::<L>(g).store(&mut v);
-    v
+    for g in win {
+        let x = T::load::<L>(g);
+        s = s.add(x.mul(x));
+        x.store(&mut v);
+        let (a, b) = v.split_at(8);
+        let (a, b) = (f32x8::from(a), f32x8::from(b));
+        // NaN may slip through fast_min/fast_max; the sums catch it.
+        mn = mn.fast_min(a.fast_min(b));
+        mx = mx.fast_max(a.fast_max(b));
+    }
+    s.store(&mut v);
+    let (a, b) = v.split_at(8);
+    let (s0, s1) = (f32x8::from(a), f32x8::from(b));
+    let t = s0 + s1;
+    let m = (-mn).fast_max(mx);
+    let ok = (t - t).simd_eq(f32x8::ZERO)
+        & m.simd_le(f32x8::splat(BIG))
+        & (m.simd_ge(f32x8::splat(SMALL)) | m.simd_eq(f32x8::ZERO));
+    if ok.all() {
+        for (q, &w) in acc.sq.iter_mut().zip(v.iter()) {
+            *q += w as f64;
+        }
+        acc.vmin = acc.vmin.fast_min(mn);
+        acc.vmax = acc.vmax.fast_max(mx);
+    } else {
+        // Rare: re-read the window (in L1) exactly, masking NaN/Inf.
+        for g in win {
+            T::load::<L>(g).store(&mut v);
+            masked(acc, &v);
+        }
+    }
 }
 
 #[inline(always)]
-fn seg_stats<L: Lanes, T: LaneElem>(x: &[T], acc: &mut Acc, chunk_groups: usize) {
+fn seg_stats<L: Lanes, T: LaneElem>(x: &[T], acc: &mut Acc) {
     let (groups, tail) = x.as_chunks::<GROUP>();
-    for win in groups.chunks(chunk_groups.max(1)) {
-        let saved = acc.lanes;
-        for g in win {
-            fast(&mut acc.lanes, &widen::<L, T>(g));
-        }
-        if !acc.lanes.sq.iter().all(|s| s.is_finite()) {
-            // The window met NaN/Inf: redo it masked (it is still in cache).
-            acc.lanes = saved;
-            for g in win {
-                masked(acc, &widen::<L, T>(g));
-            }
-        }
+    for win in groups.chunks(WINDOW_GROUPS) {
+        window::<L, T>(acc, win);
     }
     if !tail.is_empty() {
         let mut v = [0f32; GROUP];
@@ -177,22 +213,18 @@ fn for_pieces(segs: &[Seg], t: &GradTiling, b: usize, mut f: impl FnMut(&Seg, us
 ///
 /// # Safety
 /// `segs` is the validated segment table of `t`'s tensors.
+#[inline(always)]
 pub(crate) unsafe fn block_stats<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usize) -> Partial {
     let mut acc = Acc::new();
-    let cg = (t.chunk_elems as usize) / GROUP;
     for_pieces(segs, t, b, |g, lo, n| {
         // SAFETY: the table's rows describe validated tensors of `numel`
         // elements of `dtype`; `lo + n <= numel`; stats only read.
         unsafe {
             match g.dtype {
-                DType::F32 => {
-                    seg_stats::<L, f32>(Src(g.data as *const f32).get(lo, n), &mut acc, cg)
-                }
-                DType::F16 => {
-                    seg_stats::<L, f16>(Src(g.data as *const f16).get(lo, n), &mut acc, cg)
-                }
+                DType::F32 => seg_stats::<L, f32>(Src(g.data as *const f32).get(lo, n), &mut acc),
+                DType::F16 => seg_stats::<L, f16>(Src(g.data as *const f16).get(lo, n), &mut acc),
                 DType::BF16 => {
-                    seg_stats::<L, bf16>(Src(g.data as *const bf16).get(lo, n), &mut acc, cg)
+                    seg_stats::<L, bf16>(Src(g.data as *const bf16).get(lo, n), &mut acc)
                 }
                 DType::I32 | DType::I64 => {}
             }
@@ -220,6 +252,7 @@ fn seg_scale<L: Lanes, T: LaneElem>(x: &mut [T], c: f32) {
 /// # Safety
 /// `segs` is the validated segment table of `t`'s tensors, which are
 /// writable and pairwise disjoint; no one else touches block `b`'s range.
+#[inline(always)]
 pub(crate) unsafe fn block_scale<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usize, c: f32) {
     for_pieces(segs, t, b, |g, lo, n| {
         // SAFETY: as for `block_stats`; blocks cover disjoint flat ranges and
@@ -236,8 +269,8 @@ pub(crate) unsafe fn block_scale<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usiz
 }
 
 /// Combines the blocks' partials in block order (f64 sum, exact counts).
-pub(crate) fn combine(parts: &[Partial], elements: u64) -> super::GradSummary {
-    let mut s = super::GradSummary {
+pub(crate) fn combine(parts: &[Partial], elements: u64) -> GradSummary {
+    let mut s = GradSummary {
         sum_sq: 0.0,
         nan_count: 0,
         inf_count: 0,
@@ -251,16 +284,27 @@ pub(crate) fn combine(parts: &[Partial], elements: u64) -> super::GradSummary {
         s.inf_count += p.inf;
         s.min = if p.min < s.min { p.min } else { s.min };
         s.max = if p.max > s.max { p.max } else { s.max };
-        s.absmax = if p.absmax > s.absmax {
-            p.absmax
-        } else {
-            s.absmax
-        };
     }
-    if s.nan_count + s.inf_count >= elements {
+    finish_summary(s, elements)
+}
+
+/// Shared by kernels and reference: absmax from min and max, zeros reported
+/// as +0.0 (SIMD min/max differ across ISAs in which zero they keep), NaN
+/// min/max/absmax when no element is finite.
+pub(crate) fn finish_summary(mut s: GradSummary, elements: u64) -> GradSummary {
+    if s.nan_count.saturating_add(s.inf_count) >= elements {
         s.min = f32::NAN;
         s.max = f32::NAN;
         s.absmax = f32::NAN;
+        return s;
     }
+    if s.min == 0.0 {
+        s.min = 0.0;
+    }
+    if s.max == 0.0 {
+        s.max = 0.0;
+    }
+    let (a, b) = (-s.min, s.max);
+    s.absmax = if a > b { a } else { b };
     s
 }

@@ -39,9 +39,9 @@ pub struct GradTiling {
     pub reserved: u32,
     /// Elements per block, a multiple of 16; the last block may have fewer.
     pub elems_per_block: u64,
-    /// Elements a block re-scans, masked, when a window holds NaN/Inf
-    /// (`ub_bytes / 4` rounded down to 16: a window stays in cache).
-    pub chunk_elems: u64,
+    /// Elements per window of the stats kernel (256: 16 lanes x 16 terms
+    /// summed in f32; see `grad_stats` docs).
+    pub window_elems: u64,
     /// Offset of the segment table from the aligned workspace start.
     pub table_offset: u64,
     /// Offset of the per-block partials from the aligned workspace start.
@@ -63,7 +63,7 @@ impl GradTiling {
         let mut t = GradTiling {
             tensors: tensors as u64,
             elements: elements as u64,
-            chunk_elems: (cfg.ub_bytes / 4 / GROUP * GROUP) as u64,
+            window_elems: (super::kernel::WINDOW_GROUPS * GROUP) as u64,
             ..Default::default()
         };
         if elements == 0 {
@@ -137,8 +137,6 @@ pub(crate) struct Partial {
     pub min: f32,
     /// -Inf when the block has no finite element.
     pub max: f32,
-    /// 0 when the block has no finite element.
-    pub absmax: f32,
 }
 
 /// A list of gradient tensors the front end lowers to the segment table.

@@ -30,10 +30,6 @@ fn visit<T: Float>(x: &[T], r: &mut RefAcc) {
             if x > r.s.max {
                 r.s.max = x;
             }
-            let m = f32::from_bits(x.to_bits() & 0x7fff_ffff);
-            if m > r.s.absmax {
-                r.s.absmax = m;
-            }
         }
     }
 }
@@ -66,12 +62,8 @@ pub(crate) unsafe fn stats<S: GradSource>(src: &mut S) -> GradSummary {
             }
         }
     }
-    if r.finite == 0 {
-        r.s.min = f32::NAN;
-        r.s.max = f32::NAN;
-        r.s.absmax = f32::NAN;
-    }
-    r.s
+    let total = r.finite + r.s.nan_count + r.s.inf_count;
+    super::kernel::finish_summary(r.s, total)
 }
 
 fn scale_t<T: Float>(x: &mut [T], c: f32) {

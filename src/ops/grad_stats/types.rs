@@ -117,10 +117,11 @@ grad_from!(bf16, BF16);
 /// What `grad_stats` measures over all elements of all tensors
 /// (`npk_grad_summary`).
 ///
-/// `sum_sq` is the sum of squares of the finite elements, accumulated in f64
-/// (each square is exact in f64); `min`, `max` and `absmax` are taken over
-/// the finite elements and are NaN when there are none. The sign of a zero
-/// `min`/`max` is whichever zero the fixed reduction order meets first.
+/// `sum_sq` is the sum of squares of the finite elements (relative error
+/// below 1e-6, see the module docs); `min`, `max` and `absmax` are taken
+/// over the finite elements, exactly, and are NaN when there are none. A
+/// zero `min`/`max` is reported as +0.0 (SIMD min/max keep different zeros
+/// on different ISAs); `absmax` is `max(-min, max)`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct GradSummary {
@@ -191,8 +192,9 @@ static SERIAL: Serial = Serial;
 /// runner gives the same bits.
 #[derive(Clone, Copy)]
 pub struct GradExec<'a> {
-    /// Tiling machine model: `blocks` cuts the flat element range; `ub_bytes`
-    /// sizes the window a block re-scans when it meets NaN/Inf.
+    /// Tiling machine model: `blocks` cuts the flat element range.
+    /// `ub_bytes` is validated but unused: these kernels stream through
+    /// registers and need no UB arena.
     pub ub: UbConfig,
     /// Runs the blocks.
     pub runner: &'a dyn Runner,

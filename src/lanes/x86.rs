@@ -1,0 +1,255 @@
+//! x86_64 lanes: AVX2 (two ymm, with FMA and F16C enabled in the context but
+//! no FMA used) and AVX-512F (one zmm). Same logical 16 lanes, same IEEE
+//! operations and the same fold tree as the portable lanes, so every output
+//! bit is the same; only the speed differs.
+//!
+//! These types are only instantiated by `dispatch_isa!` after run-time
+//! detection, and kernels enter a `#[target_feature]` context through
+//! `Lanes::enter` so the intrinsics inline.
+
+use core::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+use super::{Isa, Lanes, GROUP};
+
+/// Lanes 0..8 in `.0`, lanes 8..16 in `.1`.
+#[derive(Clone, Copy, Debug)]
+pub struct Avx2(__m256, __m256);
+
+/// All 16 lanes in one zmm.
+#[derive(Clone, Copy, Debug)]
+pub struct Avx512(__m512);
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn in_avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+fn in_avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// The fold tree of `Portable::fold`, on the sum of the two 8-lane halves.
+#[inline(always)]
+fn fold8(s: [f32; 8]) -> f32 {
+    let t = [s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]];
+    let u = [t[0] + t[2], t[1] + t[3]];
+    u[0] + u[1]
+}
+
+/// bf16 round-to-nearest-even of eight lanes, as `dtype::bf16_bits_rne`.
+#[inline(always)]
+unsafe fn bf16_bits8(v: __m256) -> __m128i {
+    // SAFETY: called only inside an AVX2 context (see `Lanes::enter`).
+    unsafe {
+        let x = _mm256_castps_si256(v);
+        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff));
+        let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+        let hi = _mm256_srli_epi32::<16>(x);
+        let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+            _mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)),
+            lsb,
+        ));
+        let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
+        let r = _mm256_blendv_epi8(rounded, quiet, nan);
+        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
+    }
+}
+
+impl Lanes for Avx2 {
+    const ISA: Isa = Isa::Avx2;
+
+    #[inline(always)]
+    unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: the caller guarantees the CPU has AVX2, FMA and F16C.
+        unsafe { in_avx2(f) }
+    }
+    #[inline(always)]
+    fn splat(x: f32) -> Self {
+        // SAFETY: Avx2 values exist only on CPUs with AVX2 (dispatch_isa!).
+        unsafe { Avx2(_mm256_set1_ps(x), _mm256_set1_ps(x)) }
+    }
+    #[inline(always)]
+    fn load(src: &[f32; GROUP]) -> Self {
+        // SAFETY: 16 readable f32; AVX2 present (see splat).
+        unsafe { Avx2(_mm256_loadu_ps(src.as_ptr()), _mm256_loadu_ps(src.as_ptr().add(8))) }
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32; GROUP]) {
+        // SAFETY: 16 writable f32; AVX2 present.
+        unsafe {
+            _mm256_storeu_ps(dst.as_mut_ptr(), self.0);
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8), self.1);
+        }
+    }
+    #[inline(always)]
+    fn load_bf16(src: &[bf16; GROUP]) -> Self {
+        // SAFETY: 32 readable bytes; AVX2 present.
+        unsafe {
+            let p = src.as_ptr() as *const __m128i;
+            let w = |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+            Avx2(w(_mm_loadu_si128(p)), w(_mm_loadu_si128(p.add(1))))
+        }
+    }
+    #[inline(always)]
+    fn store_bf16(self, dst: &mut [bf16; GROUP]) {
+        // SAFETY: 32 writable bytes; AVX2 present.
+        unsafe {
+            let p = dst.as_mut_ptr() as *mut __m128i;
+            _mm_storeu_si128(p, bf16_bits8(self.0));
+            _mm_storeu_si128(p.add(1), bf16_bits8(self.1));
+        }
+    }
+    #[inline(always)]
+    fn load_f16(src: &[f16; GROUP]) -> Self {
+        // SAFETY: 32 readable bytes; F16C present.
+        unsafe {
+            let p = src.as_ptr() as *const __m128i;
+            Avx2(_mm256_cvtph_ps(_mm_loadu_si128(p)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))))
+        }
+    }
+    #[inline(always)]
+    fn store_f16(self, dst: &mut [f16; GROUP]) {
+        // SAFETY: 32 writable bytes; F16C present. Round to nearest even.
+        unsafe {
+            let p = dst.as_mut_ptr() as *mut __m128i;
+            _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0));
+            _mm_storeu_si128(p.add(1), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.1));
+        }
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_add_ps(self.0, o.0), _mm256_add_ps(self.1, o.1)) }
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_sub_ps(self.0, o.0), _mm256_sub_ps(self.1, o.1)) }
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_mul_ps(self.0, o.0), _mm256_mul_ps(self.1, o.1)) }
+    }
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_div_ps(self.0, o.0), _mm256_div_ps(self.1, o.1)) }
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_sqrt_ps(self.0), _mm256_sqrt_ps(self.1)) }
+    }
+    #[inline(always)]
+    fn fold(self) -> f32 {
+        let mut s = [0f32; 8];
+        // SAFETY: 8 writable f32; AVX present.
+        unsafe { _mm256_storeu_ps(s.as_mut_ptr(), _mm256_add_ps(self.0, self.1)) };
+        fold8(s)
+    }
+}
+
+impl Lanes for Avx512 {
+    const ISA: Isa = Isa::Avx512;
+
+    #[inline(always)]
+    unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: the caller guarantees the CPU has AVX-512F, AVX2, FMA, F16C.
+        unsafe { in_avx512(f) }
+    }
+    #[inline(always)]
+    fn splat(x: f32) -> Self {
+        // SAFETY: Avx512 values exist only on CPUs with AVX-512F (dispatch_isa!).
+        unsafe { Avx512(_mm512_set1_ps(x)) }
+    }
+    #[inline(always)]
+    fn load(src: &[f32; GROUP]) -> Self {
+        // SAFETY: 16 readable f32; AVX-512F present.
+        unsafe { Avx512(_mm512_loadu_ps(src.as_ptr())) }
+    }
+    #[inline(always)]
+    fn store(self, dst: &mut [f32; GROUP]) {
+        // SAFETY: 16 writable f32; AVX-512F present.
+        unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), self.0) }
+    }
+    #[inline(always)]
+    fn load_bf16(src: &[bf16; GROUP]) -> Self {
+        // SAFETY: 32 readable bytes; AVX-512F present.
+        unsafe {
+            let h = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))))
+        }
+    }
+    #[inline(always)]
+    fn store_bf16(self, dst: &mut [bf16; GROUP]) {
+        // SAFETY: 32 writable bytes; AVX-512F present.
+        unsafe {
+            let x = _mm512_castps_si512(self.0);
+            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
+            let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+            let hi = _mm512_srli_epi32::<16>(x);
+            let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+                _mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)),
+                lsb,
+            ));
+            let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x0040));
+            let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+            _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, _mm512_cvtepi32_epi16(r));
+        }
+    }
+    #[inline(always)]
+    fn load_f16(src: &[f16; GROUP]) -> Self {
+        // SAFETY: 32 readable bytes; AVX-512F present.
+        unsafe { Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr() as *const __m256i))) }
+    }
+    #[inline(always)]
+    fn store_f16(self, dst: &mut [f16; GROUP]) {
+        // SAFETY: 32 writable bytes; AVX-512F present. Round to nearest even.
+        unsafe {
+            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
+            _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, h)
+        }
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Avx512(_mm512_add_ps(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Avx512(_mm512_sub_ps(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Avx512(_mm512_mul_ps(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Avx512(_mm512_div_ps(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn sqrt(self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Avx512(_mm512_sqrt_ps(self.0)) }
+    }
+    #[inline(always)]
+    fn fold(self) -> f32 {
+        let mut s = [0f32; 8];
+        // SAFETY: 8 writable f32; AVX-512F present.
+        unsafe {
+            let lo = _mm512_castps512_ps256(self.0);
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0)));
+            _mm256_storeu_ps(s.as_mut_ptr(), _mm256_add_ps(lo, hi));
+        }
+        fold8(s)
+    }
+}
