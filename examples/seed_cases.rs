@@ -109,9 +109,14 @@ pub fn run(case: &Case, exec: &Exec<'_>) -> Report {
     let fwd = |e: &Exec<'_>| {
         let mut ws = vec![0u8; rms_norm_workspace_size(e, xt, gt, &opts).unwrap()];
         let (mut y, mut rstd) = (vec![bf16::ZERO; m * h], vec![0f32; m]);
-        let t = Instant::now();
-        rms_norm(e, xt, gt, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap();
-        (y, rstd, t.elapsed().as_secs_f64())
+        // Best of three (the first also faults the fresh output pages in).
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t = Instant::now();
+            rms_norm(e, xt, gt, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap();
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        (y, rstd, best)
     };
     let (y, rstd, t) = fwd(exec);
     rep.fwd_s = t;
@@ -132,14 +137,18 @@ pub fn run(case: &Case, exec: &Exec<'_>) -> Report {
     let bwd = |e: &Exec<'_>| {
         let mut ws = vec![0u8; rms_norm_grad_workspace_size(e, dyt, xt, rt, gt, &gopts).unwrap()];
         let (mut dx, mut dg) = (vec![bf16::ZERO; m * h], vec![0f32; h]);
-        let t = Instant::now();
-        let out = RmsNormGradOutputs {
-            dx: &mut dx,
-            dgamma: Some(&mut dg),
-            dgamma_cast: None,
-        };
-        rms_norm_grad(e, dyt, xt, &rstd, gt, None, &gopts, out, &mut ws).unwrap();
-        (dx, dg, t.elapsed().as_secs_f64())
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let t = Instant::now();
+            let out = RmsNormGradOutputs {
+                dx: &mut dx,
+                dgamma: Some(&mut dg),
+                dgamma_cast: None,
+            };
+            rms_norm_grad(e, dyt, xt, &rstd, gt, None, &gopts, out, &mut ws).unwrap();
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        (dx, dg, best)
     };
     let (dx, dg, t) = bwd(exec);
     rep.bwd_s = t;
