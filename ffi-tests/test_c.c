@@ -805,6 +805,21 @@ static void test_errors_rms_norm(void) {
     CHECK(npk_rms_norm(&ex, &gt, NULL, &ey, NULL, NULL, 0, &E) == NPK_OK, "empty run");
   }
 
+  /* Extreme tiling fields are a plan like any other, not an overflow. */
+  {
+    buf y2 = balloc(NPK_F32, 64), y3 = balloc(NPK_F32, 64);
+    npk_tensor y2t = btens(y2, 2, DIMS(4, 16)), y3t = btens(y3, 2, DIMS(4, 16));
+    e = E;
+    e.ub_bytes = UINT64_MAX;
+    e.blocks = UINT32_MAX;
+    CHECK(run_rms_norm(&xt, &gt, NULL, &y2t, NULL, &e) == NPK_OK, "ub_bytes and blocks at their maximum: %s",
+          g_detail.message);
+    CHECK(run_rms_norm(&xt, &gt, NULL, &y3t, NULL, &E) == NPK_OK, "default tiling");
+    CHECK(bsame(y2, y3), "%s", "results do not depend on the tiling");
+    bfree(&y2);
+    bfree(&y3);
+  }
+
   guard_free(&gd);
   free(wsm);
   bfree(&x);
@@ -902,6 +917,15 @@ static void test_errors_grad(void) {
   EXPECT_ERR(npk_rms_norm_grad(&dyt, &xt, &rt, &gt, NULL, NULL, &dxt, &dgt, NULL, wsm, ws - 1, &E),
              NPK_ERR_WORKSPACE_TOO_SMALL, "workspace");
   guard_check(&gd, __LINE__);
+  {
+    npk_exec big = E;
+    big.ub_bytes = UINT64_MAX;
+    big.blocks = UINT32_MAX;
+    CHECK(run_grad(&dyt, &xt, &rt, &gt, NULL, NULL, &dxt, &dgt, NULL, &big) == NPK_OK,
+          "rms_norm_grad with extreme tiling: %s", g_detail.message);
+    guard_free(&gd);
+    gd = guard_of(&dx, &dg, &dgh);
+  }
   /* dx == dy is the other allowed overlap. */
   CHECK(npk_rms_norm_grad(&dyt, &xt, &rt, &gt, NULL, NULL, &dyt, &dgt, NULL, wsm, ws, &E) == NPK_OK, "dx in place");
   guard_free(&gd);
@@ -971,6 +995,12 @@ static void test_errors_embedding(void) {
   guard_check(&gd, __LINE__);
   /* Ignore: the bad index is skipped. Unaligned workspace is fine. */
   CHECK(npk_embedding_dense_grad(&gt, &it, 10, &o, &ot, wsm + 1, ws, &E) == NPK_OK, "ignore policy");
+  {
+    npk_exec big = E;
+    big.ub_bytes = UINT64_MAX;
+    big.blocks = UINT32_MAX;
+    CHECK(run_emb(&gt, &it, 10, &o, &ot, &big) == NPK_OK, "embedding with extreme tiling: %s", g_detail.message);
+  }
   guard_free(&gd);
   free(wsm);
   bfree(&grad);

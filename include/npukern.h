@@ -248,7 +248,10 @@ typedef void (*npk_task_fn)(void *task_ctx,
 /**
  * A host runner. Must call `task(task_ctx, b)` exactly once for every `b` in
  * `[0, n_blocks)`, on any threads, and return after all ran. `task` never
- * unwinds; the runner must not throw through it.
+ * unwinds; the runner must not throw through it. A runner caught breaking
+ * this (a block number out of range, or a call count other than `n_blocks`)
+ * makes the operator return `NPK_ERR_PARAM_INVALID` naming "parallel_for";
+ * the outputs may then be partly written.
  */
 typedef void (*npk_parallel_for_fn)(void *runner_ctx,
                                     size_t n_blocks,

@@ -321,15 +321,42 @@ fn bits_identical_across_isas() {
         let base = Cpu::new(Serial).with_isa(Isa::Portable);
         for opts in [
             RmsNormOptions::default(),
-            RmsNormOptions { gamma_offset: 1.0, rounding: Rounding::CastBeforeGamma, ..Default::default() },
+            RmsNormOptions {
+                gamma_offset: 1.0,
+                rounding: Rounding::CastBeforeGamma,
+                ..Default::default()
+            },
         ] {
-            for ub in [UbConfig::default(), UbConfig { ub_bytes: 2048, blocks: 5 }] {
+            for ub in [
+                UbConfig::default(),
+                UbConfig {
+                    ub_bytes: 2048,
+                    blocks: 5,
+                },
+            ] {
                 let pe = Exec::new(&base).with_ub(ub);
                 let want = run_rms_norm(&pe, &x, &xs, &g, &gs, &opts);
                 let want_add = run_add_rms_norm(&pe, &x, &x2, &xs, &g, &gs, &opts);
-                let gopts = RmsNormGradOptions { gamma_offset: opts.gamma_offset, ..Default::default() };
-                let want_bwd = run_grad(&pe, &dy, &x, &xs, &want.rstd, &g, &gs, Some(&x2), &gopts, None);
-                for isa in Isa::ALL.into_iter().filter(|i| npukern::lanes::available(*i)) {
+                let gopts = RmsNormGradOptions {
+                    gamma_offset: opts.gamma_offset,
+                    ..Default::default()
+                };
+                let want_bwd = run_grad(
+                    &pe,
+                    &dy,
+                    &x,
+                    &xs,
+                    &want.rstd,
+                    &g,
+                    &gs,
+                    Some(&x2),
+                    &gopts,
+                    None,
+                );
+                for isa in Isa::ALL
+                    .into_iter()
+                    .filter(|i| npukern::lanes::available(*i))
+                {
                     let cpu = Cpu::new(Serial).with_isa(isa);
                     let e = Exec::new(&cpu).with_ub(ub);
                     let what = format!("{isa:?} {:?} n={n} {ub:?}", T::DTYPE);
@@ -339,7 +366,18 @@ fn bits_identical_across_isas() {
                     let got = run_add_rms_norm(&e, &x, &x2, &xs, &g, &gs, &opts);
                     assert_same_bits(&got.y, &want_add.y, &what);
                     assert_same_bits(&got.x_sum, &want_add.x_sum, &what);
-                    let got = run_grad(&e, &dy, &x, &xs, &want.rstd, &g, &gs, Some(&x2), &gopts, None);
+                    let got = run_grad(
+                        &e,
+                        &dy,
+                        &x,
+                        &xs,
+                        &want.rstd,
+                        &g,
+                        &gs,
+                        Some(&x2),
+                        &gopts,
+                        None,
+                    );
                     assert_same_bits(&got.dx, &want_bwd.dx, &what);
                     assert_same_bits(&got.dgamma, &want_bwd.dgamma, &what);
                     assert_same_bits(&got.dgamma_cast, &want_bwd.dgamma_cast, &what);

@@ -178,7 +178,10 @@ pub type npk_task_fn = Option<unsafe extern "C" fn(task_ctx: *mut c_void, block:
 
 /// A host runner. Must call `task(task_ctx, b)` exactly once for every `b` in
 /// `[0, n_blocks)`, on any threads, and return after all ran. `task` never
-/// unwinds; the runner must not throw through it.
+/// unwinds; the runner must not throw through it. A runner caught breaking
+/// this (a block number out of range, or a call count other than `n_blocks`)
+/// makes the operator return `NPK_ERR_PARAM_INVALID` naming "parallel_for";
+/// the outputs may then be partly written.
 pub type npk_parallel_for_fn = Option<
     unsafe extern "C" fn(
         runner_ctx: *mut c_void,

@@ -50,7 +50,11 @@ fn probe() -> u8 {
     let xcr0 = unsafe { _xgetbv(0) };
     let ymm_saved = xcr0 & 0b110 == 0b110;
     let zmm_saved = ymm_saved && xcr0 & 0xe0 == 0xe0;
-    let (fma, avx, f16c) = (l1.ecx & (1 << 12) != 0, l1.ecx & (1 << 28) != 0, l1.ecx & (1 << 29) != 0);
+    let (fma, avx, f16c) = (
+        l1.ecx & (1 << 12) != 0,
+        l1.ecx & (1 << 28) != 0,
+        l1.ecx & (1 << 29) != 0,
+    );
     let l7 = __cpuid_count(7, 0); // leaf 7 exists: max >= 7
     let (avx2, avx512f) = (l7.ebx & (1 << 5) != 0, l7.ebx & (1 << 16) != 0);
     let mut f = 0;

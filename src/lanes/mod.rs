@@ -263,9 +263,23 @@ mod tests {
     /// class (normals, subnormals, Inf, NaN with payloads, ties).
     #[test]
     fn portable_conversions_match_scalar() {
-        let specials = [0x7f80_0000u32, 0xff80_0000, 0x7fc0_0001, 0xffff_ffff, 0x7f7f_ffff, 0x3f80_8000, 0x3f81_8000, 0x0000_0001, 0x8000_0000];
+        let specials = [
+            0x7f80_0000u32,
+            0xff80_0000,
+            0x7fc0_0001,
+            0xffff_ffff,
+            0x7f7f_ffff,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x0000_0001,
+            0x8000_0000,
+        ];
         let all: [u32; 4096] = core::array::from_fn(|i| {
-            if i < specials.len() { specials[i] } else { bits_stream(i as u32 * 7919 + 1, 1).next().unwrap_or(0) }
+            if i < specials.len() {
+                specials[i]
+            } else {
+                bits_stream(i as u32 * 7919 + 1, 1).next().unwrap_or(0)
+            }
         });
         for chunk in all.chunks_exact(GROUP) {
             let a: [f32; GROUP] = core::array::from_fn(|i| f32::from_bits(chunk[i]));
@@ -275,8 +289,18 @@ mod tests {
             let mut h = [f16::ZERO; GROUP];
             v.store_f16(&mut h);
             for i in 0..GROUP {
-                assert_eq!(b[i].to_bits(), <bf16 as Float>::from_f32(a[i]).to_bits(), "{:#x}", chunk[i]);
-                assert_eq!(h[i].to_bits(), f16::from_f32(a[i]).to_bits(), "{:#x}", chunk[i]);
+                assert_eq!(
+                    b[i].to_bits(),
+                    <bf16 as Float>::from_f32(a[i]).to_bits(),
+                    "{:#x}",
+                    chunk[i]
+                );
+                assert_eq!(
+                    h[i].to_bits(),
+                    f16::from_f32(a[i]).to_bits(),
+                    "{:#x}",
+                    chunk[i]
+                );
             }
             let w = Portable::load_bf16(&b);
             let mut back = [0f32; GROUP];

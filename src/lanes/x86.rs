@@ -75,7 +75,12 @@ impl Lanes for Avx2 {
     #[inline(always)]
     fn load(src: &[f32; GROUP]) -> Self {
         // SAFETY: 16 readable f32; AVX2 present (see splat).
-        unsafe { Avx2(_mm256_loadu_ps(src.as_ptr()), _mm256_loadu_ps(src.as_ptr().add(8))) }
+        unsafe {
+            Avx2(
+                _mm256_loadu_ps(src.as_ptr()),
+                _mm256_loadu_ps(src.as_ptr().add(8)),
+            )
+        }
     }
     #[inline(always)]
     fn store(self, dst: &mut [f32; GROUP]) {
@@ -90,7 +95,8 @@ impl Lanes for Avx2 {
         // SAFETY: 32 readable bytes; AVX2 present.
         unsafe {
             let p = src.as_ptr() as *const __m128i;
-            let w = |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+            let w =
+                |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
             Avx2(w(_mm_loadu_si128(p)), w(_mm_loadu_si128(p.add(1))))
         }
     }
@@ -108,7 +114,10 @@ impl Lanes for Avx2 {
         // SAFETY: 32 readable bytes; F16C present.
         unsafe {
             let p = src.as_ptr() as *const __m128i;
-            Avx2(_mm256_cvtph_ps(_mm_loadu_si128(p)), _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))))
+            Avx2(
+                _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+            )
         }
     }
     #[inline(always)]
@@ -117,7 +126,10 @@ impl Lanes for Avx2 {
         unsafe {
             let p = dst.as_mut_ptr() as *mut __m128i;
             _mm_storeu_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0));
-            _mm_storeu_si128(p.add(1), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.1));
+            _mm_storeu_si128(
+                p.add(1),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.1),
+            );
         }
     }
     #[inline(always)]
@@ -182,7 +194,9 @@ impl Lanes for Avx512 {
         // SAFETY: 32 readable bytes; AVX-512F present.
         unsafe {
             let h = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
-            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h))))
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+                _mm512_cvtepu16_epi32(h),
+            )))
         }
     }
     #[inline(always)]
@@ -206,7 +220,11 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn load_f16(src: &[f16; GROUP]) -> Self {
         // SAFETY: 32 readable bytes; AVX-512F present.
-        unsafe { Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr() as *const __m256i))) }
+        unsafe {
+            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(
+                src.as_ptr() as *const __m256i
+            )))
+        }
     }
     #[inline(always)]
     fn store_f16(self, dst: &mut [f16; GROUP]) {

@@ -327,7 +327,12 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &AddRmsNormCall, runner:
     };
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-        unsafe { L::enter(#[inline(always)] || forward_block::<L, T, G, _>(&c, b)) }
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || forward_block::<L, T, G, _>(&c, b),
+            )
+        }
     });
 }
 

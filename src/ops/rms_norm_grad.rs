@@ -401,7 +401,12 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner
     };
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-        unsafe { L::enter(#[inline(always)] || block::<L, T, G>(&c, b)) }
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || block::<L, T, G>(&c, b),
+            )
+        }
     });
     if call.has_dgamma == 0 && call.has_dgamma_cast == 0 {
         return;
@@ -413,7 +418,12 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner
     let t = c.t;
     runner.parallel_for(n.div_ceil(REDUCE_COLS), &|task| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-        unsafe { L::enter(#[inline(always)] || reduce_dgamma::<L, G>(&t, &ws, task, dg, dgc, acc)) }
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || reduce_dgamma::<L, G>(&t, &ws, task, dg, dgc, acc),
+            )
+        }
     });
 }
 

@@ -169,7 +169,12 @@ unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
     };
     runner.parallel_for(c.blocks, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-        unsafe { L::enter(#[inline(always)] || block::<L, G, O>(&c, b)) }
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || block::<L, G, O>(&c, b),
+            )
+        }
     });
 }
 

@@ -27,19 +27,21 @@
 //! underflow; in a window whose largest magnitude is at least `2^-50`
 //! those lost bits are below 2^-40 of the window's sum.)
 
+use super::minmax::MinMax;
 use super::plan::{GradTiling, Partial, Seg};
 use super::GradSummary;
 use crate::dtype::DType;
 use crate::lanes::{LaneElem, Lanes, GROUP};
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
-use wide::f32x8;
 
 const INF_BITS: u32 = 0x7f80_0000;
-/// Groups of 16 per f32 window (16 terms per lane sum).
-pub(crate) const WINDOW_GROUPS: usize = 16;
+/// Groups of 16 per f32 window (32 terms per lane, in 4 accumulators).
+pub(crate) const WINDOW_GROUPS: usize = 32;
+/// Accumulators per lane in a window.
+const ACCS: usize = 4;
 /// Largest magnitude a window may hold for its f32 sums: 2^60 (squares up to
-/// 2^120, 16 of them stay below f32::MAX).
+/// 2^120, 32 of them stay below f32::MAX).
 const BIG: f32 = f32::from_bits((127 + 60) << 23);
 /// Smallest nonzero largest-magnitude an f32 window may have: 2^-50.
 const SMALL: f32 = f32::from_bits((127 - 50) << 23);
@@ -48,9 +50,8 @@ const SMALL: f32 = f32::from_bits((127 - 50) << 23);
 struct Acc {
     /// The 16 f64 lane sums of squares.
     sq: [f64; GROUP],
-    /// Min/max of the f32 windows, lanes `i` and `i + 8` of a group merged.
-    vmin: f32x8,
-    vmax: f32x8,
+    /// Min/max of the f32 windows taken as is.
+    mm: MinMax,
     /// Min/max of the masked windows and tails (finite elements only).
     min: f32,
     max: f32,
@@ -63,8 +64,7 @@ impl Acc {
     fn new() -> Self {
         Acc {
             sq: [0.0; GROUP],
-            vmin: f32x8::splat(f32::INFINITY),
-            vmax: f32x8::splat(f32::NEG_INFINITY),
+            mm: MinMax::new(),
             min: f32::INFINITY,
             max: f32::NEG_INFINITY,
             nan: 0,
@@ -74,16 +74,13 @@ impl Acc {
 
     #[inline(always)]
     fn finish(self) -> Partial {
-        let lo = |a: f32, b: f32| if b < a { b } else { a };
-        let hi = |a: f32, b: f32| if b > a { b } else { a };
-        let min = lo(fold8(self.vmin.to_array(), lo), self.min);
-        let max = hi(fold8(self.vmax.to_array(), hi), self.max);
+        let (mn, mx) = self.mm.fold();
         Partial {
             sum_sq: fold16(self.sq),
             nan: self.nan,
             inf: self.inf,
-            min,
-            max,
+            min: if self.min < mn { self.min } else { mn },
+            max: if self.max > mx { self.max } else { mx },
         }
     }
 }
@@ -95,18 +92,6 @@ fn fold16(mut w: [f64; GROUP]) -> f64 {
     while step > 0 {
         for i in 0..step {
             w[i] += w[i + step];
-        }
-        step /= 2;
-    }
-    w[0]
-}
-
-#[inline(always)]
-fn fold8(mut w: [f32; 8], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut step = 4;
-    while step > 0 {
-        for i in 0..step {
-            w[i] = f(w[i], w[i + step]);
         }
         step /= 2;
     }
@@ -137,38 +122,43 @@ fn masked(acc: &mut Acc, v: &[f32]) {
     }
 }
 
-/// One window of whole groups: squares summed on the `Lanes`, min/max on
-/// `wide` vectors (the `Lanes` have no min/max).
+/// One group: its squares into `s`, its values into `w`.
+#[inline(always)]
+fn step<L: Lanes, T: LaneElem>(s: &mut L, w: &mut MinMax, v: &mut [f32; GROUP], g: &[T; GROUP]) {
+    let x = T::load::<L>(g);
+    *s = s.add(x.mul(x));
+    x.store(v);
+    w.push::<L>(v);
+}
+
+/// One window of whole groups: squares summed on the `Lanes` (group `j` of
+/// the window into accumulator `j % 4`, so four add chains run at once;
+/// then `(s0 + s1) + (s2 + s3)`: at most 8 + 2 additions per lane), min/max
+/// at the ISA's width (`MinMax`).
 #[inline(always)]
 fn window<L: Lanes, T: LaneElem>(acc: &mut Acc, win: &[[T; GROUP]]) {
-    let mut s = L::splat(0.0);
-    let mut mn = f32x8::splat(f32::INFINITY);
-    let mut mx = f32x8::splat(f32::NEG_INFINITY);
+    let z = L::splat(0.0);
+    let mut s = [z; ACCS];
+    let mut w = MinMax::new();
     let mut v = [0f32; GROUP];
-    for g in win {
-        let x = T::load::<L>(g);
-        s = s.add(x.mul(x));
-        x.store(&mut v);
-        let (a, b) = v.split_at(8);
-        let (a, b) = (f32x8::from(a), f32x8::from(b));
-        // NaN may slip through fast_min/fast_max; the sums catch it.
-        mn = mn.fast_min(a.fast_min(b));
-        mx = mx.fast_max(a.fast_max(b));
-    }
-    s.store(&mut v);
-    let (a, b) = v.split_at(8);
-    let (s0, s1) = (f32x8::from(a), f32x8::from(b));
-    let t = s0 + s1;
-    let m = (-mn).fast_max(mx);
-    let ok = (t - t).simd_eq(f32x8::ZERO)
-        & m.simd_le(f32x8::splat(BIG))
-        & (m.simd_ge(f32x8::splat(SMALL)) | m.simd_eq(f32x8::ZERO));
-    if ok.all() {
-        for (q, &w) in acc.sq.iter_mut().zip(v.iter()) {
-            *q += w as f64;
+    let (quads, rest) = win.as_chunks::<ACCS>();
+    for q in quads {
+        for (k, g) in q.iter().enumerate() {
+            step::<L, T>(&mut s[k], &mut w, &mut v, g);
         }
-        acc.vmin = acc.vmin.fast_min(mn);
-        acc.vmax = acc.vmax.fast_max(mx);
+    }
+    for (k, g) in rest.iter().enumerate() {
+        step::<L, T>(&mut s[k], &mut w, &mut v, g);
+    }
+    s[0].add(s[1]).add(s[2].add(s[3])).store(&mut v);
+    let finite = v.iter().fold(true, |ok, &x| ok & (x - x == 0.0));
+    let (mn, mx) = w.fold();
+    let m = if -mn > mx { -mn } else { mx };
+    if finite && m <= BIG && (m >= SMALL || m == 0.0) {
+        for (q, &x) in acc.sq.iter_mut().zip(v.iter()) {
+            *q += x as f64;
+        }
+        acc.mm.merge(&w);
     } else {
         // Rare: re-read the window (in L1) exactly, masking NaN/Inf.
         for g in win {

@@ -64,6 +64,7 @@
 //! holds the segment table and the per-block partials; no allocation.
 
 mod kernel;
+mod minmax;
 mod plan;
 mod reference;
 mod types;
