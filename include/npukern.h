@@ -111,7 +111,7 @@ enum Isa
    */
   Avx2 = 2,
   /**
-   * AVX-512F (with AVX2, FMA, F16C) on x86_64.
+   * AVX-512F and BW (with AVX2, FMA, F16C) on x86_64.
    */
   Avx512 = 3,
 };
@@ -772,6 +772,36 @@ typedef struct npk_embedding_grad_options {
 } npk_embedding_grad_options;
 
 /**
+ * What `npk_grad_stats` measures over all elements of all tensors.
+ */
+typedef struct npk_grad_summary {
+  /**
+   * Sum of squares of the finite elements.
+   */
+  double sum_sq;
+  /**
+   * Number of NaN elements.
+   */
+  uint64_t nan_count;
+  /**
+   * Number of +Inf and -Inf elements.
+   */
+  uint64_t inf_count;
+  /**
+   * Smallest finite element; NaN when there are none (a zero is +0.0).
+   */
+  float min;
+  /**
+   * Largest finite element; NaN when there are none (a zero is +0.0).
+   */
+  float max;
+  /**
+   * Largest finite magnitude; NaN when there are none.
+   */
+  float absmax;
+} npk_grad_summary;
+
+/**
  * Options of RmsNormGrad. NULL options = `{ 0.0f, 0 }`.
  */
 typedef struct npk_rms_norm_grad_options {
@@ -857,6 +887,61 @@ enum npk_status npk_embedding_dense_grad(const struct npk_tensor *grad,
                                          void *workspace,
                                          size_t workspace_bytes,
                                          const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these
+ * tensors (the same `exec` must be passed to both calls: the plan depends
+ * on its `blocks`).
+ *
+ * # Safety
+ * `tensors` is NULL (only with `count == 0`) or points to `count` readable
+ * `npk_tensor`s; the other pointers are NULL or valid. Data is not read.
+ */
+enum npk_status npk_grad_stats_workspace_size(const struct npk_tensor *tensors,
+                                              size_t count,
+                                              const struct npk_exec *exec,
+                                              size_t *workspace_bytes);
+
+/**
+ * Sum of squares, NaN/Inf counts, min, max and absmax over every element of
+ * every tensor (f32 | f16 | bf16, any shapes), in one read of the data;
+ * written to `*out`. `workspace` holds the bytes the size call returned
+ * (NULL only when that was 0). On error `*out` is not written.
+ *
+ * # Safety
+ * As for the size call, and every tensor's `data` points to a readable
+ * buffer of its shape and dtype, live for the call; `out` is NULL or
+ * writable.
+ */
+enum npk_status npk_grad_stats(const struct npk_tensor *tensors,
+                               size_t count,
+                               struct npk_grad_summary *out,
+                               void *workspace,
+                               size_t workspace_bytes,
+                               const struct npk_exec *exec);
+
+/**
+ * `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
+ * norm to `*total_norm` and scales every tensor in place by
+ * `min(1, max_norm / (total_norm + 1e-6))` (each element
+ * `round(f32(x) * coef)`). With a NaN/Inf present and `error_if_nonfinite
+ * != 0`: `NPK_ERR_NONFINITE`, nothing changed; otherwise the coefficient is
+ * applied even when it is NaN or 0, as PyTorch does. `max_norm` must not
+ * be negative or NaN. Tensors must not overlap each other. Same workspace
+ * size as `npk_grad_stats`.
+ *
+ * # Safety
+ * As for `npk_grad_stats`, and every tensor's buffer is writable;
+ * `total_norm` is NULL or writable.
+ */
+enum npk_status npk_clip_grad_norm(const struct npk_tensor *tensors,
+                                   size_t count,
+                                   double max_norm,
+                                   uint8_t error_if_nonfinite,
+                                   double *total_norm,
+                                   void *workspace,
+                                   size_t workspace_bytes,
+                                   const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`

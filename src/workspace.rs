@@ -142,3 +142,73 @@ impl<T> Dst<T> {
         unsafe { core::slice::from_raw_parts_mut(self.0.add(start), len) }
     }
 }
+
+/// Hands out the plan's per-block arenas to the blocks that are *running*:
+/// a block claims the lowest free arena and releases it when done. On an NPU
+/// every AI core has its own UB; on a CPU a worker reusing one arena keeps it
+/// in L2, where a fresh arena per block would stream `blocks * ub_bytes`
+/// through the caches. Arena contents never carry over between blocks (each
+/// block writes before it reads), so results do not depend on the claim.
+#[derive(Debug)]
+pub(crate) struct ArenaSlots {
+    used: core::sync::atomic::AtomicU64,
+    slots: u32,
+}
+
+/// A claimed arena index; released on drop.
+pub(crate) struct ArenaClaim<'a> {
+    slots: &'a ArenaSlots,
+    /// The arena to use.
+    pub index: usize,
+}
+
+impl ArenaSlots {
+    /// Slots for a plan with `blocks` arenas (at most 64 are ever handed out).
+    pub fn new(blocks: usize) -> Self {
+        ArenaSlots {
+            used: core::sync::atomic::AtomicU64::new(0),
+            slots: blocks.min(64) as u32,
+        }
+    }
+
+    /// Claims a free arena, waiting (spinning) only when more than 64
+    /// blocks run at once.
+    pub fn claim(&self) -> ArenaClaim<'_> {
+        use core::sync::atomic::Ordering::{AcqRel, Acquire};
+        loop {
+            let cur = self.used.load(Acquire);
+            let free = !cur & Self::mask(self.slots);
+            if free == 0 {
+                core::hint::spin_loop();
+                continue;
+            }
+            let bit = free.trailing_zeros();
+            if self
+                .used
+                .compare_exchange_weak(cur, cur | (1u64 << bit), AcqRel, Acquire)
+                .is_ok()
+            {
+                return ArenaClaim {
+                    slots: self,
+                    index: bit as usize,
+                };
+            }
+        }
+    }
+
+    fn mask(slots: u32) -> u64 {
+        if slots >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << slots) - 1
+        }
+    }
+}
+
+impl Drop for ArenaClaim<'_> {
+    fn drop(&mut self) {
+        self.slots
+            .used
+            .fetch_and(!(1u64 << self.index), core::sync::atomic::Ordering::Release);
+    }
+}

@@ -753,3 +753,81 @@ fn bit_identical_across_isas() {
         }
     }
 }
+
+/// Builds the library for this test's profile and runs
+/// `ffi-tests/test_grad_stats.c` against `libnpukern.a` (gcc, `-Wall -Wextra
+/// -Werror -pedantic`). `NPK_SKIP_FFI=1` skips it (no C toolchain).
+#[test]
+fn c_program_passes() {
+    use std::path::Path;
+    use std::process::Command;
+    if std::env::var_os("NPK_SKIP_FFI").is_some_and(|v| v == "1") {
+        eprintln!("NPK_SKIP_FFI=1: the C test was skipped");
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let target_dir = profile_dir.parent().unwrap();
+    let profile = profile_dir
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "--lib", "--manifest-path"])
+        .arg(root.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(target_dir);
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        other => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    assert!(cmd.status().unwrap().success(), "cargo build --lib failed");
+    let bin = profile_dir.join("test_grad_stats_c");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "gcc".into());
+    let status = Command::new(cc)
+        .args([
+            "-std=c11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+            "-O1",
+            "-g",
+        ])
+        .arg(format!("-I{}", root.join("include").display()))
+        .arg(format!("-I{}", root.join("ffi-tests").display()))
+        .arg(root.join("ffi-tests/test_grad_stats.c"))
+        .arg(profile_dir.join("libnpukern.a"))
+        .args([
+            "-lgcc_s",
+            "-lutil",
+            "-lrt",
+            "-lpthread",
+            "-lm",
+            "-ldl",
+            "-o",
+        ])
+        .arg(&bin)
+        .status()
+        .expect("run the C compiler");
+    assert!(
+        status.success(),
+        "compiling ffi-tests/test_grad_stats.c failed"
+    );
+    let out = Command::new(&bin).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}");
+    assert!(
+        out.status.success() && stdout.contains(" passed, 0 failed"),
+        "{stdout}"
+    );
+}

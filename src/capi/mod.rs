@@ -31,6 +31,7 @@ pub mod add_rms_norm;
 pub mod embedding_dense_grad;
 pub mod exec;
 pub mod foreign;
+pub mod grad_stats;
 pub mod rms_norm;
 pub mod rms_norm_grad;
 pub mod status;

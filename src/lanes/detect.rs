@@ -15,7 +15,7 @@ pub enum Isa {
     Portable = 1,
     /// AVX2 + FMA + F16C (x86_64); FMA is enabled but never used.
     Avx2 = 2,
-    /// AVX-512F (with AVX2, FMA, F16C) on x86_64.
+    /// AVX-512F and BW (with AVX2, FMA, F16C) on x86_64.
     Avx512 = 3,
 }
 
@@ -56,11 +56,15 @@ fn probe() -> u8 {
         l1.ecx & (1 << 29) != 0,
     );
     let l7 = __cpuid_count(7, 0); // leaf 7 exists: max >= 7
-    let (avx2, avx512f) = (l7.ebx & (1 << 5) != 0, l7.ebx & (1 << 16) != 0);
+    let (avx2, avx512f, avx512bw) = (
+        l7.ebx & (1 << 5) != 0,
+        l7.ebx & (1 << 16) != 0,
+        l7.ebx & (1 << 30) != 0,
+    );
     let mut f = 0;
     if ymm_saved && avx && fma && f16c && avx2 {
         f |= AVX2;
-        if zmm_saved && avx512f {
+        if zmm_saved && avx512f && avx512bw {
             f |= AVX512;
         }
     }

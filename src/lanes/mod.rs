@@ -185,6 +185,27 @@ impl<L: Lanes> RowSum<L> {
         }
     }
 
+    /// Adds groups `f(0), f(1), ..., f(n - 1)` in order: the same sum as
+    /// `n` calls of `push`, but the running segment sum lives in a local (a
+    /// register) instead of going through `self` every group.
+    #[inline(always)]
+    pub fn push_with(&mut self, n: usize, mut f: impl FnMut(usize) -> L) {
+        let mut i = 0;
+        while i < n {
+            let take = (SEGMENT_GROUPS - self.in_segment).min(n - i);
+            let mut acc = self.acc;
+            for k in i..i + take {
+                acc = acc.add(f(k));
+            }
+            self.acc = acc;
+            self.in_segment += take;
+            i += take;
+            if self.in_segment == SEGMENT_GROUPS {
+                self.close_segment();
+            }
+        }
+    }
+
     #[inline(always)]
     fn close_segment(&mut self) {
         let mut p = self.acc;
@@ -259,10 +280,26 @@ mod tests {
         })
     }
 
-    /// The SIMD conversions equal the scalar definitions on every pattern
-    /// class (normals, subnormals, Inf, NaN with payloads, ties).
+    /// The SIMD conversions of every ISA this machine has equal the scalar
+    /// definitions bit for bit, NaN payloads included.
     #[test]
-    fn portable_conversions_match_scalar() {
+    fn every_isa_converts_like_scalar() {
+        conversions_match_scalar::<Portable>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if available(Isa::Avx2) {
+                // SAFETY: AVX2 is available.
+                unsafe { x86::Avx2::enter(conversions_match_scalar::<x86::Avx2>) };
+            }
+            if available(Isa::Avx512) {
+                // SAFETY: AVX-512 is available.
+                unsafe { x86::Avx512::enter(conversions_match_scalar::<x86::Avx512>) };
+            }
+        }
+    }
+
+    /// Normals, subnormals, Inf, NaN with payloads, ties.
+    fn conversions_match_scalar<L: Lanes>() {
         let specials = [
             0x7f80_0000u32,
             0xff80_0000,
@@ -283,7 +320,7 @@ mod tests {
         });
         for chunk in all.chunks_exact(GROUP) {
             let a: [f32; GROUP] = core::array::from_fn(|i| f32::from_bits(chunk[i]));
-            let v = Portable::load(&a);
+            let v = L::load(&a);
             let mut b = [bf16::ZERO; GROUP];
             v.store_bf16(&mut b);
             let mut h = [f16::ZERO; GROUP];
@@ -302,12 +339,24 @@ mod tests {
                     chunk[i]
                 );
             }
-            let w = Portable::load_bf16(&b);
+            let w = L::load_bf16(&b);
             let mut back = [0f32; GROUP];
             w.store(&mut back);
             for i in 0..GROUP {
                 assert_eq!(back[i].to_bits(), (b[i].to_bits() as u32) << 16);
             }
+            L::load_f16(&h).store(&mut back);
+            for i in 0..GROUP {
+                assert_eq!(back[i].to_bits(), h[i].to_f32().to_bits());
+            }
+            let mut sums = [0f32; GROUP];
+            L::load(&a)
+                .add(L::load(&back))
+                .mul(L::load(&a))
+                .store(&mut sums);
+            let f = L::load(&sums).fold();
+            let p = Portable::load(&sums).fold();
+            assert!(f.to_bits() == p.to_bits() || (f.is_nan() && p.is_nan()));
         }
     }
 

@@ -1,5 +1,5 @@
 //! x86_64 lanes: AVX2 (two ymm, with FMA and F16C enabled in the context but
-//! no FMA used) and AVX-512F (one zmm). Same logical 16 lanes, same IEEE
+//! no FMA used) and AVX-512F/BW (one zmm). Same logical 16 lanes, same IEEE
 //! operations and the same fold tree as the portable lanes, so every output
 //! bit is the same; only the speed differs.
 //!
@@ -26,7 +26,7 @@ fn in_avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 fn in_avx512<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
@@ -171,7 +171,7 @@ impl Lanes for Avx512 {
 
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
-        // SAFETY: the caller guarantees the CPU has AVX-512F, AVX2, FMA, F16C.
+        // SAFETY: the caller guarantees the CPU has AVX-512F/BW, AVX2, FMA, F16C.
         unsafe { in_avx512(f) }
     }
     #[inline(always)]
@@ -201,20 +201,27 @@ impl Lanes for Avx512 {
     }
     #[inline(always)]
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
-        // SAFETY: 32 writable bytes; AVX-512F present.
+        // SAFETY: 32 writable bytes; AVX-512F/BW present.
         unsafe {
+            // Round in place in the upper half of each 32-bit lane, then
+            // gather the upper halves with one word permute (a narrowing
+            // store, vpmovdw to memory, is slow on some cores).
             let x = _mm512_castps_si512(self.0);
             let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
             let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
-            let hi = _mm512_srli_epi32::<16>(x);
-            let lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
-                _mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)),
-                lsb,
-            ));
-            let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x0040));
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+            let rounded = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
+            let quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
             let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
-            _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, _mm512_cvtepi32_epi16(r));
+            let odd = _mm512_set_epi16(
+                31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21,
+                19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+            );
+            let packed = _mm512_permutexvar_epi16(odd, r);
+            _mm256_storeu_si256(
+                dst.as_mut_ptr() as *mut __m256i,
+                _mm512_castsi512_si256(packed),
+            );
         }
     }
     #[inline(always)]

@@ -15,7 +15,7 @@ use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, LaneElem, Lanes, RowS
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// The validated arguments of one AddRmsNorm (`npk_add_rms_norm_call`).
 #[repr(C)]
@@ -324,6 +324,7 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &AddRmsNormCall, runner:
         cast_before: call.rounding == Rounding::CastBeforeGamma,
         t: call.tiling,
         ws,
+        slots: ArenaSlots::new(call.tiling.blocks as usize),
     };
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.

@@ -196,11 +196,12 @@ pub(crate) fn widen_sum_sq<L: Lanes, T: LaneElem>(
         Some(s) => {
             let (sg, st) = src.as_chunks::<GROUP>();
             let (dg, _) = dst.as_chunks_mut::<GROUP>();
-            for (v, d) in sg.iter().zip(dg.iter_mut()) {
-                let v = T::load::<L>(v);
-                v.store(d);
-                s.push(v.mul(v));
-            }
+            let full = sg.len().min(dg.len());
+            s.push_with(full, |k| {
+                let v = T::load::<L>(&sg[k]);
+                v.store(&mut dg[k]);
+                v.mul(v)
+            });
             if !st.is_empty() {
                 let v = load_group::<L, T>(src, sg.len());
                 if let Some(d) = dg.get_mut(sg.len()) {

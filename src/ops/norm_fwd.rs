@@ -10,7 +10,7 @@ use crate::tiling::NormTiling;
 /// plan may give more, the kernel then takes the tile in several passes
 /// (per-row results do not depend on it).
 const MAX_TILE_ROWS: usize = 256;
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// Produces the f32 row values the norm runs on.
 pub(crate) trait FwdSource<T>: Sync {
@@ -39,6 +39,7 @@ pub(crate) struct FwdCtx<T, G, S> {
     pub cast_before: bool,
     pub t: NormTiling,
     pub ws: Workspace,
+    pub slots: ArenaSlots,
 }
 
 /// `round?(v * rstd) * gamma`: the one place y's arithmetic is defined.
@@ -80,11 +81,12 @@ pub(crate) fn forward_block<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>
     let n = t.cols as usize;
     let chunk = t.chunk_cols as usize;
     let (r0, r1) = t.block_rows(b);
-    // SAFETY: block b's arena is its own (disjoint from every other block's)
-    // and inside the checked workspace.
+    let claim = c.slots.claim();
+    // SAFETY: the claimed arena is this block's until `claim` drops (no other
+    // running block holds it) and lies inside the checked workspace.
     let arena = unsafe {
         c.ws.region(
-            t.arena_offset as usize + b * t.arena_bytes as usize,
+            t.arena_offset as usize + claim.index * t.arena_bytes as usize,
             t.arena_bytes as usize / 4,
         )
     };

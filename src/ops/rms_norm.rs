@@ -11,7 +11,7 @@ use crate::lanes::{sqrt_f64, Isa, LaneElem, Lanes, RowSum};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// The validated arguments of one RmsNorm (`npk_rms_norm_call`): what a
 /// backend, or an adapter's NPU launch, receives.
@@ -192,6 +192,7 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormCall, runner: &d
         cast_before: call.rounding == Rounding::CastBeforeGamma,
         t: call.tiling,
         ws,
+        slots: ArenaSlots::new(call.tiling.blocks as usize),
     };
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.

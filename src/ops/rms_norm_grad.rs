@@ -15,7 +15,7 @@ use crate::lanes::{widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, Checked, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// What happens to an existing dgamma (`accumulate_dgamma` in the C ABI).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -363,6 +363,7 @@ struct Ctx<T, G> {
     off: f32,
     t: NormTiling,
     ws: Workspace,
+    slots: ArenaSlots,
 }
 
 /// Runs the plan on the CPU: the row pass per block, then the deterministic
@@ -398,6 +399,7 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner
         off: call.gamma_offset,
         t: call.tiling,
         ws,
+        slots: ArenaSlots::new(call.tiling.blocks as usize),
     };
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
@@ -498,11 +500,12 @@ fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], r
     let (dg, _) = dy.as_chunks::<GROUP>();
     let (xg, _) = x.as_chunks::<GROUP>();
     let (gg, _) = g.as_chunks::<GROUP>();
-    for ((d, xv), gv) in dg.iter().zip(xg).zip(gg) {
-        let gy = L::load(d).mul(L::load(gv));
-        let xh = L::load(xv).mul(rs);
-        s.push(gy.mul(xh));
-    }
+    let n = dg.len().min(xg.len()).min(gg.len());
+    s.push_with(n, |k| {
+        let gy = L::load(&dg[k]).mul(L::load(&gg[k]));
+        let xh = L::load(&xg[k]).mul(rs);
+        gy.mul(xh)
+    });
 }
 
 /// `rstd * (dy * g - (x * rstd) * c)` for group `gi`: dx's arithmetic.
@@ -575,11 +578,13 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
     let np = t.cols_padded as usize;
     let chunk = t.chunk_cols as usize;
     let (r0, r1) = t.block_rows(b);
-    // SAFETY: block b's arena and partials are its own, inside the workspace.
+    let claim = c.slots.claim();
+    // SAFETY: the claimed arena is this block's until `claim` drops, the
+    // partials are block b's alone; both inside the checked workspace.
     let (arena, part) = unsafe {
         (
             c.ws.region(
-                t.arena_offset as usize + b * t.arena_bytes as usize,
+                t.arena_offset as usize + claim.index * t.arena_bytes as usize,
                 t.arena_bytes as usize / 4,
             ),
             c.ws.region(t.partials_offset as usize + b * np * 4, np),

@@ -8,7 +8,7 @@ use super::{dispatch_go, dispatch_index, EmbeddingDenseGradCall, IndexElem, RowM
 use crate::lanes::{widen_into, Isa, LaneElem, Lanes, GROUP};
 use crate::ops::dispatch_isa;
 use crate::runner::Runner;
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// Runs the call on the CPU.
 ///
@@ -143,6 +143,7 @@ struct Ctx<'a, G, O> {
     arena_offset: usize,
     arena_bytes: usize,
     ws: Workspace,
+    slots: ArenaSlots,
 }
 
 /// # Safety
@@ -166,6 +167,7 @@ unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
         arena_offset: t.arena_offset as usize,
         arena_bytes: t.arena_bytes as usize,
         ws,
+        slots: ArenaSlots::new(t.blocks as usize),
     };
     runner.parallel_for(c.blocks, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
@@ -182,8 +184,12 @@ unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
 fn block<L: Lanes, G: LaneElem, O: LaneElem>(c: &Ctx<'_, G, O>, b: usize) {
     let (r0, r1) = c.sorted.block_rows(c.blocks, b);
     let h = c.cols;
-    // SAFETY: block b's arena lies inside the workspace and only block b uses it.
-    let tile = unsafe { c.ws.region(c.arena_offset + b * c.arena_bytes, c.chunk) };
+    let claim = c.slots.claim();
+    // SAFETY: the claimed arena lies inside the workspace and is this block's
+    // until `claim` drops.
+    let tile = unsafe {
+        c.ws.region(c.arena_offset + claim.index * c.arena_bytes, c.chunk)
+    };
     // A run of untouched rows is contiguous in the table: one large fill
     // streams faster than many row-sized ones.
     let zero_rows = |from: usize, to: usize| {

@@ -151,7 +151,7 @@ fn window<L: Lanes, T: LaneElem>(acc: &mut Acc, win: &[[T; GROUP]]) {
         step::<L, T>(&mut s[k], &mut w, &mut v, g);
     }
     s[0].add(s[1]).add(s[2].add(s[3])).store(&mut v);
-    let finite = v.iter().fold(true, |ok, &x| ok & (x - x == 0.0));
+    let finite = v.iter().fold(true, |ok, &x| ok & x.is_finite());
     let (mn, mx) = w.fold();
     let m = if -mn > mx { -mn } else { mx };
     if finite && m <= BIG && (m >= SMALL || m == 0.0) {
@@ -206,20 +206,30 @@ fn for_pieces(segs: &[Seg], t: &GradTiling, b: usize, mut f: impl FnMut(&Seg, us
 #[inline(always)]
 pub(crate) unsafe fn block_stats<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usize) -> Partial {
     let mut acc = Acc::new();
-    for_pieces(segs, t, b, |g, lo, n| {
-        // SAFETY: the table's rows describe validated tensors of `numel`
-        // elements of `dtype`; `lo + n <= numel`; stats only read.
-        unsafe {
-            match g.dtype {
-                DType::F32 => seg_stats::<L, f32>(Src(g.data as *const f32).get(lo, n), &mut acc),
-                DType::F16 => seg_stats::<L, f16>(Src(g.data as *const f16).get(lo, n), &mut acc),
-                DType::BF16 => {
-                    seg_stats::<L, bf16>(Src(g.data as *const bf16).get(lo, n), &mut acc)
+    for_pieces(
+        segs,
+        t,
+        b,
+        #[inline(always)]
+        |g, lo, n| {
+            // SAFETY: the table's rows describe validated tensors of `numel`
+            // elements of `dtype`; `lo + n <= numel`; stats only read.
+            unsafe {
+                match g.dtype {
+                    DType::F32 => {
+                        seg_stats::<L, f32>(Src(g.data as *const f32).get(lo, n), &mut acc)
+                    }
+                    DType::F16 => {
+                        seg_stats::<L, f16>(Src(g.data as *const f16).get(lo, n), &mut acc)
+                    }
+                    DType::BF16 => {
+                        seg_stats::<L, bf16>(Src(g.data as *const bf16).get(lo, n), &mut acc)
+                    }
+                    DType::I32 | DType::I64 => {}
                 }
-                DType::I32 | DType::I64 => {}
             }
-        }
-    });
+        },
+    );
     acc.finish()
 }
 
@@ -244,18 +254,24 @@ fn seg_scale<L: Lanes, T: LaneElem>(x: &mut [T], c: f32) {
 /// writable and pairwise disjoint; no one else touches block `b`'s range.
 #[inline(always)]
 pub(crate) unsafe fn block_scale<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usize, c: f32) {
-    for_pieces(segs, t, b, |g, lo, n| {
-        // SAFETY: as for `block_stats`; blocks cover disjoint flat ranges and
-        // the tensors do not overlap, so this range is this block's alone.
-        unsafe {
-            match g.dtype {
-                DType::F32 => seg_scale::<L, f32>(Dst(g.data as *mut f32).get(lo, n), c),
-                DType::F16 => seg_scale::<L, f16>(Dst(g.data as *mut f16).get(lo, n), c),
-                DType::BF16 => seg_scale::<L, bf16>(Dst(g.data as *mut bf16).get(lo, n), c),
-                DType::I32 | DType::I64 => {}
+    for_pieces(
+        segs,
+        t,
+        b,
+        #[inline(always)]
+        |g, lo, n| {
+            // SAFETY: as for `block_stats`; blocks cover disjoint flat ranges and
+            // the tensors do not overlap, so this range is this block's alone.
+            unsafe {
+                match g.dtype {
+                    DType::F32 => seg_scale::<L, f32>(Dst(g.data as *mut f32).get(lo, n), c),
+                    DType::F16 => seg_scale::<L, f16>(Dst(g.data as *mut f16).get(lo, n), c),
+                    DType::BF16 => seg_scale::<L, bf16>(Dst(g.data as *mut bf16).get(lo, n), c),
+                    DType::I32 | DType::I64 => {}
+                }
             }
-        }
-    });
+        },
+    );
 }
 
 /// Combines the blocks' partials in block order (f64 sum, exact counts).

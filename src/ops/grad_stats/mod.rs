@@ -74,9 +74,9 @@ use core::ffi::c_void;
 pub use plan::{GradTiling, GRAD_MIN_BLOCK_ELEMS};
 pub use types::{GradEngine, GradExec, GradSummary, GradTensor, GradTensorMut};
 
-#[allow(unused_imports)] // the C ABI fills its error detail with it
-pub(crate) use plan::first_bad_raw;
-use plan::{plan_of, GradSource, Partial, RawList, RoList, RwList, Seg, ARG};
+#[cfg_attr(not(feature = "std"), allow(unused_imports))] // for the C ABI
+pub(crate) use plan::{first_bad, plan_of, GradSource, ARG};
+use plan::{Partial, RawList, RoList, RwList, Seg};
 
 use super::dispatch_isa;
 use crate::dtype::DType;

@@ -226,12 +226,10 @@ pub(crate) fn plan_of<S: GradSource>(src: &mut S, ub: &UbConfig) -> Result<GradT
     GradTiling::new(segs, total, ub)
 }
 
-/// Index of the first tensor `RawList::get` rejects (for the C ABI's error
-/// detail), if any.
-#[allow(dead_code)] // used by the C ABI
-pub(crate) fn first_bad_raw(tensors: &[RawTensor]) -> Option<usize> {
-    let mut l = RawList(tensors);
-    (0..tensors.len()).find(|&i| l.get(i).is_err())
+/// Index of the first tensor `get` rejects (for the C ABI's error detail).
+#[cfg_attr(not(feature = "std"), allow(dead_code))] // used by the C ABI
+pub(crate) fn first_bad<S: GradSource>(src: &mut S) -> Option<usize> {
+    (0..src.count()).find(|&i| src.get(i).is_err())
 }
 
 #[cfg(test)]

@@ -1,0 +1,185 @@
+/* C11 test of npk_grad_stats_workspace_size / npk_grad_stats /
+ * npk_clip_grad_norm (include/npukern.h): a mixed-dtype list checked against
+ * a double computation here and against NPK_BACKEND_REFERENCE, bit-identity
+ * of serial and npk_threads_parallel_for, the clipping rule element by
+ * element, error_if_nonfinite leaving every byte alone, and the error paths
+ * with their npk_error_detail.
+ *
+ * Built and run by tests/grad_stats.rs (gcc -std=c11 -Wall -Wextra -Werror
+ * -pedantic, against libnpukern.a). Exit status 0 = every check passed. */
+#include <stddef.h>
+
+#include "common.h"
+
+_Static_assert(sizeof(npk_grad_summary) == 40, "npk_grad_summary layout");
+_Static_assert(offsetof(npk_grad_summary, min) == 24, "npk_grad_summary layout");
+
+#define DIMS(...) ((const int64_t[]){__VA_ARGS__})
+#define NT 4
+
+static buf g_b[NT];
+static npk_tensor g_t[NT];
+
+static void make_list(void) {
+  g_b[0] = balloc(NPK_F32, 20);
+  g_b[1] = balloc(NPK_BF16, 21);
+  g_b[2] = balloc(NPK_F16, 1000);
+  g_b[3] = balloc(NPK_F32, 0);
+  bfill_rand(g_b[0], -3.0, 3.0);
+  bfill_rand(g_b[1], -2.0, 2.5);
+  bfill_rand(g_b[2], -0.5, 0.5);
+  g_t[0] = btens(g_b[0], 2, DIMS(4, 5));
+  g_t[1] = btens(g_b[1], 2, DIMS(3, 7));
+  g_t[2] = btens(g_b[2], 3, DIMS(10, 10, 10));
+  g_t[3] = tens(NULL, NPK_F32, 2, DIMS(0, 3)); /* empty: NULL data is fine */
+}
+
+static npk_status stats(const npk_exec *ex, npk_grad_summary *out) {
+  size_t ws = 0;
+  npk_status s = npk_grad_stats_workspace_size(g_t, NT, ex, &ws);
+  if (s != NPK_OK) return s;
+  void *w = malloc(ws ? ws : 1);
+  s = npk_grad_stats(g_t, NT, out, ws ? w : NULL, ws, ex);
+  free(w);
+  return s;
+}
+
+static npk_status clip(const npk_exec *ex, double max_norm, int err, double *norm) {
+  size_t ws = 0;
+  npk_status s = npk_grad_stats_workspace_size(g_t, NT, ex, &ws);
+  if (s != NPK_OK) return s;
+  void *w = malloc(ws ? ws : 1);
+  s = npk_clip_grad_norm(g_t, NT, max_norm, (uint8_t)err, norm, w, ws, ex);
+  free(w);
+  return s;
+}
+
+static int same_summary(const npk_grad_summary *a, const npk_grad_summary *b) {
+  return memcmp(&a->sum_sq, &b->sum_sq, 8) == 0 && a->nan_count == b->nan_count &&
+         a->inf_count == b->inf_count && f2bits(a->min) == f2bits(b->min) &&
+         f2bits(a->max) == f2bits(b->max) && f2bits(a->absmax) == f2bits(b->absmax);
+}
+
+static void test_stats(void) {
+  double ss = 0, mn = INFINITY, mx = -INFINITY;
+  size_t k, i;
+  for (k = 0; k < NT; k++)
+    for (i = 0; i < g_b[k].n; i++) {
+      double v = get(g_b[k].p, g_b[k].dt, i);
+      ss += v * v;
+      mn = v < mn ? v : mn;
+      mx = v > mx ? v : mx;
+    }
+  npk_grad_summary s, r, p;
+  npk_error_detail d;
+  npk_exec ex;
+  memset(&ex, 0, sizeof ex);
+  ex.detail = &d;
+  CHECK(stats(NULL, &s) == NPK_OK, "serial");
+  CHECK(fabs(s.sum_sq - ss) <= 1e-6 * ss, "sum_sq %.17g vs %.17g", s.sum_sq, ss);
+  CHECK(s.nan_count == 0 && s.inf_count == 0, "counts");
+  CHECK(s.min == (float)mn && s.max == (float)mx, "min/max %g %g vs %g %g", s.min, s.max, mn, mx);
+  CHECK(s.absmax == (float)fmax(-mn, mx), "absmax");
+  ex.backend = NPK_BACKEND_REFERENCE;
+  CHECK(stats(&ex, &r) == NPK_OK && d.status == NPK_OK, "reference");
+  CHECK(fabs(r.sum_sq - ss) <= 1e-12 * ss && r.min == s.min && r.max == s.max, "reference agrees");
+  ex.backend = NPK_BACKEND_CPU;
+  ex.parallel_for = npk_threads_parallel_for;
+  ex.blocks = 3;
+  CHECK(stats(&ex, &p) == NPK_OK, "pool");
+  ex.parallel_for = NULL;
+  CHECK(stats(&ex, &r) == NPK_OK && same_summary(&p, &r), "pool and serial: same bits");
+}
+
+static void test_clip(void) {
+  buf orig[NT];
+  size_t k, i;
+  double norm = -1, ss = 0;
+  for (k = 0; k < NT; k++) {
+    orig[k] = bclone(g_b[k]);
+    for (i = 0; i < g_b[k].n; i++) ss += get(g_b[k].p, g_b[k].dt, i) * get(g_b[k].p, g_b[k].dt, i);
+  }
+  CHECK(clip(NULL, 0.5, 1, &norm) == NPK_OK, "clip");
+  CHECK(fabs(norm - sqrt(ss)) <= 1e-6 * sqrt(ss), "norm %.17g vs %.17g", norm, sqrt(ss));
+  float c = (float)fmin(1.0, 0.5 / (norm + 1e-6));
+  int ok = 1;
+  for (k = 0; k < NT; k++)
+    for (i = 0; i < g_b[k].n; i++) {
+      if (g_b[k].dt == NPK_F32) {
+        float want = ((const float *)orig[k].p)[i] * c;
+        ok &= f2bits(((const float *)g_b[k].p)[i]) == f2bits(want);
+      } else if (g_b[k].dt == NPK_BF16) {
+        uint16_t want = f2bf(bf2f(((const uint16_t *)orig[k].p)[i]) * c);
+        ok &= ((const uint16_t *)g_b[k].p)[i] == want;
+      } else {
+        uint16_t want = f2h(h2f(((const uint16_t *)orig[k].p)[i]) * c);
+        ok &= ((const uint16_t *)g_b[k].p)[i] == want;
+      }
+    }
+  CHECK(ok, "every element is round(f32(x) * coef)");
+  for (k = 0; k < NT; k++) bfree(&orig[k]);
+
+  /* NaN with error_if_nonfinite: nothing changes, total_norm included. */
+  ((float *)g_b[0].p)[7] = NAN;
+  for (k = 0; k < NT; k++) orig[k] = bclone(g_b[k]);
+  npk_error_detail d;
+  npk_exec ex;
+  memset(&ex, 0, sizeof ex);
+  ex.detail = &d;
+  norm = 42.0;
+  CHECK(clip(&ex, 1.0, 1, &norm) == NPK_ERR_NONFINITE && d.status == NPK_ERR_NONFINITE, "nonfinite");
+  CHECK(norm == 42.0, "total_norm untouched");
+  for (k = 0; k < NT; k++) CHECK(bsame(g_b[k], orig[k]), "tensor %zu untouched", k);
+  /* Without the error: a NaN norm and a NaN coefficient, applied. */
+  CHECK(clip(&ex, 1.0, 0, &norm) == NPK_OK && isnan(norm), "NaN norm");
+  CHECK(isnan(((const float *)g_b[0].p)[0]) && isnan(h2f(((const uint16_t *)g_b[2].p)[5])), "NaN applied");
+  for (k = 0; k < NT; k++) bfree(&orig[k]);
+}
+
+static void test_errors(void) {
+  npk_error_detail d;
+  npk_exec ex;
+  size_t ws = 0;
+  npk_grad_summary s;
+  double norm = 7.0;
+  memset(&ex, 0, sizeof ex);
+  ex.detail = &d;
+  int32_t idx[4] = {1, 2, 3, 4};
+  npk_tensor list[3];
+  list[0] = g_t[0];
+  list[1] = g_t[2];
+  list[2] = tens(idx, NPK_I32, 1, DIMS(4));
+  CHECK(npk_grad_stats_workspace_size(list, 3, &ex, &ws) == NPK_ERR_DTYPE_UNSUPPORTED, "i32");
+  CHECK(strcmp(d.argument, "tensors") == 0 && d.position == 2, "detail names tensor 2: %s %lld", d.argument,
+        (long long)d.position);
+  CHECK(npk_grad_stats_workspace_size(NULL, 2, &ex, &ws) == NPK_ERR_NULLPTR, "NULL list");
+  CHECK(npk_grad_stats_workspace_size(NULL, 0, &ex, &ws) == NPK_OK && ws == 0, "empty list");
+  CHECK(npk_grad_stats(NULL, 0, &s, NULL, 0, &ex) == NPK_OK && s.sum_sq == 0 && isnan(s.min), "empty stats");
+  list[2] = tens(g_b[0].p, NPK_F32, 2, DIMS((int64_t)1 << 62, 8));
+  CHECK(npk_grad_stats_workspace_size(list, 3, &ex, &ws) == NPK_ERR_SIZE_OVERFLOW, "overflow");
+  CHECK(npk_grad_stats_workspace_size(g_t, NT, &ex, &ws) == NPK_OK && ws > 0, "size");
+  void *w = malloc(ws);
+  CHECK(npk_grad_stats(g_t, NT, &s, w, ws - 1, &ex) == NPK_ERR_WORKSPACE_TOO_SMALL, "small workspace");
+  CHECK(npk_grad_stats(g_t, NT, NULL, w, ws, &ex) == NPK_ERR_NULLPTR && strcmp(d.argument, "out") == 0, "NULL out");
+  CHECK(npk_clip_grad_norm(g_t, NT, -1.0, 0, &norm, w, ws, &ex) == NPK_ERR_PARAM_INVALID, "negative max_norm");
+  CHECK(npk_clip_grad_norm(g_t, NT, 1.0, 0, NULL, w, ws, &ex) == NPK_ERR_NULLPTR, "NULL total_norm");
+  /* The same tensor twice would be scaled twice: rejected for clipping. */
+  list[0] = g_t[0];
+  list[1] = g_t[0];
+  CHECK(npk_grad_stats_workspace_size(list, 2, &ex, &ws) == NPK_OK, "size of a repeated list");
+  CHECK(npk_clip_grad_norm(list, 2, 1.0, 0, &norm, w, ws, &ex) == NPK_ERR_PARAM_INVALID, "overlap");
+  CHECK(norm == 7.0, "total_norm untouched");
+  CHECK(npk_grad_stats(list, 2, &s, w, ws, &ex) == NPK_OK, "stats may read a tensor twice");
+  free(w);
+}
+
+int main(void) {
+  make_list();
+  test_stats();
+  test_clip();
+  test_errors();
+  size_t k;
+  for (k = 0; k < NT; k++) bfree(&g_b[k]);
+  printf("test_grad_stats: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed ? 1 : 0;
+}

@@ -1,0 +1,398 @@
+//! `npk_grad_stats_workspace_size` / `npk_grad_stats` / `npk_clip_grad_norm`:
+//! a skin over `ops::grad_stats` (the same validation, plan and kernels as
+//! the Rust API).
+//!
+//! These operators have no entry in the foreign table, so they never go
+//! through `Backend`: `npk_exec` is validated and reported through
+//! `exec::run` like every operator, then read once more here for what a
+//! `GradExec` needs — the backend kind (CPU and FOREIGN run the CPU kernels,
+//! REFERENCE the f64 model), the ISA (NPK_ISA_AUTO = `exec::auto_isa`, which
+//! honours the `NPK_MAX_CPU_ISA` ceiling) and the host `parallel_for`.
+//! `exec::HostRunner` keeps its constructor private, so the callback is
+//! adapted by the small `GradHostRunner` below (same contract and the same
+//! fault check: a runner that skips or repeats a block fails the call).
+//!
+//! The tensor list is read element by element through `types::read_tensor`
+//! (an invalid dtype value never becomes a Rust enum); on a list error the
+//! detail's `position` is the index of the first bad tensor.
+
+use core::ffi::c_void;
+use core::mem::size_of;
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use super::exec::{auto_isa, run, write_size};
+use super::types::{npk_error_detail, npk_exec, npk_parallel_for_fn, npk_status, read_tensor};
+use crate::error::{invalid, Error, Result};
+use crate::lanes::Isa;
+use crate::ops::grad_stats::{
+    clip_with, first_bad, plan_of, stats_with, GradEngine, GradExec, GradSource, GradSummary,
+    OutRange, ARG,
+};
+use crate::runner::Runner;
+use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
+
+/// What `npk_grad_stats` measures over all elements of all tensors.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct npk_grad_summary {
+    /// Sum of squares of the finite elements.
+    pub sum_sq: f64,
+    /// Number of NaN elements.
+    pub nan_count: u64,
+    /// Number of +Inf and -Inf elements.
+    pub inf_count: u64,
+    /// Smallest finite element; NaN when there are none (a zero is +0.0).
+    pub min: f32,
+    /// Largest finite element; NaN when there are none (a zero is +0.0).
+    pub max: f32,
+    /// Largest finite magnitude; NaN when there are none.
+    pub absmax: f32,
+}
+
+impl From<GradSummary> for npk_grad_summary {
+    fn from(s: GradSummary) -> Self {
+        npk_grad_summary {
+            sum_sq: s.sum_sq,
+            nan_count: s.nan_count,
+            inf_count: s.inf_count,
+            min: s.min,
+            max: s.max,
+            absmax: s.absmax,
+        }
+    }
+}
+
+/// The caller's `const npk_tensor* tensors, size_t count`.
+struct CList {
+    p: *const RawTensor,
+    n: usize,
+}
+
+impl CList {
+    fn new(p: *const RawTensor, n: usize) -> Result<CList> {
+        if n == 0 {
+            return Ok(CList { p, n });
+        }
+        if p.is_null() {
+            return Err(Error::NullPointer { arg: ARG });
+        }
+        n.checked_mul(size_of::<RawTensor>())
+            .filter(|&b| b <= isize::MAX as usize)
+            .and_then(|b| (p as usize).checked_add(b))
+            .ok_or(Error::SizeOverflow { arg: ARG })?;
+        Ok(CList { p, n })
+    }
+}
+
+impl GradSource for CList {
+    fn count(&self) -> usize {
+        self.n
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, crate::dtype::DType, usize)> {
+        if i >= self.n {
+            return Err(invalid(ARG, "index past the list"));
+        }
+        // SAFETY: `CList::new` checked the array's extent; the caller of the
+        // exported function promises `count` readable descriptors.
+        let t = unsafe { read_tensor(self.p.add(i), ARG)? };
+        let c = t.check(ARG)?;
+        if !t.dtype.is_float() {
+            return Err(Error::DtypeUnsupported { arg: ARG });
+        }
+        Ok((t.data, t.dtype, c.numel))
+    }
+}
+
+/// The host's `parallel_for` as a `Runner` (NULL: serial), with
+/// `exec::HostRunner`'s contract and fault check.
+struct GradHostRunner {
+    f: npk_parallel_for_fn,
+    ctx: *mut c_void,
+    faulted: AtomicBool,
+}
+
+// SAFETY: `ctx` is only passed back to the host's callback, whose contract
+// allows calls from the calling thread; the runner dies with the C call.
+unsafe impl Sync for GradHostRunner {}
+
+struct Trampoline<'a> {
+    task: &'a (dyn Fn(usize) + Sync),
+    n: usize,
+    ran: AtomicUsize,
+    bad: AtomicBool,
+}
+
+/// # Safety
+/// `ctx` is the `Trampoline` of a `parallel_for` that has not returned.
+unsafe extern "C" fn trampoline(ctx: *mut c_void, block: usize) {
+    // SAFETY: the host passes back our `task_ctx`, alive until its
+    // `parallel_for` returns.
+    let t = unsafe { &*(ctx as *const Trampoline<'_>) };
+    if block >= t.n {
+        t.bad.store(true, Ordering::Relaxed);
+        return;
+    }
+    (t.task)(block);
+    t.ran.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Runner for GradHostRunner {
+    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
+        let Some(f) = self.f else {
+            for b in 0..n_blocks {
+                task(b);
+            }
+            return;
+        };
+        if n_blocks == 0 {
+            return;
+        }
+        let t = Trampoline {
+            task,
+            n: n_blocks,
+            ran: AtomicUsize::new(0),
+            bad: AtomicBool::new(false),
+        };
+        // SAFETY: the host's callback, called as c-api.md says; `t` outlives
+        // the call, which returns only after every block ran.
+        unsafe {
+            f(
+                self.ctx,
+                n_blocks,
+                Some(trampoline),
+                &t as *const Trampoline<'_> as *mut c_void,
+            )
+        };
+        if t.bad.load(Ordering::Acquire) || t.ran.load(Ordering::Acquire) != n_blocks {
+            self.faulted.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The parts of an (already validated) `npk_exec` a `GradExec` needs.
+struct GradConfig {
+    isa: Isa,
+    engine: GradEngine,
+    runner: GradHostRunner,
+}
+
+/// # Safety
+/// `exec` is NULL or a readable `npk_exec` that `exec::run` has validated.
+unsafe fn grad_config(exec: *const npk_exec) -> GradConfig {
+    let mut c = GradConfig {
+        isa: auto_isa(),
+        engine: GradEngine::Cpu,
+        runner: GradHostRunner {
+            f: None,
+            ctx: core::ptr::null_mut(),
+            faulted: AtomicBool::new(false),
+        },
+    };
+    if exec.is_null() {
+        return c;
+    }
+    // SAFETY: non-NULL and readable (caller); integers, pointers and an
+    // `Option<fn>`, valid for any bit pattern.
+    let e = unsafe { exec.read_unaligned() };
+    c.isa = match e.isa {
+        1 => Isa::Portable,
+        2 => Isa::Avx2,
+        3 => Isa::Avx512,
+        _ => auto_isa(),
+    };
+    // FOREIGN has no grad entry: the CPU kernels run, as for a NULL entry.
+    if e.backend == 1 {
+        c.engine = GradEngine::Reference;
+    }
+    c.runner.f = e.parallel_for;
+    c.runner.ctx = e.runner_ctx;
+    c
+}
+
+/// Runs `f` with the `GradExec` of `exec` (whose tiling `ub` has been
+/// validated by `exec::run`), and turns a faulty host runner into an error.
+///
+/// # Safety
+/// As for `grad_config`.
+unsafe fn with_grad_exec<R>(
+    exec: *const npk_exec,
+    ub: UbConfig,
+    f: impl FnOnce(&GradExec<'_>) -> Result<R>,
+) -> Result<R> {
+    // SAFETY: forwarded.
+    let c = unsafe { grad_config(exec) };
+    let ge = GradExec {
+        ub,
+        runner: &c.runner,
+        isa: Some(c.isa),
+        engine: c.engine,
+    };
+    let r = f(&ge)?;
+    if c.runner.faulted.load(Ordering::Relaxed) {
+        return Err(invalid(
+            "parallel_for",
+            "did not run every block exactly once",
+        ));
+    }
+    Ok(r)
+}
+
+/// After a failed call: when the tensor list is what was wrong, points
+/// `detail->position` at the first bad tensor.
+///
+/// # Safety
+/// `exec` is NULL or readable with a NULL or writable `detail`; `list` as
+/// for the exported functions.
+unsafe fn mark_bad_tensor(exec: *const npk_exec, list: *const RawTensor, count: usize) {
+    if exec.is_null() {
+        return;
+    }
+    // SAFETY: readable (caller).
+    let detail: *mut npk_error_detail =
+        unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() };
+    if detail.is_null() {
+        return;
+    }
+    let Ok(mut l) = CList::new(list, count) else {
+        return;
+    };
+    if let Some(i) = first_bad(&mut l) {
+        // SAFETY: writable (caller); a plain integer field.
+        unsafe { core::ptr::addr_of_mut!((*detail).position).write_unaligned(i as i64) };
+    }
+}
+
+/// Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these
+/// tensors (the same `exec` must be passed to both calls: the plan depends
+/// on its `blocks`).
+///
+/// # Safety
+/// `tensors` is NULL (only with `count == 0`) or points to `count` readable
+/// `npk_tensor`s; the other pointers are NULL or valid. Data is not read.
+#[no_mangle]
+pub unsafe extern "C" fn npk_grad_stats_workspace_size(
+    tensors: *const RawTensor,
+    count: usize,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    let s = unsafe {
+        run(exec, |e| {
+            if workspace_bytes.is_null() {
+                return Err(Error::NullPointer {
+                    arg: "workspace_bytes",
+                });
+            }
+            let t = plan_of(&mut CList::new(tensors, count)?, &e.ub)?;
+            write_size(workspace_bytes, t.workspace_bytes)
+        })
+    };
+    if s != npk_status::NPK_OK {
+        // SAFETY: as above.
+        unsafe { mark_bad_tensor(exec, tensors, count) };
+    }
+    s
+}
+
+/// Sum of squares, NaN/Inf counts, min, max and absmax over every element of
+/// every tensor (f32 | f16 | bf16, any shapes), in one read of the data;
+/// written to `*out`. `workspace` holds the bytes the size call returned
+/// (NULL only when that was 0). On error `*out` is not written.
+///
+/// # Safety
+/// As for the size call, and every tensor's `data` points to a readable
+/// buffer of its shape and dtype, live for the call; `out` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn npk_grad_stats(
+    tensors: *const RawTensor,
+    count: usize,
+    out: *mut npk_grad_summary,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    let s = unsafe {
+        run(exec, |e| {
+            if out.is_null() {
+                return Err(Error::NullPointer { arg: "out" });
+            }
+            let mut l = CList::new(tensors, count)?;
+            let o = OutRange {
+                name: "out",
+                addr: out as usize,
+                bytes: size_of::<npk_grad_summary>(),
+            };
+            let sum = with_grad_exec(exec, e.ub, |g| {
+                stats_with(g, &mut l, workspace, workspace_bytes, Some(o))
+            })?;
+            out.write_unaligned(sum.into());
+            Ok(())
+        })
+    };
+    if s != npk_status::NPK_OK {
+        // SAFETY: as above.
+        unsafe { mark_bad_tensor(exec, tensors, count) };
+    }
+    s
+}
+
+/// `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
+/// norm to `*total_norm` and scales every tensor in place by
+/// `min(1, max_norm / (total_norm + 1e-6))` (each element
+/// `round(f32(x) * coef)`). With a NaN/Inf present and `error_if_nonfinite
+/// != 0`: `NPK_ERR_NONFINITE`, nothing changed; otherwise the coefficient is
+/// applied even when it is NaN or 0, as PyTorch does. `max_norm` must not
+/// be negative or NaN. Tensors must not overlap each other. Same workspace
+/// size as `npk_grad_stats`.
+///
+/// # Safety
+/// As for `npk_grad_stats`, and every tensor's buffer is writable;
+/// `total_norm` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn npk_clip_grad_norm(
+    tensors: *const RawTensor,
+    count: usize,
+    max_norm: f64,
+    error_if_nonfinite: u8,
+    total_norm: *mut f64,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    let s = unsafe {
+        run(exec, |e| {
+            if total_norm.is_null() {
+                return Err(Error::NullPointer { arg: "total_norm" });
+            }
+            let mut l = CList::new(tensors, count)?;
+            let o = OutRange {
+                name: "total_norm",
+                addr: total_norm as usize,
+                bytes: size_of::<f64>(),
+            };
+            let n = with_grad_exec(exec, e.ub, |g| {
+                clip_with(
+                    g,
+                    &mut l,
+                    max_norm,
+                    error_if_nonfinite != 0,
+                    workspace,
+                    workspace_bytes,
+                    Some(o),
+                )
+            })?;
+            total_norm.write_unaligned(n);
+            Ok(())
+        })
+    };
+    if s != npk_status::NPK_OK {
+        // SAFETY: as above.
+        unsafe { mark_bad_tensor(exec, tensors, count) };
+    }
+    s
+}
