@@ -154,13 +154,14 @@ pub fn run(case: &Case, exec: &Exec<'_>) -> Report {
     rep.bwd_s = t;
     let (dxr, dgr, _) = bwd(&refx);
     let mut cond = vec![0f64; h];
-    for r in 0..m {
+    for (r, &rs) in rstd.iter().enumerate() {
+        let rs = rs as f64;
         let mut scale = 0f64;
         for j in 0..h {
             let i = r * h + j;
-            let t = dy[i].to_f64() * x[i].to_f64() * rstd[r] as f64;
+            let t = dy[i].to_f64() * x[i].to_f64() * rs;
             cond[j] += t.abs();
-            scale = scale.max((rstd[r] as f64 * dy[i].to_f64() * g[j].to_f64()).abs());
+            scale = scale.max((rs * dy[i].to_f64() * g[j].to_f64()).abs());
         }
         for j in 0..h {
             let i = r * h + j;

@@ -5,9 +5,10 @@
 //! What it does:
 //! 1. finds the profile directory this test binary was built in
 //!    (`<target>/<profile>/deps/ffi-*` → `<target>/<profile>`);
-//! 2. runs `cargo build --lib` for that profile and target dir (`--release`
-//!    for `release`), which writes `libnpukern.a` and `libnpukern.so` there —
-//!    `cargo test` itself builds the library only as an rlib for the tests;
+//! 2. runs `cargo build --lib` for that profile into `<target>/ffi`
+//!    (`--release` for `release`), which writes `libnpukern.a` and
+//!    `libnpukern.so` to `<target>/ffi/<profile>` — `cargo test` itself builds
+//!    the library only as an rlib for the tests;
 //! 3. runs `ffi-tests/run.sh <that dir>`, which compiles both programs with
 //!    the system gcc/g++ (`-Wall -Wextra -Werror -pedantic`), links each once
 //!    statically and once dynamically, and runs the four binaries.
@@ -25,9 +26,13 @@ fn profile_dir() -> PathBuf {
     deps.parent().expect("<target>/<profile>").to_path_buf()
 }
 
-fn build_library(profile_dir: &Path) {
+/// Builds the C libraries into `<target>/ffi/<profile>` and returns that
+/// directory. A separate target dir: building the staticlib/cdylib (with
+/// `panic = "abort"`) into the test's own target dir would replace the rlib
+/// the other tests and doctests of this `cargo test` run link against.
+fn build_library(profile_dir: &Path) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let target_dir = profile_dir.parent().expect("<target>");
+    let target_dir = profile_dir.parent().expect("<target>").join("ffi");
     let profile = profile_dir
         .file_name()
         .and_then(|n| n.to_str())
@@ -38,7 +43,7 @@ fn build_library(profile_dir: &Path) {
         .arg("--manifest-path")
         .arg(root.join("Cargo.toml"))
         .arg("--target-dir")
-        .arg(target_dir);
+        .arg(&target_dir);
     match profile {
         "debug" => {}
         "release" => {
@@ -50,6 +55,7 @@ fn build_library(profile_dir: &Path) {
     }
     let status = cmd.status().expect("run cargo build --lib");
     assert!(status.success(), "cargo build --lib failed: {status}");
+    target_dir.join(profile)
 }
 
 #[test]
@@ -58,8 +64,7 @@ fn c_and_cpp_programs_pass() {
         eprintln!("NPK_SKIP_FFI=1: the C/C++ FFI tests were skipped");
         return;
     }
-    let dir = profile_dir();
-    build_library(&dir);
+    let dir = build_library(&profile_dir());
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("ffi-tests/run.sh");
     let out = Command::new("bash")
         .arg(&script)

@@ -159,8 +159,8 @@ fn expect(ts: &[Owned]) -> Expect {
     e
 }
 
-/// The kernel's documented bound on `sum_sq`: 16 * 2^-24.
-const KERNEL_TOL: f64 = 9.6e-7;
+/// The kernel's documented bound on `sum_sq`: 11 * 2^-24.
+const KERNEL_TOL: f64 = 6.6e-7;
 
 fn same_f32(a: f32, b: f32) -> bool {
     (a.is_nan() && b.is_nan()) || a == b
@@ -570,7 +570,7 @@ fn errors() {
     let empty = raw(core::ptr::null_mut(), DType::F16, &[3, 0]);
     assert_eq!(grad_stats_workspace_size_raw(&exec, &[empty]), Ok(0));
     // Workspace too small: nothing written.
-    let mut ts = vec![Owned::F32(vec![2.0; 100])];
+    let mut ts = [Owned::F32(vec![2.0; 100])];
     let before = ts[0].bits();
     let mut views: Vec<_> = ts.iter_mut().map(|t| t.view_mut()).collect();
     let need = clip_grad_norm_workspace_size(&exec, &views).unwrap();
@@ -710,7 +710,7 @@ fn tiny_values_keep_their_precision() {
     let mut r = Rng(77);
     let ts = vec![
         Owned::F32((0..5000).map(|_| r.val(1e-30)).collect()),
-        Owned::F32((1..3000).map(|i| f32::from_bits(i)).collect()), // subnormals
+        Owned::F32((1..3000).map(f32::from_bits).collect()), // subnormals
         Owned::BF16((0..700).map(|_| bf16::from_f32(r.val(1e-36))).collect()),
     ];
     let e = expect(&ts);
@@ -767,9 +767,10 @@ fn c_program_passes() {
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    let target_dir = profile_dir.parent().unwrap();
-    let profile = profile_dir
+    let test_profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    // Its own target dir, as tests/ffi.rs explains.
+    let target_dir = test_profile_dir.parent().unwrap().join("ffi");
+    let profile = test_profile_dir
         .file_name()
         .unwrap()
         .to_str()
@@ -779,7 +780,7 @@ fn c_program_passes() {
     cmd.args(["build", "--lib", "--manifest-path"])
         .arg(root.join("Cargo.toml"))
         .arg("--target-dir")
-        .arg(target_dir);
+        .arg(&target_dir);
     match profile.as_str() {
         "debug" => {}
         "release" => {
@@ -790,6 +791,7 @@ fn c_program_passes() {
         }
     }
     assert!(cmd.status().unwrap().success(), "cargo build --lib failed");
+    let profile_dir = target_dir.join(&profile);
     let bin = profile_dir.join("test_grad_stats_c");
     let cc = std::env::var("CC").unwrap_or_else(|_| "gcc".into());
     let status = Command::new(cc)

@@ -254,6 +254,16 @@ unsafe fn mark_bad_tensor(exec: *const npk_exec, list: *const RawTensor, count: 
     if detail.is_null() {
         return;
     }
+    // SAFETY: readable (caller); plain bytes.
+    let arg = unsafe { core::ptr::addr_of!((*detail).argument).read_unaligned() };
+    let named = ARG
+        .bytes()
+        .chain([0])
+        .zip(arg)
+        .all(|(a, b)| a as core::ffi::c_char == b);
+    if !named {
+        return;
+    }
     let Ok(mut l) = CList::new(list, count) else {
         return;
     };

@@ -185,24 +185,26 @@ impl<L: Lanes> RowSum<L> {
         }
     }
 
-    /// Adds groups `f(0), f(1), ..., f(n - 1)` in order: the same sum as
-    /// `n` calls of `push`, but the running segment sum lives in a local (a
-    /// register) instead of going through `self` every group.
+    /// Groups that still fit in the current segment (>= 1).
     #[inline(always)]
-    pub fn push_with(&mut self, n: usize, mut f: impl FnMut(usize) -> L) {
-        let mut i = 0;
-        while i < n {
-            let take = (SEGMENT_GROUPS - self.in_segment).min(n - i);
-            let mut acc = self.acc;
-            for k in i..i + take {
-                acc = acc.add(f(k));
-            }
-            self.acc = acc;
-            self.in_segment += take;
-            i += take;
-            if self.in_segment == SEGMENT_GROUPS {
-                self.close_segment();
-            }
+    pub fn room(&self) -> usize {
+        SEGMENT_GROUPS - self.in_segment
+    }
+
+    /// The current segment's running sum, to be carried in a register by a
+    /// loop of at most `room()` additions and handed back with `commit`.
+    #[inline(always)]
+    pub fn acc(&self) -> L {
+        self.acc
+    }
+
+    /// Takes back the running sum after `added` more groups (<= `room()`).
+    #[inline(always)]
+    pub fn commit(&mut self, acc: L, added: usize) {
+        self.acc = acc;
+        self.in_segment += added;
+        if self.in_segment >= SEGMENT_GROUPS {
+            self.close_segment();
         }
     }
 
@@ -246,6 +248,28 @@ impl<L: Lanes> Default for RowSum<L> {
         Self::new()
     }
 }
+
+/// Adds `$body` for `$k` in `0..$n`, in order, to the `RowSum` `$s`: the
+/// same sum as `$n` calls of `push`, with the running sum in a local. A
+/// macro, not a closure, so the body always inlines into the ISA context.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! push_groups {
+    ($s:expr, $n:expr, |$k:ident| $body:expr) => {{
+        let n: usize = $n;
+        let mut i = 0usize;
+        while i < n {
+            let take = $s.room().min(n - i);
+            let mut acc = $s.acc();
+            for $k in i..i + take {
+                acc = $crate::lanes::Lanes::add(acc, $body);
+            }
+            $s.commit(acc, take);
+            i += take;
+        }
+    }};
+}
+pub use push_groups;
 
 /// IEEE single-precision square root without `std` (sqrtss on x86_64, the
 /// correctly rounded software root elsewhere: identical bits).

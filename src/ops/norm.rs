@@ -197,7 +197,7 @@ pub(crate) fn widen_sum_sq<L: Lanes, T: LaneElem>(
             let (sg, st) = src.as_chunks::<GROUP>();
             let (dg, _) = dst.as_chunks_mut::<GROUP>();
             let full = sg.len().min(dg.len());
-            s.push_with(full, |k| {
+            crate::lanes::push_groups!(s, full, |k| {
                 let v = T::load::<L>(&sg[k]);
                 v.store(&mut dg[k]);
                 v.mul(v)

@@ -494,6 +494,52 @@ fn load_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
     }
 }
 
+/// Rows of one merge-N tile whose `c` the kernel keeps on its stack.
+const MAX_TILE_ROWS: usize = 256;
+
+/// Merge-N CopyIn fused with the reduction: widens one row of dy and x into
+/// the arena and pushes `(dy * g) * (x * rstd)` group by group (the same
+/// operations, in the same order, as `reduce_chunk` on the arena rows).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn widen_reduce<L: Lanes, T: LaneElem>(
+    dy: &[T],
+    x: &[T],
+    dyt: &mut [f32],
+    xt: &mut [f32],
+    g: &[f32],
+    rs: L,
+    s: &mut RowSum<L>,
+) {
+    let (dys, dyr) = dy.as_chunks::<GROUP>();
+    let (xs, _) = x.as_chunks::<GROUP>();
+    let (dyg, _) = dyt.as_chunks_mut::<GROUP>();
+    let (xg, _) = xt.as_chunks_mut::<GROUP>();
+    let (gg, _) = g.as_chunks::<GROUP>();
+    let full = dys
+        .len()
+        .min(xs.len())
+        .min(dyg.len())
+        .min(xg.len())
+        .min(gg.len());
+    crate::lanes::push_groups!(s, full, |k| {
+        let a = T::load::<L>(&dys[k]);
+        let b = T::load::<L>(&xs[k]);
+        a.store(&mut dyg[k]);
+        b.store(&mut xg[k]);
+        a.mul(L::load(&gg[k])).mul(b.mul(rs))
+    });
+    if !dyr.is_empty() {
+        let a = load_group::<L, T>(dy, full);
+        let b = load_group::<L, T>(x, full);
+        if let (Some(d), Some(e), Some(gv)) = (dyg.get_mut(full), xg.get_mut(full), gg.get(full)) {
+            a.store(d);
+            b.store(e);
+            s.push(a.mul(L::load(gv)).mul(b.mul(rs)));
+        }
+    }
+}
+
 /// Pushes `sum_j (dy * g) * (x * rstd)` of one chunk (f32 arena rows).
 #[inline(always)]
 fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L) {
@@ -501,7 +547,7 @@ fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], r
     let (xg, _) = x.as_chunks::<GROUP>();
     let (gg, _) = g.as_chunks::<GROUP>();
     let n = dg.len().min(xg.len()).min(gg.len());
-    s.push_with(n, |k| {
+    crate::lanes::push_groups!(s, n, |k| {
         let gy = L::load(&dg[k]).mul(L::load(&gg[k]));
         let xh = L::load(&xg[k]).mul(rs);
         gy.mul(xh)
@@ -603,25 +649,43 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
         let gbuf = &*gbuf;
         let mut r = r0;
         while r < r1 {
-            let rows = rpt.min(r1 - r);
-            for i in 0..rows {
+            let rows = rpt.min(r1 - r).min(MAX_TILE_ROWS);
+            // CopyIn of dy and x with each row's sum_j(g * xh) in the same pass...
+            let mut cs = [0f32; MAX_TILE_ROWS];
+            for (i, cv) in cs.iter_mut().enumerate().take(rows) {
                 let span = i * chunk..(i + 1) * chunk;
+                let rs = L::splat(rstd_of(r + i));
+                let mut s = RowSum::<L>::new();
                 // SAFETY: row r+i of dy and x (dx's row is written only below).
-                unsafe {
-                    widen_into::<L, T>(c.dy.get((r + i) * n, n), &mut dyt[span.clone()]);
-                    widen_into::<L, T>(c.x.get((r + i) * n, n), &mut xt[span]);
-                }
+                let (dy, x) = unsafe { (c.dy.get((r + i) * n, n), c.x.get((r + i) * n, n)) };
+                widen_reduce::<L, T>(
+                    dy,
+                    x,
+                    &mut dyt[span.clone()],
+                    &mut xt[span],
+                    gbuf,
+                    rs,
+                    &mut s,
+                );
+                *cv = s.finish() / n as f32;
             }
-            for i in 0..rows {
+            // ...then dx and the dgamma partial.
+            for (i, &cv) in cs.iter().enumerate().take(rows) {
                 let (dy, x) = (
                     &dyt[i * chunk..(i + 1) * chunk],
                     &xt[i * chunk..(i + 1) * chunk],
                 );
                 let rs = L::splat(rstd_of(r + i));
-                let mut s = RowSum::<L>::new();
-                reduce_chunk(&mut s, dy, x, gbuf, rs);
-                let cc = L::splat(s.finish() / n as f32);
-                emit_chunk::<L, T, G>(c, r + i, 0, n, [dy, x, gbuf], rs, cc, &mut part[..]);
+                emit_chunk::<L, T, G>(
+                    c,
+                    r + i,
+                    0,
+                    n,
+                    [dy, x, gbuf],
+                    rs,
+                    L::splat(cv),
+                    &mut part[..],
+                );
             }
             r += rows;
         }

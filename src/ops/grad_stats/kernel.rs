@@ -2,30 +2,33 @@
 //!
 //! # Stats: the fixed 16-lane pattern
 //! Element `k` of a tensor's piece inside a block goes to lane `k % 16`.
-//! The piece is read in windows of `WINDOW_GROUPS` groups of 16 (256
-//! elements). In a window each lane sums its 16 squares in f32 (the `Lanes`
-//! widen the elements; `wide` vectors square, add and take min/max, since
-//! `Lanes` has no min/max), then the 16 window sums are widened to f64 and
-//! added to the block's 16 f64 lane sums. The tail of a piece (< 16
-//! elements) goes, element `k` to lane `k % 16`, straight into the f64 lanes.
-//! At the end of the block the 16 f64 lanes fold in one fixed tree (lane
-//! `i + 8` onto `i`, then `+4`, `+2`, `+1`). The order of every operation is
-//! fixed by the plan alone, never by the runner; there is no FMA.
+//! The piece is read in windows of `WINDOW_GROUPS` = 32 groups of 16 (512
+//! elements). In a window the `Lanes` widen each group and square it; group
+//! `j` of the window is added, in f32, to accumulator `j % 4`, and the four
+//! accumulators are combined as `(s0 + s1) + (s2 + s3)` (four independent
+//! add chains keep the adders busy). The window's 16 lane sums are then
+//! widened to f64 and added to the block's 16 f64 lane sums. The tail of a
+//! piece (< 16 elements) goes, element `k` to lane `k % 16`, straight into
+//! the f64 lanes. At the end of the block the 16 f64 lanes fold in one fixed
+//! tree (lane `i + 8` onto `i`, then `+4`, `+2`, `+1`). Min/max run at the
+//! ISA's width (`MinMax`; the `Lanes` have none). The order of every
+//! operation is fixed by the plan alone, never by the runner or ISA; no FMA.
 //!
 //! # Why f32 windows are exact enough, and when they are not used
-//! A lane's window sum has 16 terms, so its relative error is at most
-//! 16 * 2^-24 (each square and each partial sum rounds once): < 9.6e-7 on
-//! `sum_sq`, < 4.8e-7 on the norm, before the f64 part (~1e-15). That holds
-//! only while no square overflows or underflows f32, so a window is taken
-//! as is only when its f32 sums are finite and its largest magnitude `m` is
-//! 0 or in `[2^-50, 2^60]`. Otherwise — a window holding NaN/Inf, a huge
-//! value, or only tiny nonzero ones — the window is re-read, masked, while
-//! it is in L1: each finite element's exact f64 square is added to its f64
-//! lane, NaN/Inf are counted, min/max see the finite elements only. Whether
-//! a window is masked depends on its contents alone, so results stay
-//! deterministic. (Below `2^-50` the f32 squares would lose bits to
-//! underflow; in a window whose largest magnitude is at least `2^-50`
-//! those lost bits are below 2^-40 of the window's sum.)
+//! A lane's window sum is 8 squares per accumulator plus two combining
+//! additions: each square and each addition rounds once, so its relative
+//! error is at most 11 * 2^-24 < 6.6e-7 (all terms >= 0, so the bound holds
+//! for the total `sum_sq`), < 3.3e-7 on the norm, before the f64 part
+//! (~1e-15). That holds only while no square overflows or underflows f32, so
+//! a window is taken as is only when its f32 sums are finite and its largest
+//! magnitude `m` is 0 or in `[2^-50, 2^60]`. Otherwise — a window holding
+//! NaN/Inf, a huge value, or only tiny nonzero ones — the window is re-read,
+//! masked, while it is in L1: each finite element's exact f64 square is
+//! added to its f64 lane, NaN/Inf are counted, min/max see the finite
+//! elements only. Whether a window is masked depends on its contents alone,
+//! so results stay deterministic. (Below `2^-50` the f32 squares would lose
+//! bits to underflow; in a window whose largest magnitude is at least
+//! `2^-50` those lost bits are below 2^-40 of the window's sum.)
 
 use super::minmax::MinMax;
 use super::plan::{GradTiling, Partial, Seg};
@@ -42,9 +45,9 @@ pub(crate) const WINDOW_GROUPS: usize = 32;
 const ACCS: usize = 4;
 /// Largest magnitude a window may hold for its f32 sums: 2^60 (squares up to
 /// 2^120, 32 of them stay below f32::MAX).
-const BIG: f32 = f32::from_bits((127 + 60) << 23);
+pub(crate) const BIG: f32 = f32::from_bits((127 + 60) << 23);
 /// Smallest nonzero largest-magnitude an f32 window may have: 2^-50.
-const SMALL: f32 = f32::from_bits((127 - 50) << 23);
+pub(crate) const SMALL: f32 = f32::from_bits((127 - 50) << 23);
 
 /// One block's running statistics.
 struct Acc {
@@ -151,10 +154,7 @@ fn window<L: Lanes, T: LaneElem>(acc: &mut Acc, win: &[[T; GROUP]]) {
         step::<L, T>(&mut s[k], &mut w, &mut v, g);
     }
     s[0].add(s[1]).add(s[2].add(s[3])).store(&mut v);
-    let finite = v.iter().fold(true, |ok, &x| ok & x.is_finite());
-    let (mn, mx) = w.fold();
-    let m = if -mn > mx { -mn } else { mx };
-    if finite && m <= BIG && (m >= SMALL || m == 0.0) {
+    if w.window_ok(&v) {
         for (q, &x) in acc.sq.iter_mut().zip(v.iter()) {
             *q += x as f64;
         }

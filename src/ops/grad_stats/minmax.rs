@@ -56,6 +56,26 @@ impl MinMax {
         self.max[..8].copy_from_slice(mx.as_array());
     }
 
+    /// Whether a window may keep its f32 sums `sums`: every sum finite (no
+    /// NaN/Inf met) and the window's largest magnitude `m` at most `BIG` and
+    /// either at least `SMALL` or 0. Written lane-wise with non-short-circuit
+    /// `&`/`|` so it vectorizes; equal to the test on the window's overall
+    /// `m` whatever the lane layout (untouched lanes hold -Inf magnitudes).
+    #[inline(always)]
+    pub fn window_ok(&self, sums: &[f32; GROUP]) -> bool {
+        use super::kernel::{BIG, SMALL};
+        let (mut finite, mut le_big, mut any_big_enough, mut all_zero) = (true, true, false, true);
+        for ((&mn, &mx), &s) in self.min.iter().zip(&self.max).zip(sums) {
+            let (a, b) = (-mn, mx);
+            let m = if a > b { a } else { b };
+            finite &= s.is_finite();
+            le_big &= m <= BIG;
+            any_big_enough |= m >= SMALL;
+            all_zero &= m <= 0.0;
+        }
+        finite & le_big & (any_big_enough | all_zero)
+    }
+
     /// Smallest and largest lane (NaN-free inputs), in a fixed order.
     #[inline(always)]
     pub fn fold(&self) -> (f32, f32) {

@@ -39,7 +39,7 @@ pub struct GradTiling {
     pub reserved: u32,
     /// Elements per block, a multiple of 16; the last block may have fewer.
     pub elems_per_block: u64,
-    /// Elements per window of the stats kernel (256: 16 lanes x 16 terms
+    /// Elements per window of the stats kernel (512: 16 lanes x 32 terms
     /// summed in f32; see `grad_stats` docs).
     pub window_elems: u64,
     /// Offset of the segment table from the aligned workspace start.
