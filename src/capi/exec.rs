@@ -217,12 +217,18 @@ pub(crate) struct HostRunner {
 unsafe impl Sync for HostRunner {}
 
 impl HostRunner {
-    fn new(f: npk_parallel_for_fn, ctx: *mut c_void) -> Self {
+    /// Adapts the host's callback (NULL: serial on the calling thread).
+    pub(crate) fn new(f: npk_parallel_for_fn, ctx: *mut c_void) -> Self {
         HostRunner {
             f,
             ctx,
             faulted: AtomicBool::new(false),
         }
+    }
+
+    /// True when a `parallel_for` skipped or misnumbered blocks.
+    pub(crate) fn faulted(&self) -> bool {
+        self.faulted.load(Ordering::Relaxed)
     }
 }
 

@@ -8,9 +8,8 @@
 //! `GradExec` needs — the backend kind (CPU and FOREIGN run the CPU kernels,
 //! REFERENCE the f64 model), the ISA (NPK_ISA_AUTO = `exec::auto_isa`, which
 //! honours the `NPK_MAX_CPU_ISA` ceiling) and the host `parallel_for`.
-//! `exec::HostRunner` keeps its constructor private, so the callback is
-//! adapted by the small `GradHostRunner` below (same contract and the same
-//! fault check: a runner that skips or repeats a block fails the call).
+//! The callback is adapted by `exec::HostRunner`, with its fault check: a
+//! runner that skips or repeats a block fails the call.
 //!
 //! The tensor list is read element by element through `types::read_tensor`
 //! (an invalid dtype value never becomes a Rust enum); on a list error the
@@ -18,17 +17,15 @@
 
 use core::ffi::c_void;
 use core::mem::size_of;
-use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use super::exec::{auto_isa, run, write_size};
-use super::types::{npk_error_detail, npk_exec, npk_parallel_for_fn, npk_status, read_tensor};
+use super::exec::{auto_isa, run, write_size, HostRunner};
+use super::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
 use crate::error::{invalid, Error, Result};
 use crate::lanes::Isa;
 use crate::ops::grad_stats::{
     clip_with, first_bad, plan_of, stats_with, GradEngine, GradExec, GradSource, GradSummary,
     OutRange, ARG,
 };
-use crate::runner::Runner;
 use crate::tensor::RawTensor;
 use crate::tiling::UbConfig;
 
@@ -104,77 +101,11 @@ impl GradSource for CList {
     }
 }
 
-/// The host's `parallel_for` as a `Runner` (NULL: serial), with
-/// `exec::HostRunner`'s contract and fault check.
-struct GradHostRunner {
-    f: npk_parallel_for_fn,
-    ctx: *mut c_void,
-    faulted: AtomicBool,
-}
-
-// SAFETY: `ctx` is only passed back to the host's callback, whose contract
-// allows calls from the calling thread; the runner dies with the C call.
-unsafe impl Sync for GradHostRunner {}
-
-struct Trampoline<'a> {
-    task: &'a (dyn Fn(usize) + Sync),
-    n: usize,
-    ran: AtomicUsize,
-    bad: AtomicBool,
-}
-
-/// # Safety
-/// `ctx` is the `Trampoline` of a `parallel_for` that has not returned.
-unsafe extern "C" fn trampoline(ctx: *mut c_void, block: usize) {
-    // SAFETY: the host passes back our `task_ctx`, alive until its
-    // `parallel_for` returns.
-    let t = unsafe { &*(ctx as *const Trampoline<'_>) };
-    if block >= t.n {
-        t.bad.store(true, Ordering::Relaxed);
-        return;
-    }
-    (t.task)(block);
-    t.ran.fetch_add(1, Ordering::Relaxed);
-}
-
-impl Runner for GradHostRunner {
-    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
-        let Some(f) = self.f else {
-            for b in 0..n_blocks {
-                task(b);
-            }
-            return;
-        };
-        if n_blocks == 0 {
-            return;
-        }
-        let t = Trampoline {
-            task,
-            n: n_blocks,
-            ran: AtomicUsize::new(0),
-            bad: AtomicBool::new(false),
-        };
-        // SAFETY: the host's callback, called as c-api.md says; `t` outlives
-        // the call, which returns only after every block ran.
-        unsafe {
-            f(
-                self.ctx,
-                n_blocks,
-                Some(trampoline),
-                &t as *const Trampoline<'_> as *mut c_void,
-            )
-        };
-        if t.bad.load(Ordering::Acquire) || t.ran.load(Ordering::Acquire) != n_blocks {
-            self.faulted.store(true, Ordering::Relaxed);
-        }
-    }
-}
-
 /// The parts of an (already validated) `npk_exec` a `GradExec` needs.
 struct GradConfig {
     isa: Isa,
     engine: GradEngine,
-    runner: GradHostRunner,
+    runner: HostRunner,
 }
 
 /// # Safety
@@ -183,11 +114,7 @@ unsafe fn grad_config(exec: *const npk_exec) -> GradConfig {
     let mut c = GradConfig {
         isa: auto_isa(),
         engine: GradEngine::Cpu,
-        runner: GradHostRunner {
-            f: None,
-            ctx: core::ptr::null_mut(),
-            faulted: AtomicBool::new(false),
-        },
+        runner: HostRunner::new(None, core::ptr::null_mut()),
     };
     if exec.is_null() {
         return c;
@@ -205,8 +132,7 @@ unsafe fn grad_config(exec: *const npk_exec) -> GradConfig {
     if e.backend == 1 {
         c.engine = GradEngine::Reference;
     }
-    c.runner.f = e.parallel_for;
-    c.runner.ctx = e.runner_ctx;
+    c.runner = HostRunner::new(e.parallel_for, e.runner_ctx);
     c
 }
 
@@ -229,7 +155,7 @@ unsafe fn with_grad_exec<R>(
         engine: c.engine,
     };
     let r = f(&ge)?;
-    if c.runner.faulted.load(Ordering::Relaxed) {
+    if c.runner.faulted() {
         return Err(invalid(
             "parallel_for",
             "did not run every block exactly once",

@@ -4,6 +4,11 @@
 
 use super::norm::{arena_group, load_gamma, round_to, store_tail};
 use crate::lanes::{rstd_f32, LaneElem, Lanes, RowSum, GROUP};
+use core::ffi::c_void;
+
+use super::norm::Rounding;
+use crate::runner::Runner;
+use crate::tensor::RawTensor;
 use crate::tiling::NormTiling;
 
 /// Rows of one merge-N tile whose rstd the kernel keeps on its stack; the
@@ -40,6 +45,56 @@ pub(crate) struct FwdCtx<T, G, S> {
     pub t: NormTiling,
     pub ws: Workspace,
     pub slots: ArenaSlots,
+}
+
+/// The forward's outputs and settings, common to RmsNorm and AddRmsNorm calls.
+pub(crate) struct FwdOut<'a> {
+    pub gamma: &'a RawTensor,
+    pub y: &'a RawTensor,
+    pub rstd: Option<&'a RawTensor>,
+    pub eps: f32,
+    pub off: f32,
+    pub rounding: Rounding,
+    pub tiling: NormTiling,
+    pub workspace: *mut c_void,
+    pub workspace_bytes: usize,
+}
+
+/// Runs the forward plan with CopyIn `src` on `runner`, each block inside
+/// `L`'s ISA context.
+///
+/// # Safety
+/// The descriptors were validated by the operator's `prepare`, the workspace
+/// by its `launch`, and `L` is available on this CPU.
+pub(crate) unsafe fn run_forward<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>(
+    src: S,
+    o: &FwdOut<'_>,
+    runner: &dyn Runner,
+) {
+    let Ok(ws) = Workspace::new(o.workspace, o.workspace_bytes, o.tiling.workspace_bytes) else {
+        return;
+    };
+    let c = FwdCtx::<T, G, S> {
+        src,
+        gamma: Src(o.gamma.data as *const G),
+        y: Dst(o.y.data as *mut T),
+        rstd: o.rstd.map(|r| Dst(r.data as *mut f32)),
+        eps: o.eps,
+        off: o.off,
+        cast_before: o.rounding == Rounding::CastBeforeGamma,
+        t: o.tiling,
+        ws,
+        slots: ArenaSlots::new(o.tiling.blocks as usize),
+    };
+    runner.parallel_for(c.t.blocks as usize, &|b| {
+        // SAFETY: the caller picked L among the ISAs this CPU has.
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || forward_block::<L, T, G, S>(&c, b),
+            )
+        }
+    });
 }
 
 /// `round?(v * rstd) * gamma`: the one place y's arithmetic is defined.

@@ -3,7 +3,7 @@
 use core::ffi::c_void;
 
 use super::norm::{norm_dims, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding};
-use super::norm_fwd::{forward_block, FwdCtx, FwdSource};
+use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{invalid, Error, Result};
@@ -11,7 +11,7 @@ use crate::lanes::{sqrt_f64, Isa, LaneElem, Lanes, RowSum};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
+use crate::workspace::{Dst, Src, Workspace};
 
 /// The validated arguments of one RmsNorm (`npk_rms_norm_call`): what a
 /// backend, or an adapter's NPU launch, receives.
@@ -175,34 +175,19 @@ pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Isa, runner: &dyn Runner) {
 }
 
 unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormCall, runner: &dyn Runner) {
-    let Ok(ws) = Workspace::new(
-        call.workspace,
-        call.workspace_bytes,
-        call.tiling.workspace_bytes,
-    ) else {
-        return;
-    };
-    let c = FwdCtx::<T, G, XSource<T>> {
-        src: XSource(Src(call.x.data as *const T)),
-        gamma: Src(call.gamma.data as *const G),
-        y: Dst(call.y.data as *mut T),
-        rstd: (call.has_rstd != 0).then_some(Dst(call.rstd.data as *mut f32)),
+    let o = FwdOut {
+        gamma: &call.gamma,
+        y: &call.y,
+        rstd: (call.has_rstd != 0).then_some(&call.rstd),
         eps: call.eps,
         off: call.gamma_offset,
-        cast_before: call.rounding == Rounding::CastBeforeGamma,
-        t: call.tiling,
-        ws,
-        slots: ArenaSlots::new(call.tiling.blocks as usize),
+        rounding: call.rounding,
+        tiling: call.tiling,
+        workspace: call.workspace,
+        workspace_bytes: call.workspace_bytes,
     };
-    runner.parallel_for(c.t.blocks as usize, &|b| {
-        // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-        unsafe {
-            L::enter(
-                #[inline(always)]
-                || forward_block::<L, T, G, _>(&c, b),
-            )
-        }
-    });
+    // SAFETY: forwarded from this function's contract.
+    unsafe { run_forward::<L, T, G, _>(XSource(Src(call.x.data as *const T)), &o, runner) }
 }
 
 /// The f64 golden model.
