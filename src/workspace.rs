@@ -149,35 +149,46 @@ impl<T> Dst<T> {
 /// in L2, where a fresh arena per block would stream `blocks * ub_bytes`
 /// through the caches. Arena contents never carry over between blocks (each
 /// block writes before it reads), so results do not depend on the claim.
+/// Targets without compare-and-swap (Cortex-M0) use each block's own arena.
 #[derive(Debug)]
 pub(crate) struct ArenaSlots {
-    used: core::sync::atomic::AtomicU64,
+    #[cfg(target_has_atomic = "ptr")]
+    used: core::sync::atomic::AtomicUsize,
+    #[cfg(target_has_atomic = "ptr")]
     slots: u32,
 }
 
 /// A claimed arena index; released on drop.
 pub(crate) struct ArenaClaim<'a> {
+    #[cfg_attr(not(target_has_atomic = "ptr"), allow(dead_code))]
     slots: &'a ArenaSlots,
     /// The arena to use.
     pub index: usize,
 }
 
+#[cfg(target_has_atomic = "ptr")]
 impl ArenaSlots {
-    /// Slots for a plan with `blocks` arenas (at most 64 are ever handed out).
+    /// Slots for a plan with `blocks` arenas (at most one per bit of a
+    /// `usize` are ever handed out).
     pub fn new(blocks: usize) -> Self {
         ArenaSlots {
-            used: core::sync::atomic::AtomicU64::new(0),
-            slots: blocks.min(64) as u32,
+            used: core::sync::atomic::AtomicUsize::new(0),
+            slots: blocks.min(usize::BITS as usize) as u32,
         }
     }
 
-    /// Claims a free arena, waiting (spinning) only when more than 64
-    /// blocks run at once.
-    pub fn claim(&self) -> ArenaClaim<'_> {
+    /// Claims a free arena for block `_b`, waiting (spinning) only when more
+    /// than `usize::BITS` blocks run at once.
+    pub fn claim(&self, _b: usize) -> ArenaClaim<'_> {
         use core::sync::atomic::Ordering::{AcqRel, Acquire};
+        let mask = if self.slots >= usize::BITS {
+            usize::MAX
+        } else {
+            (1usize << self.slots) - 1
+        };
         loop {
             let cur = self.used.load(Acquire);
-            let free = !cur & Self::mask(self.slots);
+            let free = !cur & mask;
             if free == 0 {
                 core::hint::spin_loop();
                 continue;
@@ -185,7 +196,7 @@ impl ArenaSlots {
             let bit = free.trailing_zeros();
             if self
                 .used
-                .compare_exchange_weak(cur, cur | (1u64 << bit), AcqRel, Acquire)
+                .compare_exchange_weak(cur, cur | (1usize << bit), AcqRel, Acquire)
                 .is_ok()
             {
                 return ArenaClaim {
@@ -195,20 +206,30 @@ impl ArenaSlots {
             }
         }
     }
+}
 
-    fn mask(slots: u32) -> u64 {
-        if slots >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << slots) - 1
-        }
+#[cfg(target_has_atomic = "ptr")]
+impl Drop for ArenaClaim<'_> {
+    fn drop(&mut self) {
+        self.slots.used.fetch_and(
+            !(1usize << self.index),
+            core::sync::atomic::Ordering::Release,
+        );
     }
 }
 
-impl Drop for ArenaClaim<'_> {
-    fn drop(&mut self) {
-        self.slots
-            .used
-            .fetch_and(!(1u64 << self.index), core::sync::atomic::Ordering::Release);
+#[cfg(not(target_has_atomic = "ptr"))]
+impl ArenaSlots {
+    /// Without compare-and-swap every block keeps its own arena.
+    pub fn new(_blocks: usize) -> Self {
+        ArenaSlots {}
+    }
+
+    /// Block `b`'s own arena.
+    pub fn claim(&self, b: usize) -> ArenaClaim<'_> {
+        ArenaClaim {
+            slots: self,
+            index: b,
+        }
     }
 }

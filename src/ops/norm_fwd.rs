@@ -136,7 +136,7 @@ pub(crate) fn forward_block<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>
     let n = t.cols as usize;
     let chunk = t.chunk_cols as usize;
     let (r0, r1) = t.block_rows(b);
-    let claim = c.slots.claim();
+    let claim = c.slots.claim(b);
     // SAFETY: the claimed arena is this block's until `claim` drops (no other
     // running block holds it) and lies inside the checked workspace.
     let arena = unsafe {

@@ -624,7 +624,7 @@ fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
     let np = t.cols_padded as usize;
     let chunk = t.chunk_cols as usize;
     let (r0, r1) = t.block_rows(b);
-    let claim = c.slots.claim();
+    let claim = c.slots.claim(b);
     // SAFETY: the claimed arena is this block's until `claim` drops, the
     // partials are block b's alone; both inside the checked workspace.
     let (arena, part) = unsafe {

@@ -184,7 +184,7 @@ unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
 fn block<L: Lanes, G: LaneElem, O: LaneElem>(c: &Ctx<'_, G, O>, b: usize) {
     let (r0, r1) = c.sorted.block_rows(c.blocks, b);
     let h = c.cols;
-    let claim = c.slots.claim();
+    let claim = c.slots.claim(b);
     // SAFETY: the claimed arena lies inside the workspace and is this block's
     // until `claim` drops.
     let tile = unsafe {
