@@ -1,12 +1,16 @@
 //! # npukern
 //!
-//! `no_std` SIMD training kernels — RmsNorm, AddRmsNorm and RmsNormGrad —
-//! written the way an Ascend NPU operator is written: a host tiling plan
+//! `no_std` SIMD training kernels — RmsNorm, AddRmsNorm, RmsNormGrad,
+//! EmbeddingDenseGrad, and the gradient-health pass (`grad_stats`,
+//! `clip_grad_norm`) — written the way an Ascend NPU operator is written: a
+//! host tiling plan
 //! (`tiling`), a launch over blocks (`runner`), each block streaming its rows
 //! through a Unified-Buffer-sized arena carved from the caller's workspace, on
 //! explicit SIMD lanes (`lanes`). All arithmetic is f32 with one rounding per
 //! output, and results are bit-identical across thread counts, block counts,
-//! UB sizes, batch sizes and ISAs.
+//! UB sizes, batch sizes and ISAs (portable, AVX2, AVX-512, picked at run
+//! time). The C ABI (`capi`, header `include/npukern.h`) exposes the same
+//! operators as aclnn-style two-phase calls.
 //!
 //! ```
 //! use npukern::{rms_norm, rms_norm_workspace_size, Exec, RmsNormOptions, TensorRef};
