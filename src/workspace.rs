@@ -71,7 +71,6 @@ impl Workspace {
     ///
     /// # Safety
     /// As for `region`.
-    #[allow(dead_code)]
     pub unsafe fn region_u32<'a>(&self, offset: usize, len: usize) -> &'a mut [u32] {
         debug_assert!(offset + len * 4 <= self.bytes);
         if len == 0 {

@@ -8,7 +8,8 @@ use super::types::{
     npk_exec, npk_rms_norm_options, npk_status, read_norm_options, read_opt_tensor, read_tensor,
 };
 use crate::error::Error;
-use crate::ops::add_rms_norm::{launch, plan, prepare};
+use crate::ops::add_rms_norm::{plan, prepare};
+use crate::ops::launch;
 use crate::tensor::RawTensor;
 
 /// Workspace bytes `npk_add_rms_norm` needs for these arguments.

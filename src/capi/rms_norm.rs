@@ -8,7 +8,8 @@ use super::types::{
     npk_exec, npk_rms_norm_options, npk_status, read_norm_options, read_opt_tensor, read_tensor,
 };
 use crate::error::Error;
-use crate::ops::rms_norm::{launch, plan, prepare};
+use crate::ops::launch;
+use crate::ops::rms_norm::{plan, prepare};
 use crate::tensor::RawTensor;
 
 /// Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`

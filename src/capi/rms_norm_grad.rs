@@ -9,7 +9,8 @@ use super::types::{
     read_tensor,
 };
 use crate::error::Error;
-use crate::ops::rms_norm_grad::{launch, plan, prepare};
+use crate::ops::launch;
+use crate::ops::rms_norm_grad::{plan, prepare};
 use crate::tensor::RawTensor;
 
 /// Workspace bytes `npk_rms_norm_grad` needs (per-block arenas and the dgamma

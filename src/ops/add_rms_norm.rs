@@ -8,14 +8,14 @@ use super::norm::{
     load_group, norm_dims, round_to, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding,
 };
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
-use super::{dispatch_isa, dispatch_xg, Exec};
+use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, Result};
 use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{Dst, Src};
 
 /// The validated arguments of one AddRmsNorm (`npk_add_rms_norm_call`).
 #[repr(C)]
@@ -134,19 +134,7 @@ pub(crate) fn prepare(
     })
 }
 
-/// Attaches and checks the workspace, then runs the call on the backend.
-pub(crate) fn launch(
-    exec: &Exec<'_>,
-    mut call: AddRmsNormCall,
-    ws: *mut c_void,
-    bytes: usize,
-) -> Result<()> {
-    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
-    call.workspace = ws;
-    call.workspace_bytes = bytes;
-    // SAFETY: `call` was built by `prepare` from validated descriptors.
-    unsafe { exec.backend.add_rms_norm(&call) }
-}
+op_call!(AddRmsNormCall, add_rms_norm);
 
 /// Workspace bytes `add_rms_norm` needs.
 pub fn add_rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
@@ -157,7 +145,7 @@ pub fn add_rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
     opts: &RmsNormOptions,
 ) -> Result<usize> {
     let t = plan(&x1.raw(), &x2.raw(), &gamma.raw(), opts, &exec.ub)?;
-    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+    workspace_len(t.workspace_bytes)
 }
 
 fn out_raw<T: LaneElem>(

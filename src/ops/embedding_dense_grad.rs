@@ -40,12 +40,12 @@ pub(crate) use reference::reference;
 
 use core::ffi::c_void;
 
-use super::Exec;
+use super::{launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Element};
 use crate::error::{invalid, Error, Result};
 use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{EmbeddingTiling, UbConfig};
-use crate::workspace::{Src, Workspace};
+use crate::workspace::Src;
 
 /// What to do with an index outside this call's rows (`npk_index_policy`).
 #[repr(u32)]
@@ -356,19 +356,7 @@ unsafe fn first_out_of_range<I: IndexElem>(data: *mut c_void, n: usize, map: Row
     }
 }
 
-/// Attaches and checks the workspace, then runs the call on the backend.
-pub(crate) fn launch(
-    exec: &Exec<'_>,
-    mut call: EmbeddingDenseGradCall,
-    ws: *mut c_void,
-    bytes: usize,
-) -> Result<()> {
-    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
-    call.workspace = ws;
-    call.workspace_bytes = bytes;
-    // SAFETY: `call` was built by `prepare` from validated descriptors.
-    unsafe { exec.backend.embedding_dense_grad(&call) }
-}
+op_call!(EmbeddingDenseGradCall, embedding_dense_grad);
 
 /// Workspace bytes `embedding_dense_grad` needs for these shapes and options
 /// under `exec.ub` (sized for the worst case; no index value is read).
@@ -386,7 +374,7 @@ pub fn embedding_dense_grad_workspace_size<G: Element, I: Element>(
         opts,
         &exec.ub,
     )?;
-    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+    workspace_len(t.workspace_bytes)
 }
 
 /// EmbeddingDenseGrad: writes (or, with `opts.accumulate`, adds) the gradient

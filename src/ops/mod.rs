@@ -10,8 +10,12 @@ mod norm_fwd;
 pub mod rms_norm;
 pub mod rms_norm_grad;
 
+use core::ffi::c_void;
+
 use crate::backend::{Backend, CPU_SERIAL};
+use crate::error::{Error, Result};
 use crate::tiling::UbConfig;
+use crate::workspace::Workspace;
 
 /// Where and how an operator runs: the tiling machine model and the backend.
 #[derive(Clone, Copy)]
@@ -112,3 +116,61 @@ macro_rules! dispatch_isa {
     }};
 }
 pub(crate) use dispatch_isa;
+
+/// A validated `*Call` (from an operator's `prepare`) that the front end
+/// hands to a backend once the caller's workspace is attached.
+pub(crate) trait OpCall {
+    /// Workspace bytes the call's plan needs.
+    fn workspace_needed(&self) -> u64;
+    /// Records the caller's workspace in the call.
+    fn attach(&mut self, ws: *mut c_void, bytes: usize);
+    /// Runs the call on `backend`.
+    ///
+    /// # Safety
+    /// The call comes from `prepare` and its workspace was checked by `launch`.
+    unsafe fn dispatch(&self, backend: &dyn Backend) -> Result<()>;
+}
+
+/// Implements `OpCall` for a `*Call` struct with `tiling.workspace_bytes`,
+/// `workspace` and `workspace_bytes` fields, dispatching to `Backend::$method`.
+macro_rules! op_call {
+    ($call:ty, $method:ident) => {
+        impl $crate::ops::OpCall for $call {
+            fn workspace_needed(&self) -> u64 {
+                self.tiling.workspace_bytes
+            }
+            fn attach(&mut self, ws: *mut core::ffi::c_void, bytes: usize) {
+                self.workspace = ws;
+                self.workspace_bytes = bytes;
+            }
+            unsafe fn dispatch(
+                &self,
+                backend: &dyn $crate::backend::Backend,
+            ) -> $crate::error::Result<()> {
+                // SAFETY: forwarded from this method's contract.
+                unsafe { backend.$method(self) }
+            }
+        }
+    };
+}
+pub(crate) use op_call;
+
+/// Checks and attaches the workspace, then runs the call on `exec`'s backend.
+pub(crate) fn launch<C: OpCall>(
+    exec: &Exec<'_>,
+    mut call: C,
+    ws: *mut c_void,
+    bytes: usize,
+) -> Result<()> {
+    Workspace::new(ws, bytes, call.workspace_needed())?;
+    call.attach(ws, bytes);
+    // SAFETY: `call` was built by its operator's `prepare` from validated
+    // descriptors, and the workspace was just checked against its plan.
+    unsafe { call.dispatch(exec.backend) }
+}
+
+/// A plan's workspace size as a `usize` (what the `*_workspace_size`
+/// functions return).
+pub(crate) fn workspace_len(bytes: u64) -> Result<usize> {
+    usize::try_from(bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+}

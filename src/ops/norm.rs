@@ -54,6 +54,11 @@ impl RmsNormOptions {
     }
 }
 
+/// Rows of one merge-N tile whose per-row scalars (rstd, or the backward's
+/// `c`) a kernel keeps on its stack; the plan may give more, the kernel then
+/// takes the tile in several passes (per-row results do not depend on it).
+pub(crate) const MAX_TILE_ROWS: usize = 256;
+
 /// Rows and row length of a normalization.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NormDims {

@@ -2,7 +2,7 @@
 //! differ only in CopyIn (x, or round(x1 + x2) with x_sum written out), which
 //! a `FwdSource` supplies.
 
-use super::norm::{arena_group, load_gamma, round_to, store_tail};
+use super::norm::{arena_group, load_gamma, round_to, store_tail, MAX_TILE_ROWS};
 use crate::lanes::{rstd_f32, LaneElem, Lanes, RowSum, GROUP};
 use core::ffi::c_void;
 
@@ -11,10 +11,6 @@ use crate::runner::Runner;
 use crate::tensor::RawTensor;
 use crate::tiling::NormTiling;
 
-/// Rows of one merge-N tile whose rstd the kernel keeps on its stack; the
-/// plan may give more, the kernel then takes the tile in several passes
-/// (per-row results do not depend on it).
-const MAX_TILE_ROWS: usize = 256;
 use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// Produces the f32 row values the norm runs on.

@@ -4,14 +4,14 @@ use core::ffi::c_void;
 
 use super::norm::{norm_dims, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding};
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
-use super::{dispatch_isa, dispatch_xg, Exec};
+use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, Result};
 use crate::lanes::{sqrt_f64, Isa, LaneElem, Lanes, RowSum};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{Dst, Src, Workspace};
+use crate::workspace::{Dst, Src};
 
 /// The validated arguments of one RmsNorm (`npk_rms_norm_call`): what a
 /// backend, or an adapter's NPU launch, receives.
@@ -93,19 +93,7 @@ pub(crate) fn prepare(
     })
 }
 
-/// Attaches and checks the workspace, then runs the call on the backend.
-pub(crate) fn launch(
-    exec: &Exec<'_>,
-    mut call: RmsNormCall,
-    ws: *mut c_void,
-    bytes: usize,
-) -> Result<()> {
-    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
-    call.workspace = ws;
-    call.workspace_bytes = bytes;
-    // SAFETY: `call` was built by `prepare` from validated descriptors.
-    unsafe { exec.backend.rms_norm(&call) }
-}
+op_call!(RmsNormCall, rms_norm);
 
 /// Workspace bytes `rms_norm` needs for these inputs under `exec.ub`.
 pub fn rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
@@ -115,7 +103,7 @@ pub fn rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
     opts: &RmsNormOptions,
 ) -> Result<usize> {
     let t = plan(&x.raw(), &gamma.raw(), opts, &exec.ub)?;
-    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+    workspace_len(t.workspace_bytes)
 }
 
 /// RmsNorm over the trailing dims of `x` that `gamma` covers.

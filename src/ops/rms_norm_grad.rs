@@ -7,8 +7,9 @@ use core::ffi::c_void;
 
 use super::norm::{
     arena_group, load_gamma, load_group, norm_dims, rstd_check, same_shape, store_tail,
+    MAX_TILE_ROWS,
 };
-use super::{dispatch_isa, dispatch_xg, Exec};
+use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{invalid, Error, Result};
 use crate::lanes::{widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
@@ -198,19 +199,7 @@ pub(crate) fn prepare(
     })
 }
 
-/// Attaches and checks the workspace, then runs the call on the backend.
-pub(crate) fn launch(
-    exec: &Exec<'_>,
-    mut call: RmsNormGradCall,
-    ws: *mut c_void,
-    bytes: usize,
-) -> Result<()> {
-    Workspace::new(ws, bytes, call.tiling.workspace_bytes)?;
-    call.workspace = ws;
-    call.workspace_bytes = bytes;
-    // SAFETY: `call` was built by `prepare` from validated descriptors.
-    unsafe { exec.backend.rms_norm_grad(&call) }
-}
+op_call!(RmsNormGradCall, rms_norm_grad);
 
 /// Workspace bytes `rms_norm_grad` needs (per-block arenas and dgamma partials).
 pub fn rms_norm_grad_workspace_size<T: LaneElem, G: LaneElem>(
@@ -229,7 +218,7 @@ pub fn rms_norm_grad_workspace_size<T: LaneElem, G: LaneElem>(
         opts,
         &exec.ub,
     )?;
-    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+    workspace_len(t.workspace_bytes)
 }
 
 /// The outputs of `rms_norm_grad`.
@@ -493,9 +482,6 @@ fn load_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
         widen_into::<L, T>(c.x.get(r * n + k, len), xt);
     }
 }
-
-/// Rows of one merge-N tile whose `c` the kernel keeps on its stack.
-const MAX_TILE_ROWS: usize = 256;
 
 /// Merge-N CopyIn fused with the reduction: widens one row of dy and x into
 /// the arena and pushes `(dy * g) * (x * rstd)` group by group (the same

@@ -220,7 +220,7 @@ impl GradSource for ShapeList<'_, '_> {
 }
 
 fn bytes_of(t: GradTiling) -> Result<usize> {
-    usize::try_from(t.workspace_bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })
+    super::workspace_len(t.workspace_bytes)
 }
 
 /// A byte range an output other than the tensors occupies (the C ABI's
