@@ -5,7 +5,7 @@
 #   include(${NPUKERN_ROOT}/cmake/npukern.cmake)
 #   target_link_libraries(my_adapter PRIVATE npukern::shared)   # or npukern::static
 #
-# Build the libraries first: `cargo build --release --lib` (NPUKERN_LIBDIR
+# Build the libraries first: `cargo build --release` (NPUKERN_LIBDIR
 # defaults to ${NPUKERN_ROOT}/target/release, else ${NPUKERN_ROOT}/lib).
 
 if(NOT DEFINED NPUKERN_ROOT)

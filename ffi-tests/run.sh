@@ -3,7 +3,7 @@
 # libraries and runs all four binaries. Used by tests/ffi.rs (so `cargo test`
 # runs it); also usable by hand:
 #
-#   cargo build --release --lib && ffi-tests/run.sh target/release
+#   cargo build --release && ffi-tests/run.sh target/release
 #
 # Arguments: LIBDIR (holding libnpukern.a and libnpukern.so; default
 # target/release). Environment: CC (default gcc), CXX (default g++),
@@ -18,7 +18,7 @@ cxx="${CXX:-g++}"
 mkdir -p "$build"
 
 for f in libnpukern.a libnpukern.so; do
-  [[ -f "$libdir/$f" ]] || { echo "run.sh: $libdir/$f not found (cargo build --lib first)" >&2; exit 2; }
+  [[ -f "$libdir/$f" ]] || { echo "run.sh: $libdir/$f not found (cargo build --release at the repository root first)" >&2; exit 2; }
 done
 
 version="$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$root/Cargo.toml" | head -n1)"
@@ -37,6 +37,8 @@ set -x
 "$cxx" -std=c++17 "${flags[@]}" "$root/ffi-tests/test_cpp.cpp" "$libdir/libnpukern.a" "${static_libs[@]}" \
   -o "$build/test_cpp_static"
 "$cxx" -std=c++17 "${flags[@]}" "$root/ffi-tests/test_cpp.cpp" "${shared_libs[@]}" -o "$build/test_cpp_shared"
+"$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_grad_stats.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
+  -o "$build/test_grad_stats_static"
 set +x
 
 # Make sure each binary is linked the way its name says.
@@ -51,7 +53,7 @@ done
 
 # The pkg-config template, as an installed copy would be used: a staged
 # prefix whose include/ and lib/ point at this tree and its libraries.
-tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared)
+tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static)
 if command -v pkg-config >/dev/null; then
   stage="$build/stage"
   mkdir -p "$stage/include" "$stage/lib/pkgconfig"

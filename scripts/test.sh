@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The project's one test command: formatting, lints, the no_std/no-alloc
 # library build, and every test (unit, integration, release-mode seed cases,
-# the C/C++ programs against the static and shared libraries).
+# the header check, the C/C++ programs against the static and shared libraries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
-echo "== cargo clippy --all-targets --all-features -- -D warnings"
-cargo clippy --all-targets --all-features -- -D warnings
+echo "== cargo clippy --workspace --all-targets --all-features -- -D warnings"
+cargo clippy --workspace --all-targets --all-features -- -D warnings
 
 echo "== no_std, no alloc: the rlib without default features"
-cargo rustc --lib --no-default-features --crate-type rlib
+cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib
 
-echo "== cargo test --release"
-cargo test --release
+echo "== cargo test --release --workspace"
+cargo test --release --workspace

@@ -34,7 +34,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod backend;
-#[cfg(feature = "std")]
+#[cfg(feature = "capi")]
 pub mod capi;
 pub mod dtype;
 pub mod error;

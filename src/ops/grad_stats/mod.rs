@@ -78,7 +78,7 @@ use core::ffi::c_void;
 pub use plan::{GradTiling, GRAD_MIN_BLOCK_ELEMS};
 pub use types::{GradEngine, GradExec, GradSummary, GradTensor, GradTensorMut};
 
-#[cfg_attr(not(feature = "std"), allow(unused_imports))] // for the C ABI
+#[cfg_attr(not(feature = "capi"), allow(unused_imports))] // for the C ABI
 pub(crate) use plan::{first_bad, plan_of, GradSource, ARG};
 use plan::{Partial, RawList, RoList, RwList, Seg};
 

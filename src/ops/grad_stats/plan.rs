@@ -227,7 +227,7 @@ pub(crate) fn plan_of<S: GradSource>(src: &mut S, ub: &UbConfig) -> Result<GradT
 }
 
 /// Index of the first tensor `get` rejects (for the C ABI's error detail).
-#[cfg_attr(not(feature = "std"), allow(dead_code))] // used by the C ABI
+#[cfg_attr(not(feature = "capi"), allow(dead_code))] // used by the C ABI
 pub(crate) fn first_bad<S: GradSource>(src: &mut S) -> Option<usize> {
     (0..src.count()).find(|&i| src.get(i).is_err())
 }

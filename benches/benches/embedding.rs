@@ -1,7 +1,7 @@
 //! EmbeddingDenseGrad against a memcpy of the same bytes (the grad read once
 //! plus the table written once), single-threaded, in one criterion group.
 //!
-//! Run: `cargo bench --bench embedding`
+//! Run: `cargo bench -p npukern-benches --bench embedding`
 
 use std::hint::black_box;
 

@@ -3,14 +3,17 @@
 //! stale. To update it:
 //!
 //! ```text
-//! NPK_BLESS=1 cargo test --test header
+//! NPK_BLESS=1 cargo test -p npukern-ffi-tests --test header
 //! ```
 
 use std::path::Path;
 
 #[test]
 fn header_is_up_to_date() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The repository root (this package is its `ffi-tests/` member).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repository root");
     let config =
         cbindgen::Config::from_file(root.join("cbindgen.toml")).expect("cbindgen.toml must parse");
     let mut generated = Vec::new();
@@ -39,7 +42,7 @@ fn header_is_up_to_date() {
             );
         panic!(
             "include/npukern.h is stale (first difference at line {line}).\n\
-             Regenerate it with:\n\n    NPK_BLESS=1 cargo test --test header\n"
+             Regenerate it with:\n\n    NPK_BLESS=1 cargo test -p npukern-ffi-tests --test header\n"
         );
     }
 }

@@ -3,7 +3,7 @@
 //! runner, as the oneDNN comparison in design.md). The figure that matters is
 //! kernel time / copy time.
 //!
-//! Run: `cargo bench --bench rms_norm` (add `-- --quick` for a short run).
+//! Run: `cargo bench -p npukern-benches --bench rms_norm` (add `-- --quick` for a short run).
 
 use std::hint::black_box;
 

@@ -18,7 +18,7 @@
 //! fewer bytes than a copy into a second buffer (no write-allocate of a cold
 //! destination), so clip can come in under its floor.
 //!
-//! Run: `cargo bench --bench grad_stats` (add `-- --quick` for a short run).
+//! Run: `cargo bench -p npukern-benches --bench grad_stats` (add `-- --quick` for a short run).
 
 use std::hint::black_box;
 
