@@ -307,7 +307,10 @@ typedef struct npk_norm_tiling {
    */
   uint64_t arena_bytes;
   /**
-   * Offset of block 0's arena from the aligned workspace start.
+   * Offset of the first of `blocks` arenas from the aligned workspace
+   * start; arena `i` is at `arena_offset + i * arena_bytes`. A running
+   * block uses one arena no other running block holds (on the CPU, a
+   * slot it claims; an NPU kernel may simply use arena `b`).
    */
   uint64_t arena_offset;
   /**
@@ -566,7 +569,9 @@ typedef struct npk_embedding_tiling {
    */
   uint64_t order_offset;
   /**
-   * Offset of block 0's arena; block `b`'s is `arena_offset + b * arena_bytes`.
+   * Offset of the first of `blocks` arenas; arena `i` is at
+   * `arena_offset + i * arena_bytes` (one per running block, as for
+   * `NormTiling::arena_offset`).
    */
   uint64_t arena_offset;
   /**

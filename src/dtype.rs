@@ -1,5 +1,7 @@
 //! Element types: the run-time tag (`DType`, the C ABI's `npk_dtype`) and the
-//! compile-time trait (`Element`) that ties a Rust type to its tag.
+//! compile-time traits that tie a Rust type to its tag: `Element` (any of the
+//! five) and `Float` (f32, f16, bf16: what the kernels compute on). Both are
+//! sealed: only this crate implements them.
 
 use half::{bf16, f16};
 
@@ -11,7 +13,7 @@ pub enum DType {
     F32 = 0,
     /// IEEE binary16.
     F16 = 1,
-    /// bfloat16 (the upper half of a binary32).
+    /// bfloat16 (the upper 16 bits of a binary32).
     BF16 = 2,
     /// Signed 32-bit integer (indices).
     I32 = 3,
@@ -58,6 +60,12 @@ impl DType {
     }
 }
 
+impl core::fmt::Display for DType {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
@@ -67,15 +75,17 @@ mod sealed {
     impl Sealed for i64 {}
 }
 
-/// A Rust type that is one of the C ABI's dtypes.
+/// A Rust type that is one of the C ABI's dtypes (`f32`, `f16`, `bf16`,
+/// `i32`, `i64`). Sealed.
 pub trait Element: sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + 'static {
     /// The run-time tag of this type.
     const DTYPE: DType;
 }
 
-/// A floating-point element the kernels load (widen to f32) and store (round
-/// once, to nearest even).
-pub trait Float: Element {
+/// A floating-point element (`f32`, `f16`, `bf16`): the kernels widen it to
+/// f32 exactly and round results back once, to nearest even. Sealed; its
+/// SIMD load/store machinery is internal.
+pub trait Float: Element + crate::lanes::LaneElem {
     /// Exact widening to f32.
     fn to_f32(self) -> f32;
     /// Round-to-nearest-even narrowing from f32; NaN stays NaN, overflow becomes ±Inf.

@@ -6,28 +6,34 @@
 //! host tiling plan
 //! (`tiling`), a launch over blocks (`runner`), each block streaming its rows
 //! through a Unified-Buffer-sized arena carved from the caller's workspace, on
-//! explicit SIMD lanes (`lanes`). All arithmetic is f32 with one rounding per
+//! explicit SIMD lanes (16 logical f32 lanes per ISA). All arithmetic is f32 with one rounding per
 //! output, and results are bit-identical across thread counts, block counts,
 //! UB sizes, batch sizes and ISAs (portable, AVX2, AVX-512, picked at run
 //! time). The C ABI (`capi`, header `include/npukern.h`) exposes the same
 //! operators as aclnn-style two-phase calls.
 //!
 //! ```
-//! use npukern::{rms_norm, rms_norm_workspace_size, Exec, RmsNormOptions, TensorRef};
-//! use half::bf16;
+//! use npukern::*;
 //!
-//! let x: Vec<bf16> = (0..2 * 8).map(|i| bf16::from_f32(i as f32 - 7.5)).collect();
-//! let gamma = vec![bf16::from_f32(1.0); 8];
-//! let x = TensorRef::new(&x, &[2, 8]).unwrap();
-//! let gamma = TensorRef::new(&gamma, &[8]).unwrap();
-//! let exec = Exec::cpu();
-//! let opts = RmsNormOptions::default();
-//! let mut ws = vec![0u8; rms_norm_workspace_size(&exec, x, gamma, &opts).unwrap()];
-//! let (mut y, mut rstd) = (vec![bf16::ZERO; 16], vec![0f32; 2]);
-//! rms_norm(&exec, x, gamma, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap();
-//! let want = -7.5 / (21.25f32 + 1e-6).sqrt(); // row 0 is -7.5, -6.5, ..., -0.5
-//! assert!((y[0].to_f32() - want).abs() < 0.01);
+//! fn main() -> Result<(), npukern::Error> {
+//!     let x: Vec<bf16> = (0..2 * 8).map(|i| bf16::from_f32(i as f32 - 7.5)).collect();
+//!     let gamma = vec![bf16::from_f32(1.0); 8];
+//!     let x = TensorRef::new(&x, &[2, 8])?;
+//!     let gamma = TensorRef::new(&gamma, &[8])?;
+//!     let exec = Exec::cpu();
+//!     let opts = RmsNormOptions::default();
+//!     let mut ws = vec![0u8; rms_norm_workspace_size(&exec, x, gamma, &opts)?];
+//!     let (mut y, mut rstd) = (vec![bf16::ZERO; 16], vec![0f32; 2]);
+//!     rms_norm(&exec, x, gamma, &opts, &mut y, Some(&mut rstd), &mut ws)?;
+//!     let want = -7.5 / (21.25f32 + 1e-6).sqrt(); // row 0 is -7.5, -6.5, ..., -0.5
+//!     assert!((y[0].to_f32() - want).abs() < 0.01);
+//!     Ok(())
+//! }
 //! ```
+//!
+//! Every operator has the same two-phase shape (`<op>_workspace_size`, then
+//! `<op>`: inputs as `TensorRef`, outputs as `&mut [T]`), runs on one `Exec`,
+//! and either succeeds or returns an `Error` having written nothing.
 #![cfg_attr(not(feature = "std"), no_std)]
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
@@ -38,16 +44,22 @@ pub mod backend;
 pub mod capi;
 pub mod dtype;
 pub mod error;
-pub mod lanes;
+pub(crate) mod lanes;
 pub mod ops;
 pub mod runner;
 pub mod tensor;
 pub mod tiling;
 mod workspace;
 
-pub use backend::{Backend, Cpu, Reference, CPU_SERIAL};
+/// The `bytemuck` crate (`Element` types are `bytemuck::Pod`: view them as bytes).
+pub use bytemuck;
+/// The `half` crate (its `f16` and `bf16` are two of the element types).
+pub use half;
+pub use half::{bf16, f16};
+
+pub use backend::{Backend, Cpu, GradEngine, Reference, CPU_SERIAL};
 pub use dtype::{DType, Element, Float};
-pub use error::{Error, Result};
+pub use error::{Error, Reason, Result};
 pub use lanes::Isa;
 pub use ops::add_rms_norm::{
     add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,
@@ -59,21 +71,20 @@ pub use ops::embedding_dense_grad::{
 pub use ops::grad_stats::{
     clip_coefficient, clip_grad_norm, clip_grad_norm_raw, clip_grad_norm_workspace_size,
     grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw,
-    GradEngine, GradExec, GradSummary, GradTensor, GradTensorMut, GradTiling,
+    ClipGradNormOptions, GradSummary, GradTensor, GradTensorMut, GradTiling,
 };
 pub use ops::norm::{RmsNormOptions, Rounding};
 pub use ops::rms_norm::{rms_norm, rms_norm_workspace_size, RmsNormCall};
 pub use ops::rms_norm_grad::{
     rms_norm_grad, rms_norm_grad_in_place, rms_norm_grad_workspace_size, DgammaMode,
-    RmsNormGradCall, RmsNormGradOptions, RmsNormGradOutputs,
+    RmsNormGradCall, RmsNormGradOptions,
 };
 pub use ops::Exec;
 #[cfg(feature = "std")]
 pub use runner::Threads;
 pub use runner::{Runner, Serial};
 pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
-pub use tiling::EmbeddingTiling;
-pub use tiling::{NormTiling, UbConfig};
+pub use tiling::{EmbeddingTiling, NormTiling, UbConfig};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

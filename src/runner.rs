@@ -3,7 +3,13 @@
 //! never let a result depend on which runner ran them.
 
 /// Runs `n_blocks` independent block tasks.
-pub trait Runner: Sync {
+///
+/// # Safety
+/// Blocks write disjoint parts of the outputs and workspace through shared
+/// pointers, so an implementation must call `task(b)` exactly once for
+/// every `b` in `0..n_blocks` (never twice: two runs of a block race) and
+/// return only after every call has returned.
+pub unsafe trait Runner: Sync {
     /// Calls `task(b)` once for every `b` in `0..n_blocks`, possibly in parallel.
     fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync));
 }
@@ -12,7 +18,8 @@ pub trait Runner: Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Serial;
 
-impl Runner for Serial {
+// SAFETY: each block once, in order, on the calling thread.
+unsafe impl Runner for Serial {
     fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
         for b in 0..n_blocks {
             task(b);
@@ -20,7 +27,8 @@ impl Runner for Serial {
     }
 }
 
-impl<R: Runner + ?Sized> Runner for &R {
+// SAFETY: forwards to a `Runner`.
+unsafe impl<R: Runner + ?Sized> Runner for &R {
     fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
         (**self).parallel_for(n_blocks, task)
     }
@@ -60,7 +68,9 @@ mod threads {
         }
     }
 
-    impl Runner for Threads {
+    // SAFETY: a shared counter hands out each block number once; the scope
+    // joins every worker before returning.
+    unsafe impl Runner for Threads {
         fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
             let workers = self.threads.min(n_blocks);
             if workers <= 1 {

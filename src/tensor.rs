@@ -5,12 +5,12 @@
 use core::ffi::c_void;
 
 use crate::dtype::{DType, Element};
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, invalid_fmt, Error, Result};
 
 /// Most dimensions a tensor may have (`NPK_MAX_DIMS`).
 pub const MAX_DIMS: usize = 8;
 
-/// A shape of 1..=8 dimensions.
+/// A shape of 1..=8 dimensions (displayed as `[2, 3, 4096]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
     dims: [usize; MAX_DIMS],
@@ -26,7 +26,7 @@ impl Shape {
 
     pub(crate) fn new_named(dims: &[usize], arg: &'static str) -> Result<Shape> {
         if dims.is_empty() || dims.len() > MAX_DIMS {
-            return Err(invalid(arg, "rank must be 1..=8"));
+            return Err(invalid_fmt!(arg, "rank {} is not in 1..=8", dims.len()));
         }
         let mut d = [0usize; MAX_DIMS];
         d[..dims.len()].copy_from_slice(dims);
@@ -66,6 +66,19 @@ impl Shape {
     }
 }
 
+impl core::fmt::Display for Shape {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("[")?;
+        for (i, d) in self.dims().iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        f.write_str("]")
+    }
+}
+
 /// A read-only contiguous row-major tensor.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorRef<'a, T> {
@@ -78,9 +91,12 @@ impl<'a, T: Element> TensorRef<'a, T> {
     pub fn new(data: &'a [T], dims: &[usize]) -> Result<Self> {
         let shape = Shape::new(dims)?;
         if data.len() != shape.numel() {
-            return Err(invalid(
+            return Err(invalid_fmt!(
                 "data",
-                "slice length differs from the shape's element count",
+                "slice of {} elements for shape {} ({} elements)",
+                data.len(),
+                shape,
+                shape.numel()
             ));
         }
         Ok(TensorRef { data, shape })
@@ -113,9 +129,12 @@ impl<'a, T: Element> TensorMut<'a, T> {
     pub fn new(data: &'a mut [T], dims: &[usize]) -> Result<Self> {
         let shape = Shape::new(dims)?;
         if data.len() != shape.numel() {
-            return Err(invalid(
+            return Err(invalid_fmt!(
                 "data",
-                "slice length differs from the shape's element count",
+                "slice of {} elements for shape {} ({} elements)",
+                data.len(),
+                shape,
+                shape.numel()
             ));
         }
         Ok(TensorMut { data, shape })
@@ -126,6 +145,15 @@ impl<'a, T: Element> TensorMut<'a, T> {
         self.data
     }
 
+    /// A read-only view of the same tensor (e.g. for a `*_workspace_size`
+    /// call before an in-place operator).
+    pub fn as_ref(&self) -> TensorRef<'_, T> {
+        TensorRef {
+            data: self.data,
+            shape: self.shape,
+        }
+    }
+
     /// The shape.
     pub fn shape(&self) -> &Shape {
         &self.shape
@@ -134,6 +162,28 @@ impl<'a, T: Element> TensorMut<'a, T> {
     pub(crate) fn raw(&mut self) -> RawTensor {
         RawTensor::from_parts(self.data.as_mut_ptr() as *mut c_void, T::DTYPE, &self.shape)
     }
+}
+
+/// Describes the output slice `s` with the shape of `like_name` (`like`);
+/// its length must be that shape's element count.
+pub(crate) fn out_like<T: Element>(
+    s: &mut [T],
+    like: &Shape,
+    name: &'static str,
+    like_name: &'static str,
+) -> Result<RawTensor> {
+    if s.len() != like.numel() {
+        return Err(invalid_fmt!(
+            name,
+            "slice of {} elements for {like_name}'s shape {like}",
+            s.len()
+        ));
+    }
+    Ok(RawTensor::from_parts(
+        s.as_mut_ptr() as *mut c_void,
+        T::DTYPE,
+        like,
+    ))
 }
 
 /// The C ABI's `npk_tensor`: a contiguous row-major tensor. `data` may be NULL
@@ -182,12 +232,12 @@ impl RawTensor {
     pub(crate) fn checked_shape(&self, arg: &'static str) -> Result<Shape> {
         let nd = self.ndim as usize;
         if nd == 0 || nd > MAX_DIMS {
-            return Err(invalid(arg, "rank must be 1..=8"));
+            return Err(invalid_fmt!(arg, "rank {} is not in 1..=8", self.ndim));
         }
         let mut dims = [0usize; MAX_DIMS];
-        for (o, &d) in dims.iter_mut().zip(&self.shape[..nd]) {
+        for (i, (o, &d)) in dims.iter_mut().zip(&self.shape[..nd]).enumerate() {
             if d < 0 {
-                return Err(invalid(arg, "a shape entry is negative"));
+                return Err(invalid_fmt!(arg, "shape[{i}] = {d} is negative"));
             }
             *o = usize::try_from(d).map_err(|_| Error::SizeOverflow { arg })?;
         }
@@ -256,7 +306,7 @@ pub(crate) fn no_overlap<'a>(
 ) -> Result<()> {
     for o in others {
         if out.overlaps(o) {
-            return Err(invalid(out.name, "output buffer overlaps another buffer"));
+            return Err(invalid_fmt!(out.name, "buffer overlaps {}'s", o.name));
         }
     }
     Ok(())

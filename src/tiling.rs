@@ -77,7 +77,10 @@ pub struct NormTiling {
     pub reserved: u32,
     /// Bytes of one block's arena (<= `ub_bytes`, a multiple of 64).
     pub arena_bytes: u64,
-    /// Offset of block 0's arena from the aligned workspace start.
+    /// Offset of the first of `blocks` arenas from the aligned workspace
+    /// start; arena `i` is at `arena_offset + i * arena_bytes`. A running
+    /// block uses one arena no other running block holds (on the CPU, a
+    /// slot it claims; an NPU kernel may simply use arena `b`).
     pub arena_offset: u64,
     /// Offset of the per-block f32 dgamma partials (`blocks * cols_padded`),
     /// RmsNormGrad only (else equal to the arena end).
@@ -243,7 +246,9 @@ pub struct EmbeddingTiling {
     pub offsets_offset: u64,
     /// Offset of the `positions` u32 sorted positions.
     pub order_offset: u64,
-    /// Offset of block 0's arena; block `b`'s is `arena_offset + b * arena_bytes`.
+    /// Offset of the first of `blocks` arenas; arena `i` is at
+    /// `arena_offset + i * arena_bytes` (one per running block, as for
+    /// `NormTiling::arena_offset`).
     pub arena_offset: u64,
     /// Total workspace bytes, alignment slack included (0 when nothing is needed).
     pub workspace_bytes: u64,

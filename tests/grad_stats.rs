@@ -5,8 +5,9 @@ use core::ffi::c_void;
 use half::{bf16, f16};
 use npukern::{
     clip_coefficient, clip_grad_norm, clip_grad_norm_raw, clip_grad_norm_workspace_size,
-    grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw, DType,
-    Error, GradExec, GradSummary, GradTensor, GradTensorMut, RawTensor, Threads, UbConfig,
+    grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw,
+    ClipGradNormOptions, Cpu, DType, Error, Exec, GradSummary, GradTensor, GradTensorMut,
+    RawTensor, Threads, UbConfig,
 };
 
 struct Rng(u64);
@@ -200,18 +201,26 @@ fn check(got: &GradSummary, e: &Expect, tol: f64) -> f64 {
     r
 }
 
-fn stats_of(exec: &GradExec<'_>, ts: &[Owned]) -> GradSummary {
+fn stats_of(exec: &Exec<'_>, ts: &[Owned]) -> GradSummary {
     let views: Vec<GradTensor<'_>> = ts.iter().map(|t| t.view()).collect();
     let mut ws = vec![0u8; grad_stats_workspace_size(exec, &views).unwrap()];
     grad_stats(exec, &views, &mut ws).unwrap()
 }
 
-fn clip_of(exec: &GradExec<'_>, ts: &mut [Owned], max_norm: f64, err: bool) -> Result<f64, Error> {
+fn clip_of(exec: &Exec<'_>, ts: &mut [Owned], max_norm: f64, err: bool) -> Result<f64, Error> {
     let mut views: Vec<GradTensorMut<'_>> = ts.iter_mut().map(|t| t.view_mut()).collect();
-    let n = clip_grad_norm_workspace_size(exec, &views).unwrap();
+    let n = clip_grad_norm_workspace_size(exec, &views, &ClipGradNormOptions::new(1.0)).unwrap();
     // An odd offset: the library must align inside.
     let mut ws = vec![0u8; n + 1];
-    clip_grad_norm(exec, &mut views, max_norm, err, &mut ws[1..])
+    clip_grad_norm(
+        exec,
+        &mut views,
+        &ClipGradNormOptions {
+            max_norm,
+            error_if_nonfinite: err,
+        },
+        &mut ws[1..],
+    )
 }
 
 #[test]
@@ -237,11 +246,11 @@ fn random_mixed_lists_match_float64() {
             blocks: 1 + (case % 70) as u32,
             ..UbConfig::default()
         };
-        let exec = GradExec::cpu().with_ub(ub);
+        let exec = Exec::cpu().with_ub(ub);
         let got = stats_of(&exec, &ts);
         worst = worst.max(check(&got, &e, KERNEL_TOL));
         // The reference sums sequentially: less exact than the lanes.
-        let refd = stats_of(&exec.reference(), &ts);
+        let refd = stats_of(&Exec::reference().with_ub(ub), &ts);
         check(&refd, &e, 1e-10);
     }
     println!("random lists: worst norm relative error vs float64 {worst:e}");
@@ -258,7 +267,7 @@ fn big_tensor_norm_error() {
     let e = expect(&ts);
     let mut worst = 0f64;
     for blocks in [1u32, 7, 64] {
-        let exec = GradExec::cpu().with_ub(UbConfig {
+        let exec = Exec::cpu().with_ub(UbConfig {
             blocks,
             ..UbConfig::default()
         });
@@ -269,7 +278,7 @@ fn big_tensor_norm_error() {
 
 #[test]
 fn empty_lists_and_tensors() {
-    let exec = GradExec::cpu();
+    let exec = Exec::cpu();
     assert_eq!(grad_stats_workspace_size(&exec, &[]).unwrap(), 0);
     let s = grad_stats(&exec, &[], &mut []).unwrap();
     assert_eq!((s.sum_sq, s.nan_count, s.inf_count), (0.0, 0, 0));
@@ -284,7 +293,16 @@ fn empty_lists_and_tensors() {
     assert_eq!(clip_of(&exec, &mut ts2, 1.0, true).unwrap(), 0.0);
     let mut none: [GradTensorMut<'_>; 0] = [];
     assert_eq!(
-        clip_grad_norm(&exec, &mut none, 1.0, true, &mut []).unwrap(),
+        clip_grad_norm(
+            &exec,
+            &mut none,
+            &ClipGradNormOptions {
+                max_norm: 1.0,
+                error_if_nonfinite: true
+            },
+            &mut []
+        )
+        .unwrap(),
         0.0
     );
 }
@@ -304,14 +322,14 @@ fn thousand_small_tensors() {
         .collect();
     let e = expect(&ts);
     for threads in [1, 2, 4] {
-        let t = Threads::new(threads);
-        let exec = GradExec::new(&t);
+        let cpu = Cpu::new(Threads::new(threads));
+        let exec = Exec::new(&cpu);
         check(&stats_of(&exec, &ts), &e, KERNEL_TOL);
     }
     let mut a = ts.clone();
     let mut b = ts.clone();
-    let na = clip_of(&GradExec::cpu(), &mut a, 0.5, false).unwrap();
-    let nb = clip_of(&GradExec::cpu().reference(), &mut b, 0.5, false).unwrap();
+    let na = clip_of(&Exec::cpu(), &mut a, 0.5, false).unwrap();
+    let nb = clip_of(&Exec::reference(), &mut b, 0.5, false).unwrap();
     assert!(rel(na, nb) < KERNEL_TOL);
     let c = clip_coefficient(na, 0.5);
     assert!(c < 1.0);
@@ -358,7 +376,7 @@ fn poison(ts: &mut [Owned], at: usize, v: f32) {
 
 #[test]
 fn special_values() {
-    let exec = GradExec::cpu();
+    let exec = Exec::cpu();
     let ts = specials();
     let e = expect(&ts);
     assert!(e.sum_sq.is_finite());
@@ -371,7 +389,7 @@ fn special_values() {
         check(&got, &e, KERNEL_TOL);
         assert!(!got.is_finite());
         assert!(got.norm().is_nan() == v.is_nan());
-        assert!(stats_of(&exec.reference(), &p).same_bits(&got) || got.min == 0.0);
+        assert!(stats_of(&Exec::reference(), &p).same_bits(&got) || got.min == 0.0);
     }
     // All non-finite: min/max/absmax are NaN.
     let all = vec![Owned::F32(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY])];
@@ -390,7 +408,7 @@ fn nonfinite_inside_a_big_window_is_masked() {
     poison(&mut ts, 199_999, f32::NEG_INFINITY);
     let e = expect(&ts);
     for blocks in [1u32, 3, 64] {
-        let exec = GradExec::cpu().with_ub(UbConfig {
+        let exec = Exec::cpu().with_ub(UbConfig {
             blocks,
             ub_bytes: 4096,
         });
@@ -405,7 +423,7 @@ fn huge_finite_values_do_not_overflow() {
         Owned::BF16(vec![bf16::MAX; 20]),
     ];
     let e = expect(&ts);
-    let got = stats_of(&GradExec::cpu(), &ts);
+    let got = stats_of(&Exec::cpu(), &ts);
     assert!(got.is_finite() && got.norm().is_finite());
     check(&got, &e, KERNEL_TOL);
 }
@@ -425,7 +443,7 @@ fn clip_scales_by_the_pytorch_rule() {
             .collect();
         let e = expect(&ts);
         let mut a = ts.clone();
-        let norm = clip_of(&GradExec::cpu(), &mut a, max_norm, err).unwrap();
+        let norm = clip_of(&Exec::cpu(), &mut a, max_norm, err).unwrap();
         assert!(rel(norm, e.sum_sq.sqrt()) < 1e-6);
         let c = clip_coefficient(norm, max_norm);
         assert_eq!(c, ((max_norm / (norm + 1e-6)).min(1.0)) as f32);
@@ -433,7 +451,7 @@ fn clip_scales_by_the_pytorch_rule() {
             assert_eq!(x.bits(), t.scaled_bits(c));
         }
         let mut b = ts.clone();
-        let nb = clip_of(&GradExec::cpu().reference(), &mut b, max_norm, err).unwrap();
+        let nb = clip_of(&Exec::reference(), &mut b, max_norm, err).unwrap();
         if clip_coefficient(nb, max_norm) == c {
             for (x, y) in a.iter().zip(&b) {
                 assert_eq!(
@@ -451,8 +469,8 @@ fn clip_coefficient_one_leaves_bits_alone() {
     let ts = specials();
     let mut a = ts.clone();
     let mut b = ts.clone();
-    let na = clip_of(&GradExec::cpu(), &mut a, 1e300, true).unwrap();
-    clip_of(&GradExec::cpu().reference(), &mut b, 1e300, true).unwrap();
+    let na = clip_of(&Exec::cpu(), &mut a, 1e300, true).unwrap();
+    clip_of(&Exec::reference(), &mut b, 1e300, true).unwrap();
     assert_eq!(clip_coefficient(na, 1e300), 1.0);
     for ((x, y), t) in a.iter().zip(&b).zip(&ts) {
         assert_eq!(x.bits(), t.bits());
@@ -467,7 +485,7 @@ fn error_if_nonfinite_touches_nothing() {
         ts.push(random_tensor(&mut Rng(5), 100_000));
         poison(&mut ts, 60_001, v);
         let before: Vec<Vec<u32>> = ts.iter().map(|t| t.bits()).collect();
-        for exec in [GradExec::cpu(), GradExec::cpu().reference()] {
+        for exec in [Exec::cpu(), Exec::reference()] {
             assert_eq!(clip_of(&exec, &mut ts, 1.0, true), Err(Error::NonFinite));
             let after: Vec<Vec<u32>> = ts.iter().map(|t| t.bits()).collect();
             assert_eq!(before, after);
@@ -486,8 +504,8 @@ fn nonfinite_without_error_applies_the_coefficient() {
         poison(&mut ts, 3, v);
         let orig = ts.clone();
         let mut b = ts.clone();
-        let n = clip_of(&GradExec::cpu(), &mut ts, 1.0, false).unwrap();
-        clip_of(&GradExec::cpu().reference(), &mut b, 1.0, false).unwrap();
+        let n = clip_of(&Exec::cpu(), &mut ts, 1.0, false).unwrap();
+        clip_of(&Exec::reference(), &mut b, 1.0, false).unwrap();
         assert_eq!(n.is_nan(), coef_nan);
         assert!(n.is_nan() || n == f64::INFINITY);
         let c = clip_coefficient(n, 1.0);
@@ -522,11 +540,11 @@ fn bit_identical_for_any_thread_count() {
         })
         .collect();
     ts.push(random_tensor(&mut r, 1_000_001));
-    let first = stats_of(&GradExec::cpu(), &ts);
+    let first = stats_of(&Exec::cpu(), &ts);
     let mut clipped_first: Option<Vec<Vec<u32>>> = None;
     for threads in [1usize, 2, 4] {
-        let t = Threads::new(threads);
-        let exec = GradExec::new(&t);
+        let cpu = Cpu::new(Threads::new(threads));
+        let exec = Exec::new(&cpu);
         assert!(stats_of(&exec, &ts).same_bits(&first), "{threads} threads");
         let mut c = ts.clone();
         let n = clip_of(&exec, &mut c, 0.25, true).unwrap();
@@ -541,15 +559,15 @@ fn bit_identical_for_any_thread_count() {
 
 #[test]
 fn errors() {
-    let exec = GradExec::cpu();
+    let exec = Exec::cpu();
     let mut x = vec![1.0f32; 64];
     let mut idx = vec![1i32; 8];
     let good = raw(x.as_mut_ptr() as *mut c_void, DType::F32, &[8, 8]);
     let bad = raw(idx.as_mut_ptr() as *mut c_void, DType::I32, &[8]);
-    assert_eq!(
+    assert!(matches!(
         grad_stats_workspace_size_raw(&exec, &[good, bad]),
-        Err(Error::DtypeUnsupported { arg: "tensors" })
-    );
+        Err(Error::DtypeUnsupported { arg: "tensors", .. })
+    ));
     // Overflow: one shape, and a list whose element total does not fit.
     let huge = raw(4096 as *mut c_void, DType::F32, &[1 << 62, 4]);
     assert_eq!(
@@ -573,10 +591,19 @@ fn errors() {
     let mut ts = [Owned::F32(vec![2.0; 100])];
     let before = ts[0].bits();
     let mut views: Vec<_> = ts.iter_mut().map(|t| t.view_mut()).collect();
-    let need = clip_grad_norm_workspace_size(&exec, &views).unwrap();
+    let need =
+        clip_grad_norm_workspace_size(&exec, &views, &ClipGradNormOptions::new(1.0)).unwrap();
     let mut ws = vec![0u8; need - 1];
     assert_eq!(
-        clip_grad_norm(&exec, &mut views, 1.0, false, &mut ws),
+        clip_grad_norm(
+            &exec,
+            &mut views,
+            &ClipGradNormOptions {
+                max_norm: 1.0,
+                error_if_nonfinite: false
+            },
+            &mut ws
+        ),
         Err(Error::WorkspaceTooSmall {
             needed: need,
             given: need - 1
@@ -591,7 +618,15 @@ fn errors() {
     let mut ws = vec![0u8; need];
     for m in [f64::NAN, -1.0] {
         assert!(matches!(
-            clip_grad_norm(&exec, &mut views, m, false, &mut ws),
+            clip_grad_norm(
+                &exec,
+                &mut views,
+                &ClipGradNormOptions {
+                    max_norm: m,
+                    error_if_nonfinite: false
+                },
+                &mut ws
+            ),
             Err(Error::InvalidParam {
                 arg: "max_norm",
                 ..
@@ -615,7 +650,7 @@ fn errors() {
     unsafe {
         assert!(grad_stats_raw(&exec, &[a, b], wsp, need).is_ok());
         assert!(matches!(
-            clip_grad_norm_raw(&exec, &[a, b], 1.0, false, wsp, need),
+            clip_grad_norm_raw(&exec, &[a, b], &ClipGradNormOptions::new(1.0), wsp, need),
             Err(Error::InvalidParam { arg: "tensors", .. })
         ));
         let xp = x.as_mut_ptr() as *mut c_void;
@@ -637,7 +672,7 @@ fn errors() {
     }
     assert!(x.iter().all(|&v| v == 1.0));
     // Bad UbConfig.
-    let e = GradExec::cpu().with_ub(UbConfig {
+    let e = Exec::cpu().with_ub(UbConfig {
         ub_bytes: 10,
         blocks: 1,
     });
@@ -649,11 +684,12 @@ fn errors() {
 
 #[test]
 fn unavailable_isa_is_an_error() {
-    use npukern::lanes::{available, Isa};
+    use npukern::Isa;
     for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
-        let exec = GradExec::cpu().with_isa(isa);
+        let cpu = Cpu::new(npukern::Serial).with_isa(isa);
+        let exec = Exec::new(&cpu);
         let r = grad_stats(&exec, &[GradTensor::F32(&[1.0; 3])], &mut [0u8; 4096]);
-        if available(isa) {
+        if isa.is_available() {
             assert_eq!(r.unwrap().sum_sq, 3.0);
         } else {
             assert_eq!(r.unwrap_err(), Error::IsaUnavailable);
@@ -667,7 +703,7 @@ fn descriptors_match_the_typed_api() {
     let mut ts: Vec<Owned> = (0..30)
         .map(|i| random_tensor(&mut r, (i * 977) % 5000))
         .collect();
-    let typed = stats_of(&GradExec::cpu(), &ts);
+    let typed = stats_of(&Exec::cpu(), &ts);
     let mut descs: Vec<RawTensor> = ts.iter_mut().map(|t| t.raw()).collect();
     // Any shape with the same element count is the same tensor here.
     if let Some(d) = descs
@@ -678,7 +714,7 @@ fn descriptors_match_the_typed_api() {
         d.ndim = 3;
         d.shape[..3].copy_from_slice(&[2, n / 4, 2]);
     }
-    let exec = GradExec::cpu();
+    let exec = Exec::cpu();
     let need = grad_stats_workspace_size_raw(&exec, &descs).unwrap();
     let mut ws = vec![0u8; need];
     // SAFETY: the descriptors describe live vectors; the workspace is ours.
@@ -688,14 +724,11 @@ fn descriptors_match_the_typed_api() {
     let n1 = clip_of(&exec, &mut copy, 0.5, true).unwrap();
     // SAFETY: as above; the vectors are disjoint.
     let n2 = unsafe {
-        clip_grad_norm_raw(
-            &exec,
-            &descs,
-            0.5,
-            true,
-            ws.as_mut_ptr() as *mut c_void,
-            need,
-        )
+        let opts = ClipGradNormOptions {
+            max_norm: 0.5,
+            error_if_nonfinite: true,
+        };
+        clip_grad_norm_raw(&exec, &descs, &opts, ws.as_mut_ptr() as *mut c_void, need)
     }
     .unwrap();
     assert_eq!(n1.to_bits(), n2.to_bits());
@@ -715,13 +748,13 @@ fn tiny_values_keep_their_precision() {
     ];
     let e = expect(&ts);
     assert!(e.sum_sq > 0.0);
-    let got = stats_of(&GradExec::cpu(), &ts);
+    let got = stats_of(&Exec::cpu(), &ts);
     check(&got, &e, 1e-12);
 }
 
 #[test]
 fn bit_identical_across_isas() {
-    use npukern::lanes::{available, Isa};
+    use npukern::Isa;
     let mut r = Rng(555);
     let mut ts: Vec<Owned> = (0..12)
         .map(|_| {
@@ -734,10 +767,11 @@ fn bit_identical_across_isas() {
     poison(&mut poisoned, 4321, f32::NAN);
     let mut first: Option<(GradSummary, GradSummary, Vec<Vec<u32>>)> = None;
     for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
-        if !available(isa) {
+        if !isa.is_available() {
             continue;
         }
-        let exec = GradExec::cpu().with_isa(isa);
+        let cpu = Cpu::new(npukern::Serial).with_isa(isa);
+        let exec = Exec::new(&cpu);
         let s = stats_of(&exec, &ts);
         let p = stats_of(&exec, &poisoned);
         let mut c = ts.clone();

@@ -36,7 +36,7 @@ fn ubs() -> [UbConfig; 2] {
     ]
 }
 
-fn forward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
+fn forward_all<T: Float, G: Float>(seed: u64) -> Stats {
     let mut rng = Rng(seed);
     let mut total = Stats::default();
     let cpu = Exec::cpu();
@@ -110,7 +110,7 @@ fn forward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
     total
 }
 
-fn backward_all<T: LaneElemPub, G: LaneElemPub>(seed: u64) -> Stats {
+fn backward_all<T: Float, G: Float>(seed: u64) -> Stats {
     let mut rng = Rng(seed);
     let mut total = Stats::default();
     let cpu = Exec::cpu();

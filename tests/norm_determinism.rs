@@ -19,7 +19,7 @@ fn configs() -> Vec<UbConfig> {
     v
 }
 
-fn forward_invariance<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
+fn forward_invariance<T: Float>(n: usize, m: usize, seed: u64) {
     let mut rng = Rng(seed);
     let x: Vec<T> = vec_of(m * n, || rng.mag());
     let x2: Vec<T> = vec_of(m * n, || rng.mag());
@@ -51,7 +51,7 @@ fn forward_invariance<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
     }
 }
 
-fn backward_invariance<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
+fn backward_invariance<T: Float>(n: usize, m: usize, seed: u64) {
     let mut rng = Rng(seed);
     let x: Vec<T> = vec_of(m * n, || rng.mag());
     let dy: Vec<T> = vec_of(m * n, || rng.mag());
@@ -239,13 +239,17 @@ fn grad_in_place_and_cast_match() {
         blocks: 64,
     });
     let rt = TensorRef::new(&rstd, &[m]).unwrap();
-    let mut ws = vec![0u8; rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, &opts).unwrap()];
     let dres_t = TensorRef::new(&dres, &[m, n]).unwrap();
+    let mut ws = vec![
+        0u8;
+        rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, Some(dres_t), &opts)
+            .unwrap()
+    ];
     rms_norm_grad_in_place(
         &exec,
-        &mut buf,
+        TensorMut::new(&mut buf, &[m, n]).unwrap(),
         xt,
-        &rstd,
+        rt,
         gt,
         Some(dres_t),
         &opts,
@@ -304,7 +308,7 @@ fn nan_and_inf_propagate() {
 /// (y, rstd, x_sum, dx and dgamma), in every dtype, merge-N and split-D.
 #[test]
 fn bits_identical_across_isas() {
-    fn check<T: LaneElemPub>(n: usize, m: usize, seed: u64) {
+    fn check<T: Float>(n: usize, m: usize, seed: u64) {
         let mut rng = Rng(seed);
         let x: Vec<T> = vec_of(m * n, || rng.mag());
         let x2: Vec<T> = vec_of(m * n, || rng.mag());
@@ -353,10 +357,7 @@ fn bits_identical_across_isas() {
                     &gopts,
                     None,
                 );
-                for isa in Isa::ALL
-                    .into_iter()
-                    .filter(|i| npukern::lanes::available(*i))
-                {
+                for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
                     let cpu = Cpu::new(Serial).with_isa(isa);
                     let e = Exec::new(&cpu).with_ub(ub);
                     let what = format!("{isa:?} {:?} n={n} {ub:?}", T::DTYPE);

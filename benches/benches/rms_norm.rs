@@ -8,11 +8,9 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use half::{bf16, f16};
-use npukern::lanes::LaneElem;
 use npukern::*;
 
-fn data<T: LaneElem>(n: usize, seed: u32) -> Vec<T> {
+fn data<T: Float>(n: usize, seed: u32) -> Vec<T> {
     let mut s = seed.wrapping_mul(2_654_435_761).max(1);
     (0..n)
         .map(|_| {
@@ -36,7 +34,7 @@ fn copy_baseline(
     });
 }
 
-fn forward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
+fn forward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let name = format!("rms_norm/{:?}/{m}x{n}", T::DTYPE);
     let mut g = c.benchmark_group(&name);
     let elem = core::mem::size_of::<T>();
@@ -81,7 +79,7 @@ fn forward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
     g.finish();
 }
 
-fn backward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
+fn backward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let name = format!("rms_norm_grad/{:?}/{m}x{n}", T::DTYPE);
     let mut g = c.benchmark_group(&name);
     let elem = core::mem::size_of::<T>();
@@ -101,17 +99,17 @@ fn backward<T: LaneElem>(c: &mut Criterion, m: usize, n: usize) {
     let rt = TensorRef::new(&rstd, &[m]).unwrap();
     let exec = Exec::cpu();
     let opts = RmsNormGradOptions::default();
-    let mut ws = vec![0u8; rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, &opts).unwrap()];
+    let mut ws =
+        vec![0u8; rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, None, &opts).unwrap()];
     let mut dx = vec![T::from_f32(0.0); m * n];
     let mut dg = vec![0f32; n];
     g.bench_function("rms_norm_grad", |b| {
         b.iter(|| {
-            let out = RmsNormGradOutputs {
-                dx: &mut dx,
-                dgamma: Some(&mut dg),
-                dgamma_cast: None,
-            };
-            rms_norm_grad(&exec, dyt, xt, &rstd, gt, None, &opts, out, &mut ws).unwrap()
+            let dgamma = Some(&mut dg[..]);
+            rms_norm_grad(
+                &exec, dyt, xt, rt, gt, None, &opts, &mut dx, dgamma, None, &mut ws,
+            )
+            .unwrap()
         })
     });
     g.finish();

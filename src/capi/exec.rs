@@ -225,11 +225,6 @@ impl HostRunner {
             faulted: AtomicBool::new(false),
         }
     }
-
-    /// True when a `parallel_for` skipped or misnumbered blocks.
-    pub(crate) fn faulted(&self) -> bool {
-        self.faulted.load(Ordering::Relaxed)
-    }
 }
 
 /// What the trampoline receives as `task_ctx`.
@@ -257,7 +252,9 @@ unsafe extern "C" fn trampoline(ctx: *mut c_void, block: usize) {
     t.ran.fetch_add(1, Ordering::Relaxed);
 }
 
-impl Runner for HostRunner {
+// SAFETY: the host's callback promises (c-api.md) to run each block once and
+// return after all ran; the counts below report a callback that does not.
+unsafe impl Runner for HostRunner {
     fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
         let Some(f) = self.f else {
             for b in 0..n_blocks {

@@ -104,4 +104,9 @@ unsafe impl Backend for Foreign<'_> {
             None => unsafe { self.fallback.embedding_dense_grad(call) },
         }
     }
+
+    fn grad_engine(&self) -> crate::backend::GradEngine<'_> {
+        // No foreign entry: the CPU fallback runs them.
+        self.fallback.grad_engine()
+    }
 }

@@ -2,14 +2,11 @@
 //! a skin over `ops::grad_stats` (the same validation, plan and kernels as
 //! the Rust API).
 //!
-//! These operators have no entry in the foreign table, so they never go
-//! through `Backend`: `npk_exec` is validated and reported through
-//! `exec::run` like every operator, then read once more here for what a
-//! `GradExec` needs — the backend kind (CPU and FOREIGN run the CPU kernels,
-//! REFERENCE the f64 model), the ISA (NPK_ISA_AUTO = `exec::auto_isa`, which
-//! honours the `NPK_MAX_CPU_ISA` ceiling) and the host `parallel_for`.
-//! The callback is adapted by `exec::HostRunner`, with its fault check: a
-//! runner that skips or repeats a block fails the call.
+//! These operators have no entry in the foreign table: `npk_exec` is
+//! validated and reported through `exec::run` like every operator, and the
+//! backend it builds names the engine (`Backend::grad_engine`): CPU and
+//! FOREIGN run the CPU kernels on the host `parallel_for` (with its
+//! exactly-once check), REFERENCE the f64 model.
 //!
 //! The tensor list is read element by element through `types::read_tensor`
 //! (an invalid dtype value never becomes a Rust enum); on a list error the
@@ -18,16 +15,14 @@
 use core::ffi::c_void;
 use core::mem::size_of;
 
-use super::exec::{auto_isa, run, write_size, HostRunner};
+use super::exec::{run, write_size};
 use super::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
 use crate::error::{invalid, Error, Result};
-use crate::lanes::Isa;
 use crate::ops::grad_stats::{
-    clip_with, first_bad, plan_of, stats_with, GradEngine, GradExec, GradSource, GradSummary,
+    clip_with, first_bad, plan_of, stats_with, ClipGradNormOptions, GradSource, GradSummary,
     OutRange, ARG,
 };
 use crate::tensor::RawTensor;
-use crate::tiling::UbConfig;
 
 /// What `npk_grad_stats` measures over all elements of all tensors.
 #[repr(C)]
@@ -95,73 +90,14 @@ impl GradSource for CList {
         let t = unsafe { read_tensor(self.p.add(i), ARG)? };
         let c = t.check(ARG)?;
         if !t.dtype.is_float() {
-            return Err(Error::DtypeUnsupported { arg: ARG });
+            return Err(crate::error::dtype_err!(
+                ARG,
+                "tensor {i} has dtype {}, not f32, f16 or bf16",
+                t.dtype
+            ));
         }
         Ok((t.data, t.dtype, c.numel))
     }
-}
-
-/// The parts of an (already validated) `npk_exec` a `GradExec` needs.
-struct GradConfig {
-    isa: Isa,
-    engine: GradEngine,
-    runner: HostRunner,
-}
-
-/// # Safety
-/// `exec` is NULL or a readable `npk_exec` that `exec::run` has validated.
-unsafe fn grad_config(exec: *const npk_exec) -> GradConfig {
-    let mut c = GradConfig {
-        isa: auto_isa(),
-        engine: GradEngine::Cpu,
-        runner: HostRunner::new(None, core::ptr::null_mut()),
-    };
-    if exec.is_null() {
-        return c;
-    }
-    // SAFETY: non-NULL and readable (caller); integers, pointers and an
-    // `Option<fn>`, valid for any bit pattern.
-    let e = unsafe { exec.read_unaligned() };
-    c.isa = match e.isa {
-        1 => Isa::Portable,
-        2 => Isa::Avx2,
-        3 => Isa::Avx512,
-        _ => auto_isa(),
-    };
-    // FOREIGN has no grad entry: the CPU kernels run, as for a NULL entry.
-    if e.backend == 1 {
-        c.engine = GradEngine::Reference;
-    }
-    c.runner = HostRunner::new(e.parallel_for, e.runner_ctx);
-    c
-}
-
-/// Runs `f` with the `GradExec` of `exec` (whose tiling `ub` has been
-/// validated by `exec::run`), and turns a faulty host runner into an error.
-///
-/// # Safety
-/// As for `grad_config`.
-unsafe fn with_grad_exec<R>(
-    exec: *const npk_exec,
-    ub: UbConfig,
-    f: impl FnOnce(&GradExec<'_>) -> Result<R>,
-) -> Result<R> {
-    // SAFETY: forwarded.
-    let c = unsafe { grad_config(exec) };
-    let ge = GradExec {
-        ub,
-        runner: &c.runner,
-        isa: Some(c.isa),
-        engine: c.engine,
-    };
-    let r = f(&ge)?;
-    if c.runner.faulted() {
-        return Err(invalid(
-            "parallel_for",
-            "did not run every block exactly once",
-        ));
-    }
-    Ok(r)
 }
 
 /// After a failed call: when the tensor list is what was wrong, points
@@ -262,9 +198,7 @@ pub unsafe extern "C" fn npk_grad_stats(
                 addr: out as usize,
                 bytes: size_of::<npk_grad_summary>(),
             };
-            let sum = with_grad_exec(exec, e.ub, |g| {
-                stats_with(g, &mut l, workspace, workspace_bytes, Some(o))
-            })?;
+            let sum = stats_with(e, &mut l, workspace, workspace_bytes, Some(o))?;
             out.write_unaligned(sum.into());
             Ok(())
         })
@@ -311,17 +245,11 @@ pub unsafe extern "C" fn npk_clip_grad_norm(
                 addr: total_norm as usize,
                 bytes: size_of::<f64>(),
             };
-            let n = with_grad_exec(exec, e.ub, |g| {
-                clip_with(
-                    g,
-                    &mut l,
-                    max_norm,
-                    error_if_nonfinite != 0,
-                    workspace,
-                    workspace_bytes,
-                    Some(o),
-                )
-            })?;
+            let opts = ClipGradNormOptions {
+                max_norm,
+                error_if_nonfinite: error_if_nonfinite != 0,
+            };
+            let n = clip_with(e, &mut l, &opts, workspace, workspace_bytes, Some(o))?;
             total_norm.write_unaligned(n);
             Ok(())
         })

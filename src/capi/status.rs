@@ -163,11 +163,8 @@ mod tests {
     fn every_error_has_its_status() {
         let all = [
             Error::NullPointer { arg: "x" },
-            Error::InvalidParam {
-                arg: "x",
-                reason: "r",
-            },
-            Error::DtypeUnsupported { arg: "x" },
+            crate::error::invalid("x", "r"),
+            crate::error::dtype_err!("x", "r"),
             Error::IndexOutOfRange {
                 arg: "indices",
                 position: 3,
@@ -181,6 +178,9 @@ mod tests {
             Error::IsaUnavailable,
             Error::NonFinite,
             Error::Backend { status: 5 },
+            Error::Runner {
+                reason: crate::error::Reason::new("r"),
+            },
         ];
         for e in all {
             assert_eq!(status_of(&e) as i32, e.status(), "{e:?}");

@@ -260,7 +260,10 @@ pub(crate) unsafe fn read_tensor(p: *const RawTensor, arg: &'static str) -> Resu
             core::ptr::addr_of!((*p).shape).read_unaligned(),
         )
     };
-    let dtype = DType::from_u32(dtype).ok_or(Error::DtypeUnsupported { arg })?;
+    let dtype = DType::from_u32(dtype).ok_or(crate::error::dtype_err!(
+        arg,
+        "dtype code {dtype} is not an npk_dtype value"
+    ))?;
     Ok(RawTensor {
         data,
         dtype,
@@ -284,6 +287,19 @@ pub(crate) unsafe fn read_opt_tensor(
     unsafe { read_tensor(p, arg) }.map(Some)
 }
 
+/// The C ABI's `double eps` as the f32 the kernels add: finite and >= 0, and
+/// still finite as an f32.
+fn eps_from_f64(eps: f64) -> Result<f32> {
+    let e = eps as f32;
+    if !(eps.is_finite() && eps >= 0.0 && e.is_finite()) {
+        return Err(crate::error::invalid_fmt!(
+            "eps",
+            "{eps} is not finite and >= 0 as an f32"
+        ));
+    }
+    Ok(e)
+}
+
 /// Reads optional RmsNorm options (NULL = defaults).
 ///
 /// # Safety
@@ -298,14 +314,15 @@ pub(crate) unsafe fn read_norm_options(p: *const npk_rms_norm_options) -> Result
         0 => Rounding::Fused,
         1 => Rounding::CastBeforeGamma,
         _ => {
-            return Err(Error::InvalidParam {
-                arg: "rounding",
-                reason: "not an npk_rounding value",
-            })
+            return Err(crate::error::invalid_fmt!(
+                "rounding",
+                "{} is not an npk_rounding value",
+                o.rounding
+            ))
         }
     };
     Ok(RmsNormOptions {
-        eps: o.eps,
+        eps: eps_from_f64(o.eps)?,
         gamma_offset: o.gamma_offset,
         rounding,
     })

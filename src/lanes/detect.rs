@@ -31,6 +31,16 @@ impl Isa {
 
     /// Every ISA, best last.
     pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    /// True when this build has kernels for this ISA and this CPU runs them.
+    pub fn is_available(self) -> bool {
+        available(self)
+    }
+
+    /// What automatic selection picks on this machine: the widest available.
+    pub fn detected() -> Isa {
+        detected()
+    }
 }
 
 const AVX2: u8 = 1;

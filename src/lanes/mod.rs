@@ -16,7 +16,7 @@ pub mod portable;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
-pub use detect::{available, detected, Isa};
+pub use detect::Isa;
 pub use portable::Portable;
 #[cfg(target_arch = "x86_64")]
 pub use x86::{Avx2, Avx512};
@@ -68,8 +68,9 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn fold(self) -> f32;
 }
 
-/// A float element the lanes load and store directly.
-pub trait LaneElem: Float {
+/// The lanes' loads and stores of one float element type (internal; the
+/// public face of these types is the sealed `Float`, which requires this).
+pub trait LaneElem: Sized {
     /// Loads sixteen elements widened to f32.
     fn load<L: Lanes>(src: &[Self; GROUP]) -> L;
     /// Stores sixteen lanes rounded to this type.
@@ -114,7 +115,7 @@ impl LaneElem for f16 {
 /// The zero padding keeps reductions exact: adding +0.0 never changes an
 /// accumulator that started at +0.0.
 #[inline(always)]
-pub fn widen_into<L: Lanes, T: LaneElem>(src: &[T], dst: &mut [f32]) {
+pub fn widen_into<L: Lanes, T: Float>(src: &[T], dst: &mut [f32]) {
     let (sg, st) = src.as_chunks::<GROUP>();
     let (dg, dt) = dst.as_chunks_mut::<GROUP>();
     for (s, d) in sg.iter().zip(dg.iter_mut()) {
@@ -135,7 +136,7 @@ pub fn widen_into<L: Lanes, T: LaneElem>(src: &[T], dst: &mut [f32]) {
 
 /// Rounds `src[..dst.len()]` into `dst`.
 #[inline(always)]
-pub fn narrow_into<L: Lanes, T: LaneElem>(src: &[f32], dst: &mut [T]) {
+pub fn narrow_into<L: Lanes, T: Float>(src: &[f32], dst: &mut [T]) {
     let (sg, _) = src.as_chunks::<GROUP>();
     let (dg, dt) = dst.as_chunks_mut::<GROUP>();
     for (s, d) in sg.iter().zip(dg.iter_mut()) {
@@ -252,8 +253,6 @@ impl<L: Lanes> Default for RowSum<L> {
 /// Adds `$body` for `$k` in `0..$n`, in order, to the `RowSum` `$s`: the
 /// same sum as `$n` calls of `push`, with the running sum in a local. A
 /// macro, not a closure, so the body always inlines into the ISA context.
-#[macro_export]
-#[doc(hidden)]
 macro_rules! push_groups {
     ($s:expr, $n:expr, |$k:ident| $body:expr) => {{
         let n: usize = $n;
@@ -269,7 +268,7 @@ macro_rules! push_groups {
         }
     }};
 }
-pub use push_groups;
+pub(crate) use push_groups;
 
 /// IEEE single-precision square root without `std` (sqrtss on x86_64, the
 /// correctly rounded software root elsewhere: identical bits).
@@ -311,11 +310,11 @@ mod tests {
         conversions_match_scalar::<Portable>();
         #[cfg(target_arch = "x86_64")]
         {
-            if available(Isa::Avx2) {
+            if Isa::Avx2.is_available() {
                 // SAFETY: AVX2 is available.
                 unsafe { x86::Avx2::enter(conversions_match_scalar::<x86::Avx2>) };
             }
-            if available(Isa::Avx512) {
+            if Isa::Avx512.is_available() {
                 // SAFETY: AVX-512 is available.
                 unsafe { x86::Avx512::enter(conversions_match_scalar::<x86::Avx512>) };
             }

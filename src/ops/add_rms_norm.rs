@@ -10,10 +10,10 @@ use super::norm::{
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
-use crate::error::{invalid, Result};
-use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
+use crate::error::Result;
+use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
-use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
+use crate::tensor::{no_overlap, out_like, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
 use crate::workspace::{Dst, Src};
 
@@ -136,8 +136,9 @@ pub(crate) fn prepare(
 
 op_call!(AddRmsNormCall, add_rms_norm);
 
-/// Workspace bytes `add_rms_norm` needs.
-pub fn add_rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
+/// Workspace bytes `add_rms_norm` (and `add_rms_norm_in_place`) needs for
+/// these inputs under `exec.ub`.
+pub fn add_rms_norm_workspace_size<T: Float, G: Float>(
     exec: &Exec<'_>,
     x1: TensorRef<'_, T>,
     x2: TensorRef<'_, T>,
@@ -148,25 +149,12 @@ pub fn add_rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
     workspace_len(t.workspace_bytes)
 }
 
-fn out_raw<T: LaneElem>(
-    s: &mut [T],
-    like: &TensorRef<'_, T>,
-    name: &'static str,
-) -> Result<RawTensor> {
-    if s.len() != like.data().len() {
-        return Err(invalid(name, "length differs from x1's element count"));
-    }
-    Ok(RawTensor::from_parts(
-        s.as_mut_ptr() as *mut c_void,
-        T::DTYPE,
-        like.shape(),
-    ))
-}
-
-/// AddRmsNorm with separate outputs: `y` (x's length), optional `rstd` (one
-/// per row) and optional `x_sum` (x's length).
+/// AddRmsNorm: `x_sum = round(x1 + x2)`, then RmsNorm of `x_sum`. Outputs:
+/// `y` (x1's shape and dtype), `rstd` if given (f32, one per row), `x_sum`
+/// if given (x1's shape and dtype). `workspace` must hold
+/// `add_rms_norm_workspace_size` bytes. On error nothing is written.
 #[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm<T: LaneElem, G: LaneElem>(
+pub fn add_rms_norm<T: Float, G: Float>(
     exec: &Exec<'_>,
     x1: TensorRef<'_, T>,
     x2: TensorRef<'_, T>,
@@ -177,9 +165,9 @@ pub fn add_rms_norm<T: LaneElem, G: LaneElem>(
     x_sum: Option<&mut [T]>,
     workspace: &mut [u8],
 ) -> Result<()> {
-    let yr = out_raw(y, &x1, "y")?;
+    let yr = out_like(y, x1.shape(), "y", "x1")?;
     let sr = match x_sum {
-        Some(s) => Some(out_raw(s, &x1, "x_sum")?),
+        Some(s) => Some(out_like(s, x1.shape(), "x_sum", "x1")?),
         None => None,
     };
     let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
@@ -201,9 +189,10 @@ pub fn add_rms_norm<T: LaneElem, G: LaneElem>(
     )
 }
 
-/// AddRmsNorm writing `x_sum` over `x1` (the residual stream update).
+/// AddRmsNorm writing `x_sum` over `x1` (the residual stream update);
+/// otherwise as `add_rms_norm`, with the same workspace size.
 #[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_in_place<T: LaneElem, G: LaneElem>(
+pub fn add_rms_norm_in_place<T: Float, G: Float>(
     exec: &Exec<'_>,
     mut x1: TensorMut<'_, T>,
     x2: TensorRef<'_, T>,
@@ -214,10 +203,7 @@ pub fn add_rms_norm_in_place<T: LaneElem, G: LaneElem>(
     workspace: &mut [u8],
 ) -> Result<()> {
     let x1r = x1.raw();
-    if y.len() != x1.data().len() {
-        return Err(invalid("y", "length differs from x1's element count"));
-    }
-    let yr = RawTensor::from_parts(y.as_mut_ptr() as *mut c_void, T::DTYPE, x1.shape());
+    let yr = out_like(y, x1.shape(), "y", "x1")?;
     let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
     let call = prepare(
         &x1r,
@@ -244,7 +230,7 @@ struct AddSource<T> {
     x_sum: Option<Dst<T>>,
 }
 
-impl<T: LaneElem> FwdSource<T> for AddSource<T> {
+impl<T: Float> FwdSource<T> for AddSource<T> {
     #[inline(always)]
     fn copy_in<L: Lanes>(
         &self,
@@ -290,7 +276,7 @@ pub(crate) unsafe fn cpu(call: &AddRmsNormCall, isa: Isa, runner: &dyn Runner) {
     }
 }
 
-unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &AddRmsNormCall, runner: &dyn Runner) {
+unsafe fn run<L: Lanes, T: Float, G: Float>(call: &AddRmsNormCall, runner: &dyn Runner) {
     let o = FwdOut {
         gamma: &call.gamma,
         y: &call.y,

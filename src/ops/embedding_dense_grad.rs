@@ -41,9 +41,9 @@ pub(crate) use reference::reference;
 use core::ffi::c_void;
 
 use super::{launch, op_call, workspace_len, Exec};
-use crate::dtype::{DType, Element};
-use crate::error::{invalid, Error, Result};
-use crate::tensor::{no_overlap, RawTensor, TensorMut, TensorRef};
+use crate::dtype::{DType, Element, Float};
+use crate::error::{dtype_err, invalid, invalid_fmt, Error, Result};
+use crate::tensor::{no_overlap, RawTensor, Shape, TensorRef};
 use crate::tiling::{EmbeddingTiling, UbConfig};
 use crate::workspace::Src;
 
@@ -247,10 +247,18 @@ pub(crate) fn plan(
     let gc = grad.check("grad")?;
     let ic = indices.check("indices")?;
     if !grad.dtype.is_float() {
-        return Err(Error::DtypeUnsupported { arg: "grad" });
+        return Err(dtype_err!(
+            "grad",
+            "dtype {} is not f32, f16 or bf16",
+            grad.dtype
+        ));
     }
     if !matches!(indices.dtype, DType::I32 | DType::I64) {
-        return Err(Error::DtypeUnsupported { arg: "indices" });
+        return Err(dtype_err!(
+            "indices",
+            "dtype {} is not i32 or i64",
+            indices.dtype
+        ));
     }
     let dims = gc.shape.dims();
     let (&h, lead) = dims
@@ -259,9 +267,11 @@ pub(crate) fn plan(
     // Shape::new checked that the full product fits, so this one does too.
     let positions: usize = lead.iter().product();
     if ic.numel != positions {
-        return Err(invalid(
+        return Err(invalid_fmt!(
             "indices",
-            "numel(indices) * H must equal numel(grad)",
+            "{} elements, but grad {} has {positions} rows of H = {h}",
+            ic.numel,
+            gc.shape
         ));
     }
     let v = usize::try_from(num_weights)
@@ -274,7 +284,11 @@ pub(crate) fn plan(
         .filter(|&b| b <= isize::MAX as usize)
         .ok_or(Error::SizeOverflow { arg: "out" })?;
     if opts.vocab_start < 0 {
-        return Err(invalid("vocab_start", "must be >= 0"));
+        return Err(invalid_fmt!(
+            "vocab_start",
+            "{} is negative",
+            opts.vocab_start
+        ));
     }
     if opts.vocab_start.checked_add(v as i64).is_none() {
         return Err(invalid(
@@ -304,10 +318,21 @@ pub(crate) fn prepare(
     let ic = indices.check("indices")?;
     let oc = out.check("out")?;
     if !(out.dtype == grad.dtype || out.dtype == DType::F32) {
-        return Err(Error::DtypeUnsupported { arg: "out" });
+        return Err(dtype_err!(
+            "out",
+            "dtype {} is neither grad's ({}) nor f32",
+            out.dtype,
+            grad.dtype
+        ));
     }
     if oc.shape.dims() != [tiling.num_weights as usize, tiling.cols as usize] {
-        return Err(invalid("out", "shape must be [num_weights, H]"));
+        return Err(invalid_fmt!(
+            "out",
+            "shape {} is not [num_weights, H] = [{}, {}]",
+            oc.shape,
+            tiling.num_weights,
+            tiling.cols
+        ));
     }
     no_overlap(&oc, [&gc, &ic])?;
     let call = EmbeddingDenseGradCall {
@@ -358,9 +383,9 @@ unsafe fn first_out_of_range<I: IndexElem>(data: *mut c_void, n: usize, map: Row
 
 op_call!(EmbeddingDenseGradCall, embedding_dense_grad);
 
-/// Workspace bytes `embedding_dense_grad` needs for these shapes and options
-/// under `exec.ub` (sized for the worst case; no index value is read).
-pub fn embedding_dense_grad_workspace_size<G: Element, I: Element>(
+/// Workspace bytes `embedding_dense_grad` needs for these inputs under
+/// `exec.ub` (sized for the worst case; no index value is read).
+pub fn embedding_dense_grad_workspace_size<G: Float, I: Element>(
     exec: &Exec<'_>,
     grad: TensorRef<'_, G>,
     indices: TensorRef<'_, I>,
@@ -377,49 +402,58 @@ pub fn embedding_dense_grad_workspace_size<G: Element, I: Element>(
     workspace_len(t.workspace_bytes)
 }
 
-/// EmbeddingDenseGrad: writes (or, with `opts.accumulate`, adds) the gradient
-/// of a `[num_weights, H]` embedding table into `out`.
+/// EmbeddingDenseGrad: writes (or, with `opts.accumulate`, adds) the
+/// gradient of a `[num_weights, H]` embedding table into `out`
+/// (`num_weights * H` elements, row-major).
 ///
 /// `grad` is `[..., H]` (f32 | f16 | bf16), `indices` i32 | i64 with one
-/// element per gradient row, `out` `[num_weights, H]` of grad's dtype or f32;
-/// other element types fail with `DtypeUnsupported`. `workspace` must hold
+/// element per gradient row, `out` of grad's dtype or f32; other index
+/// types fail with `DtypeUnsupported`. `workspace` must hold
 /// `embedding_dense_grad_workspace_size` bytes. On error nothing is written.
 /// See the module docs for the exact arithmetic.
 ///
 /// ```
-/// use half::bf16;
 /// use npukern::*;
 ///
-/// let grad: Vec<bf16> = (0..4 * 2).map(|i| bf16::from_f32(i as f32)).collect();
-/// let indices = [2i64, 0, 2, 0];
-/// let (g, ix) = (
-///     TensorRef::new(&grad, &[4, 2]).unwrap(),
-///     TensorRef::new(&indices, &[4]).unwrap(),
-/// );
-/// let exec = Exec::cpu();
-/// let opts = EmbeddingGradOptions::default();
-/// let n = embedding_dense_grad_workspace_size(&exec, g, ix, 3, &opts).unwrap();
-/// let mut ws = vec![0u8; n];
-/// let mut table = vec![0f32; 3 * 2];
-/// let out = TensorMut::new(&mut table, &[3, 2]).unwrap();
-/// embedding_dense_grad(&exec, g, ix, 3, &opts, out, &mut ws).unwrap();
-/// assert_eq!(table, [2.0 + 6.0, 3.0 + 7.0, 0.0, 0.0, 0.0 + 4.0, 1.0 + 5.0]);
+/// fn main() -> Result<(), npukern::Error> {
+///     let grad: Vec<bf16> = (0..4 * 2).map(|i| bf16::from_f32(i as f32)).collect();
+///     let indices = [2i64, 0, 2, 0];
+///     let g = TensorRef::new(&grad, &[4, 2])?;
+///     let ix = TensorRef::new(&indices, &[4])?;
+///     let exec = Exec::cpu();
+///     let opts = EmbeddingGradOptions::default();
+///     let mut ws = vec![0u8; embedding_dense_grad_workspace_size(&exec, g, ix, 3, &opts)?];
+///     let mut table = vec![0f32; 3 * 2];
+///     embedding_dense_grad(&exec, g, ix, 3, &opts, &mut table, &mut ws)?;
+///     assert_eq!(table, [2.0 + 6.0, 3.0 + 7.0, 0.0, 0.0, 0.0 + 4.0, 1.0 + 5.0]);
+///     Ok(())
+/// }
 /// ```
-pub fn embedding_dense_grad<G: Element, I: Element, O: Element>(
+pub fn embedding_dense_grad<G: Float, I: Element, O: Float>(
     exec: &Exec<'_>,
     grad: TensorRef<'_, G>,
     indices: TensorRef<'_, I>,
     num_weights: usize,
     opts: &EmbeddingGradOptions,
-    mut out: TensorMut<'_, O>,
+    out: &mut [O],
     workspace: &mut [u8],
 ) -> Result<()> {
+    // A slice of the wrong length is described as 1-D, so the validation
+    // (inputs first) reports it as a shape that is not [num_weights, H].
+    let h = grad.shape().dims().last().copied().unwrap_or(0);
+    let o = match num_weights.checked_mul(h) {
+        Some(n) if n == out.len() => {
+            let shape = Shape::new_named(&[num_weights, h], "out")?;
+            RawTensor::from_parts(out.as_mut_ptr() as *mut c_void, O::DTYPE, &shape)
+        }
+        _ => RawTensor::flat(out.as_mut_ptr() as *mut c_void, O::DTYPE, out.len()),
+    };
     let call = prepare(
         &grad.raw(),
         &indices.raw(),
         num_weights as u64,
         opts,
-        &out.raw(),
+        &o,
         &exec.ub,
     )?;
     launch(

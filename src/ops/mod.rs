@@ -17,7 +17,9 @@ use crate::error::{Error, Result};
 use crate::tiling::UbConfig;
 use crate::workspace::Workspace;
 
-/// Where and how an operator runs: the tiling machine model and the backend.
+/// Where and how every operator runs: the tiling machine model (`ub`) and
+/// the backend (`Cpu` on a runner, `Reference`, or an adapter's). The
+/// gradient-health operators run where `Backend::grad_engine` says.
 #[derive(Clone, Copy)]
 pub struct Exec<'a> {
     /// Unified Buffer size and block count the plan is cut for.
@@ -32,6 +34,16 @@ impl Exec<'static> {
         Exec {
             ub: UbConfig::default(),
             backend: &CPU_SERIAL,
+        }
+    }
+}
+
+impl Exec<'static> {
+    /// The f64 reference model (`Reference`), default tiling.
+    pub fn reference() -> Self {
+        Exec {
+            ub: UbConfig::default(),
+            backend: &crate::backend::Reference,
         }
     }
 }

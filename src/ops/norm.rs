@@ -1,9 +1,9 @@
 //! What the three RMSNorm operators share: the x/gamma shape rule, the options,
 //! and the CPU kernel's CopyIn / CopyOut helpers.
 
-use crate::dtype::{gamma_dtype_ok, DType};
-use crate::error::{invalid, Error, Result};
-use crate::lanes::{LaneElem, Lanes, RowSum, GROUP};
+use crate::dtype::{gamma_dtype_ok, DType, Float};
+use crate::error::{dtype_err, invalid_fmt, Result};
+use crate::lanes::{Lanes, RowSum, GROUP};
 use crate::tensor::{Checked, RawTensor};
 
 /// How the forward output is rounded. Values are the C ABI's `npk_rounding`.
@@ -19,12 +19,14 @@ pub enum Rounding {
     CastBeforeGamma = 1,
 }
 
-/// Options of RmsNorm and AddRmsNorm (`npk_rms_norm_options`).
+/// Options of RmsNorm and AddRmsNorm (`npk_rms_norm_options`; the C ABI's
+/// `double eps` is converted to this f32 with the same checks).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RmsNormOptions {
-    /// Added to the mean square; finite and >= 0. Default 1e-6.
-    pub eps: f64,
-    /// Added to gamma (1.0 for Gemma's zero-centred weights). Default 0.0.
+    /// Added (as this f32) to the mean square; finite and >= 0. Default 1e-6.
+    pub eps: f32,
+    /// Added to gamma (1.0 for Gemma's zero-centred weights); finite.
+    /// Default 0.0.
     pub gamma_offset: f32,
     /// Where y is rounded. Default `Fused`.
     pub rounding: Rounding,
@@ -41,14 +43,18 @@ impl Default for RmsNormOptions {
 }
 
 impl RmsNormOptions {
-    /// eps as the f32 the kernels add (it must be finite and >= 0 as an f32 too).
+    /// Checks eps (finite, >= 0) and gamma_offset (finite); returns eps.
     pub(crate) fn eps_f32(&self) -> Result<f32> {
-        let e = self.eps as f32;
-        if self.eps.is_nan() || self.eps < 0.0 || !self.eps.is_finite() || !e.is_finite() {
-            return Err(invalid("eps", "must be finite and >= 0"));
+        let e = self.eps;
+        if !(e.is_finite() && e >= 0.0) {
+            return Err(invalid_fmt!("eps", "{e} is not finite and >= 0"));
         }
         if !self.gamma_offset.is_finite() {
-            return Err(invalid("gamma_offset", "must be finite"));
+            return Err(invalid_fmt!(
+                "gamma_offset",
+                "{} is not finite",
+                self.gamma_offset
+            ));
         }
         Ok(e)
     }
@@ -75,15 +81,29 @@ pub(crate) fn norm_dims(
     xname: &'static str,
 ) -> Result<NormDims> {
     if !x.dtype.is_float() {
-        return Err(Error::DtypeUnsupported { arg: xname });
+        return Err(dtype_err!(
+            xname,
+            "dtype {} is not f32, f16 or bf16",
+            x.dtype
+        ));
     }
     if !gamma_dtype_ok(x.dtype, gamma.dtype) {
-        return Err(Error::DtypeUnsupported { arg: "gamma" });
+        return Err(dtype_err!(
+            "gamma",
+            "dtype {} is neither {xname}'s ({}) nor f32",
+            gamma.dtype,
+            x.dtype
+        ));
     }
     let xd = xc.shape.dims();
     let gd = gc.shape.dims();
     if gd.len() > xd.len() || xd[xd.len() - gd.len()..] != *gd {
-        return Err(invalid("gamma", "shape must equal the trailing dims of x"));
+        return Err(invalid_fmt!(
+            "gamma",
+            "shape {} is not the trailing dims of {xname} {}",
+            gc.shape,
+            xc.shape
+        ));
     }
     let cols = gc.numel;
     let rows = xd[..xd.len() - gd.len()].iter().product::<usize>();
@@ -99,10 +119,22 @@ pub(crate) fn same_shape(
     name: &'static str,
 ) -> Result<()> {
     if t.dtype != dtype {
-        return Err(Error::DtypeUnsupported { arg: name });
+        return Err(dtype_err!(
+            name,
+            "dtype {} differs from {}'s {}",
+            t.dtype,
+            like.name,
+            dtype
+        ));
     }
     if tc.shape != like.shape {
-        return Err(invalid(name, "shape differs from the input's"));
+        return Err(invalid_fmt!(
+            name,
+            "shape {} differs from {}'s {}",
+            tc.shape,
+            like.name,
+            like.shape
+        ));
     }
     Ok(())
 }
@@ -110,12 +142,14 @@ pub(crate) fn same_shape(
 /// Checks an f32 per-row tensor (rstd): any shape with `rows` elements.
 pub(crate) fn rstd_check(t: &RawTensor, tc: &Checked, rows: usize) -> Result<()> {
     if t.dtype != DType::F32 {
-        return Err(Error::DtypeUnsupported { arg: "rstd" });
+        return Err(dtype_err!("rstd", "dtype {} is not f32", t.dtype));
     }
     if tc.numel != rows {
-        return Err(invalid(
+        return Err(invalid_fmt!(
             "rstd",
-            "element count must equal the number of rows",
+            "{} elements (shape {}) for {rows} rows",
+            tc.numel,
+            tc.shape
         ));
     }
     Ok(())
@@ -124,7 +158,7 @@ pub(crate) fn rstd_check(t: &RawTensor, tc: &Checked, rows: usize) -> Result<()>
 /// Widens `src` to f32, adds `offset`, and stores it in `dst` (padded with
 /// zeros to a multiple of 16).
 #[inline(always)]
-pub(crate) fn load_gamma<L: Lanes, G: LaneElem>(src: &[G], dst: &mut [f32], offset: f32) {
+pub(crate) fn load_gamma<L: Lanes, G: Float>(src: &[G], dst: &mut [f32], offset: f32) {
     crate::lanes::widen_into::<L, G>(src, dst);
     let off = L::splat(offset);
     let n = src.len();
@@ -142,7 +176,7 @@ pub(crate) fn load_gamma<L: Lanes, G: LaneElem>(src: &[G], dst: &mut [f32], offs
 /// partial group of a row. (A value, not a closure: kernels run inside a
 /// `#[target_feature]` context and must not depend on closure inlining.)
 #[inline(always)]
-pub(crate) fn store_tail<L: Lanes, T: LaneElem>(dst: &mut [T], v: L) {
+pub(crate) fn store_tail<L: Lanes, T: Float>(dst: &mut [T], v: L) {
     let mut tmp = [T::from_f32(0.0); GROUP];
     T::store(v, &mut tmp);
     let n = dst.len().min(GROUP);
@@ -151,7 +185,7 @@ pub(crate) fn store_tail<L: Lanes, T: LaneElem>(dst: &mut [T], v: L) {
 
 /// Loads group `i` of `src` widened (the last partial group zero-padded).
 #[inline(always)]
-pub(crate) fn load_group<L: Lanes, T: LaneElem>(src: &[T], i: usize) -> L {
+pub(crate) fn load_group<L: Lanes, T: Float>(src: &[T], i: usize) -> L {
     let start = i * GROUP;
     match src.get(start..start + GROUP) {
         Some(s) => {
@@ -169,7 +203,7 @@ pub(crate) fn load_group<L: Lanes, T: LaneElem>(src: &[T], i: usize) -> L {
 
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]
-pub(crate) fn round_to<L: Lanes, T: LaneElem>(v: L) -> L {
+pub(crate) fn round_to<L: Lanes, T: Float>(v: L) -> L {
     if T::DTYPE == DType::F32 {
         return v;
     }
@@ -191,7 +225,7 @@ pub(crate) fn arena_group<L: Lanes>(row: &[f32], i: usize) -> L {
 /// CopyIn with the optional fused reduction: widens `src` into `dst` (zero
 /// padded to a multiple of 16) and pushes each group's squares into `sum`.
 #[inline(always)]
-pub(crate) fn widen_sum_sq<L: Lanes, T: LaneElem>(
+pub(crate) fn widen_sum_sq<L: Lanes, T: Float>(
     src: &[T],
     dst: &mut [f32],
     sum: Option<&mut RowSum<L>>,

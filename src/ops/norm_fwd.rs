@@ -3,7 +3,8 @@
 //! a `FwdSource` supplies.
 
 use super::norm::{arena_group, load_gamma, round_to, store_tail, MAX_TILE_ROWS};
-use crate::lanes::{rstd_f32, LaneElem, Lanes, RowSum, GROUP};
+use crate::dtype::Float;
+use crate::lanes::{rstd_f32, Lanes, RowSum, GROUP};
 use core::ffi::c_void;
 
 use super::norm::Rounding;
@@ -62,7 +63,7 @@ pub(crate) struct FwdOut<'a> {
 /// # Safety
 /// The descriptors were validated by the operator's `prepare`, the workspace
 /// by its `launch`, and `L` is available on this CPU.
-pub(crate) unsafe fn run_forward<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>(
+pub(crate) unsafe fn run_forward<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
     src: S,
     o: &FwdOut<'_>,
     runner: &dyn Runner,
@@ -95,7 +96,7 @@ pub(crate) unsafe fn run_forward<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSourc
 
 /// `round?(v * rstd) * gamma`: the one place y's arithmetic is defined.
 #[inline(always)]
-fn y_of<L: Lanes, T: LaneElem>(v: L, rs: L, g: L, cast_before: bool) -> L {
+fn y_of<L: Lanes, T: Float>(v: L, rs: L, g: L, cast_before: bool) -> L {
     let mut h = v.mul(rs);
     if cast_before {
         h = round_to::<L, T>(h);
@@ -106,7 +107,7 @@ fn y_of<L: Lanes, T: LaneElem>(v: L, rs: L, g: L, cast_before: bool) -> L {
 /// y for one row (or chunk): `x` and `g` are f32 arena groups, `dst` the
 /// output; the last partial group goes through a temporary.
 #[inline(always)]
-fn write_y<L: Lanes, T: LaneElem>(x: &[f32], g: &[f32], rs: f32, cast_before: bool, dst: &mut [T]) {
+fn write_y<L: Lanes, T: Float>(x: &[f32], g: &[f32], rs: f32, cast_before: bool, dst: &mut [T]) {
     let vr = L::splat(rs);
     let (xg, _) = x.as_chunks::<GROUP>();
     let (gg, _) = g.as_chunks::<GROUP>();
@@ -124,7 +125,7 @@ fn write_y<L: Lanes, T: LaneElem>(x: &[f32], g: &[f32], rs: f32, cast_before: bo
 /// One block: CopyIn rows (merge-N) or column chunks (split-D) to the arena as
 /// f32, reduce in the fixed pattern, compute, round and CopyOut.
 #[inline(always)]
-pub(crate) fn forward_block<L: Lanes, T: LaneElem, G: LaneElem, S: FwdSource<T>>(
+pub(crate) fn forward_block<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
     c: &FwdCtx<T, G, S>,
     b: usize,
 ) {

@@ -6,10 +6,10 @@ use super::norm::{norm_dims, rstd_check, same_shape, widen_sum_sq, RmsNormOption
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
-use crate::error::{invalid, Result};
-use crate::lanes::{sqrt_f64, Isa, LaneElem, Lanes, RowSum};
+use crate::error::Result;
+use crate::lanes::{sqrt_f64, Isa, Lanes, RowSum};
 use crate::runner::Runner;
-use crate::tensor::{no_overlap, RawTensor, TensorRef};
+use crate::tensor::{no_overlap, out_like, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
 use crate::workspace::{Dst, Src};
 
@@ -96,7 +96,7 @@ pub(crate) fn prepare(
 op_call!(RmsNormCall, rms_norm);
 
 /// Workspace bytes `rms_norm` needs for these inputs under `exec.ub`.
-pub fn rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
+pub fn rms_norm_workspace_size<T: Float, G: Float>(
     exec: &Exec<'_>,
     x: TensorRef<'_, T>,
     gamma: TensorRef<'_, G>,
@@ -106,11 +106,13 @@ pub fn rms_norm_workspace_size<T: LaneElem, G: LaneElem>(
     workspace_len(t.workspace_bytes)
 }
 
-/// RmsNorm over the trailing dims of `x` that `gamma` covers.
+/// RmsNorm over the trailing dims of `x` that `gamma` covers (gamma: x's
+/// dtype or f32).
 ///
-/// `y` has x's element count; `rstd`, if given, one f32 per row. `workspace`
-/// must hold `rms_norm_workspace_size` bytes. On error nothing is written.
-pub fn rms_norm<T: LaneElem, G: LaneElem>(
+/// Outputs: `y` (x's shape and dtype), `rstd` if given (f32, one per row).
+/// `workspace` must hold `rms_norm_workspace_size` bytes. On error nothing
+/// is written.
+pub fn rms_norm<T: Float, G: Float>(
     exec: &Exec<'_>,
     x: TensorRef<'_, T>,
     gamma: TensorRef<'_, G>,
@@ -119,10 +121,7 @@ pub fn rms_norm<T: LaneElem, G: LaneElem>(
     rstd: Option<&mut [f32]>,
     workspace: &mut [u8],
 ) -> Result<()> {
-    if y.len() != x.data().len() {
-        return Err(invalid("y", "length differs from x's element count"));
-    }
-    let yr = RawTensor::from_parts(y.as_mut_ptr() as *mut c_void, T::DTYPE, x.shape());
+    let yr = out_like(y, x.shape(), "y", "x")?;
     let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
     let call = prepare(&x.raw(), &gamma.raw(), opts, &yr, rr.as_ref(), &exec.ub)?;
     launch(
@@ -136,7 +135,7 @@ pub fn rms_norm<T: LaneElem, G: LaneElem>(
 /// RmsNorm's CopyIn: widen x.
 struct XSource<T>(Src<T>);
 
-impl<T: LaneElem> FwdSource<T> for XSource<T> {
+impl<T: Float> FwdSource<T> for XSource<T> {
     #[inline(always)]
     fn copy_in<L: Lanes>(
         &self,
@@ -162,7 +161,7 @@ pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Isa, runner: &dyn Runner) {
     }
 }
 
-unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormCall, runner: &dyn Runner) {
+unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormCall, runner: &dyn Runner) {
     let o = FwdOut {
         gamma: &call.gamma,
         y: &call.y,

@@ -11,10 +11,10 @@ use super::norm::{
 };
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
-use crate::error::{invalid, Error, Result};
-use crate::lanes::{widen_into, Isa, LaneElem, Lanes, RowSum, GROUP};
+use crate::error::{dtype_err, invalid, invalid_fmt, Result};
+use crate::lanes::{widen_into, Isa, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
-use crate::tensor::{no_overlap, Checked, RawTensor, TensorRef};
+use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
 use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
@@ -94,7 +94,11 @@ pub(crate) fn plan(
     same_shape(dy, &dyc, &xc, x.dtype, "dy")?;
     rstd_check(rstd, &rc, d.rows)?;
     if !opts.gamma_offset.is_finite() {
-        return Err(invalid("gamma_offset", "must be finite"));
+        return Err(invalid_fmt!(
+            "gamma_offset",
+            "{} is not finite",
+            opts.gamma_offset
+        ));
     }
     NormTiling::new(d.rows, d.cols, 2, true, ub)
 }
@@ -144,10 +148,15 @@ pub(crate) fn prepare(
     if let Some(g) = dgamma {
         let c = g.check("dgamma")?;
         if g.dtype != DType::F32 {
-            return Err(Error::DtypeUnsupported { arg: "dgamma" });
+            return Err(dtype_err!("dgamma", "dtype {} is not f32", g.dtype));
         }
         if c.shape != gc.shape {
-            return Err(invalid("dgamma", "shape must equal gamma's"));
+            return Err(invalid_fmt!(
+                "dgamma",
+                "shape {} differs from gamma's {}",
+                c.shape,
+                gc.shape
+            ));
         }
         no_overlap(&c, ins.iter())?;
         for o in &outs[..n_outs] {
@@ -161,10 +170,20 @@ pub(crate) fn prepare(
     if let Some(g) = dgamma_cast {
         let c = g.check("dgamma_cast")?;
         if g.dtype != gamma.dtype {
-            return Err(Error::DtypeUnsupported { arg: "dgamma_cast" });
+            return Err(dtype_err!(
+                "dgamma_cast",
+                "dtype {} differs from gamma's {}",
+                g.dtype,
+                gamma.dtype
+            ));
         }
         if c.shape != gc.shape {
-            return Err(invalid("dgamma_cast", "shape must equal gamma's"));
+            return Err(invalid_fmt!(
+                "dgamma_cast",
+                "shape {} differs from gamma's {}",
+                c.shape,
+                gc.shape
+            ));
         }
         no_overlap(&c, ins.iter())?;
         for o in &outs[..n_outs] {
@@ -201,15 +220,26 @@ pub(crate) fn prepare(
 
 op_call!(RmsNormGradCall, rms_norm_grad);
 
-/// Workspace bytes `rms_norm_grad` needs (per-block arenas and dgamma partials).
-pub fn rms_norm_grad_workspace_size<T: LaneElem, G: LaneElem>(
+/// Workspace bytes `rms_norm_grad` (and `rms_norm_grad_in_place`) needs
+/// for these inputs under `exec.ub`: per-block arenas and dgamma partials.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_grad_workspace_size<T: Float, G: Float>(
     exec: &Exec<'_>,
     dy: TensorRef<'_, T>,
     x: TensorRef<'_, T>,
     rstd: TensorRef<'_, f32>,
     gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
     opts: &RmsNormGradOptions,
 ) -> Result<usize> {
+    if let Some(d) = dres.filter(|d| d.shape() != x.shape()) {
+        return Err(invalid_fmt!(
+            "dres",
+            "shape {} differs from x's {}",
+            d.shape(),
+            x.shape()
+        ));
+    }
     let t = plan(
         &dy.raw(),
         &x.raw(),
@@ -221,87 +251,50 @@ pub fn rms_norm_grad_workspace_size<T: LaneElem, G: LaneElem>(
     workspace_len(t.workspace_bytes)
 }
 
-/// The outputs of `rms_norm_grad`.
-#[derive(Debug)]
-pub struct RmsNormGradOutputs<'a, T, G> {
-    /// Input gradient, x's element count; `None` writes it over `dy` (see
-    /// `rms_norm_grad_in_place`).
-    pub dx: &'a mut [T],
-    /// f32 gamma gradient, gamma's element count.
-    pub dgamma: Option<&'a mut [f32]>,
-    /// The gamma gradient rounded to gamma's dtype.
-    pub dgamma_cast: Option<&'a mut [G]>,
-}
-
-fn like_gamma<T: LaneElem, G: LaneElem>(
-    s: &mut [T],
-    gamma: &TensorRef<'_, G>,
-    name: &'static str,
-) -> Result<RawTensor> {
-    if s.len() != gamma.data().len() {
-        return Err(invalid(name, "length differs from gamma's element count"));
-    }
-    Ok(RawTensor::from_parts(
-        s.as_mut_ptr() as *mut c_void,
-        T::DTYPE,
-        gamma.shape(),
-    ))
-}
-
-/// RmsNormGrad. `rstd` is the forward's (one f32 per row); `dres`, if given,
-/// is added to dx. On error nothing is written.
+/// RmsNormGrad. `rstd` is the forward's (f32, one per row, any shape with
+/// that many elements); `dres`, if given, is added to dx. Outputs: `dx`
+/// (x's shape), `dgamma` (f32, gamma's shape; with
+/// `DgammaMode::Accumulate` its old value is added), `dgamma_cast` (gamma's
+/// dtype and shape). `workspace` must hold `rms_norm_grad_workspace_size`
+/// bytes. On error nothing is written.
 #[allow(clippy::too_many_arguments)]
-pub fn rms_norm_grad<T: LaneElem, G: LaneElem>(
+pub fn rms_norm_grad<T: Float, G: Float>(
     exec: &Exec<'_>,
     dy: TensorRef<'_, T>,
     x: TensorRef<'_, T>,
-    rstd: &[f32],
+    rstd: TensorRef<'_, f32>,
     gamma: TensorRef<'_, G>,
     dres: Option<TensorRef<'_, T>>,
     opts: &RmsNormGradOptions,
-    out: RmsNormGradOutputs<'_, T, G>,
+    dx: &mut [T],
+    dgamma: Option<&mut [f32]>,
+    dgamma_cast: Option<&mut [G]>,
     workspace: &mut [u8],
 ) -> Result<()> {
-    if out.dx.len() != x.data().len() {
-        return Err(invalid("dx", "length differs from x's element count"));
-    }
-    let dxr = RawTensor::from_parts(out.dx.as_mut_ptr() as *mut c_void, T::DTYPE, x.shape());
-    let rr = RawTensor::flat(rstd.as_ptr() as *mut c_void, DType::F32, rstd.len());
-    let dg = match out.dgamma {
-        Some(s) => Some(like_gamma(s, &gamma, "dgamma")?),
-        None => None,
-    };
-    let dgc = match out.dgamma_cast {
-        Some(s) => Some(like_gamma(s, &gamma, "dgamma_cast")?),
-        None => None,
-    };
-    let call = prepare(
-        &dy.raw(),
-        &x.raw(),
-        &rr,
-        &gamma.raw(),
-        dres.map(|d| d.raw()).as_ref(),
-        opts,
-        &dxr,
-        dg.as_ref(),
-        dgc.as_ref(),
-        &exec.ub,
-    )?;
-    launch(
+    let dxr = out_like(dx, x.shape(), "dx", "x")?;
+    grad_with(
         exec,
-        call,
-        workspace.as_mut_ptr() as *mut c_void,
-        workspace.len(),
+        &dy.raw(),
+        dxr,
+        x,
+        rstd,
+        gamma,
+        dres,
+        opts,
+        dgamma,
+        dgamma_cast,
+        workspace,
     )
 }
 
-/// RmsNormGrad writing dx over `dy` (x's element count).
+/// RmsNormGrad writing dx over `dy_dx` (which holds dy on entry); otherwise
+/// as `rms_norm_grad`, with the same workspace size.
 #[allow(clippy::too_many_arguments)]
-pub fn rms_norm_grad_in_place<T: LaneElem, G: LaneElem>(
+pub fn rms_norm_grad_in_place<T: Float, G: Float>(
     exec: &Exec<'_>,
-    dy_dx: &mut [T],
+    mut dy_dx: TensorMut<'_, T>,
     x: TensorRef<'_, T>,
-    rstd: &[f32],
+    rstd: TensorRef<'_, f32>,
     gamma: TensorRef<'_, G>,
     dres: Option<TensorRef<'_, T>>,
     opts: &RmsNormGradOptions,
@@ -309,27 +302,52 @@ pub fn rms_norm_grad_in_place<T: LaneElem, G: LaneElem>(
     dgamma_cast: Option<&mut [G]>,
     workspace: &mut [u8],
 ) -> Result<()> {
-    if dy_dx.len() != x.data().len() {
-        return Err(invalid("dy", "length differs from x's element count"));
-    }
-    let d = RawTensor::from_parts(dy_dx.as_mut_ptr() as *mut c_void, T::DTYPE, x.shape());
-    let rr = RawTensor::flat(rstd.as_ptr() as *mut c_void, DType::F32, rstd.len());
+    let d = dy_dx.raw();
+    grad_with(
+        exec,
+        &d,
+        d,
+        x,
+        rstd,
+        gamma,
+        dres,
+        opts,
+        dgamma,
+        dgamma_cast,
+        workspace,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn grad_with<T: Float, G: Float>(
+    exec: &Exec<'_>,
+    dy: &RawTensor,
+    dx: RawTensor,
+    x: TensorRef<'_, T>,
+    rstd: TensorRef<'_, f32>,
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+    dgamma: Option<&mut [f32]>,
+    dgamma_cast: Option<&mut [G]>,
+    workspace: &mut [u8],
+) -> Result<()> {
     let dg = match dgamma {
-        Some(s) => Some(like_gamma(s, &gamma, "dgamma")?),
+        Some(s) => Some(out_like(s, gamma.shape(), "dgamma", "gamma")?),
         None => None,
     };
     let dgc = match dgamma_cast {
-        Some(s) => Some(like_gamma(s, &gamma, "dgamma_cast")?),
+        Some(s) => Some(out_like(s, gamma.shape(), "dgamma_cast", "gamma")?),
         None => None,
     };
     let call = prepare(
-        &d,
+        dy,
         &x.raw(),
-        &rr,
+        &rstd.raw(),
         &gamma.raw(),
         dres.map(|v| v.raw()).as_ref(),
         opts,
-        &d,
+        &dx,
         dg.as_ref(),
         dgc.as_ref(),
         &exec.ub,
@@ -370,7 +388,7 @@ pub(crate) unsafe fn cpu(call: &RmsNormGradCall, isa: Isa, runner: &dyn Runner) 
 /// Columns per task of the final dgamma reduction (a multiple of 16).
 const REDUCE_COLS: usize = 1024;
 
-unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner: &dyn Runner) {
+unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormGradCall, runner: &dyn Runner) {
     let Ok(ws) = Workspace::new(
         call.workspace,
         call.workspace_bytes,
@@ -420,7 +438,7 @@ unsafe fn run<L: Lanes, T: LaneElem, G: LaneElem>(call: &RmsNormGradCall, runner
 
 /// dgamma for columns of one task: block partials summed in block order.
 #[inline(always)]
-fn reduce_dgamma<L: Lanes, G: LaneElem>(
+fn reduce_dgamma<L: Lanes, G: Float>(
     t: &NormTiling,
     ws: &Workspace,
     task: usize,
@@ -465,7 +483,7 @@ fn reduce_dgamma<L: Lanes, G: LaneElem>(
 /// Split-D CopyIn of one chunk: gamma (+ offset), dy and x at column `k` of row `r`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn load_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
+fn load_chunk<L: Lanes, T: Float, G: Float>(
     c: &Ctx<T, G>,
     r: usize,
     k: usize,
@@ -488,7 +506,7 @@ fn load_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
 /// operations, in the same order, as `reduce_chunk` on the arena rows).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn widen_reduce<L: Lanes, T: LaneElem>(
+fn widen_reduce<L: Lanes, T: Float>(
     dy: &[T],
     x: &[T],
     dyt: &mut [f32],
@@ -552,7 +570,7 @@ fn dx_group<L: Lanes>(dy: &[f32], x: &[f32], g: &[f32], gi: usize, rs: L, cc: L)
 /// and the chunk's `dy * xh` added into the block's dgamma partial.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn emit_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
+fn emit_chunk<L: Lanes, T: Float, G: Float>(
     c: &Ctx<T, G>,
     r: usize,
     k: usize,
@@ -604,7 +622,7 @@ fn emit_chunk<L: Lanes, T: LaneElem, G: LaneElem>(
 
 /// One block: dx for its rows, and its dgamma partial (rows in order).
 #[inline(always)]
-fn block<L: Lanes, T: LaneElem, G: LaneElem>(c: &Ctx<T, G>, b: usize) {
+fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
     let t = &c.t;
     let n = t.cols as usize;
     let np = t.cols_padded as usize;

@@ -106,7 +106,7 @@ pub fn rows_of(xs: &[usize], gs: &[usize]) -> usize {
     xs[..xs.len() - gs.len()].iter().product()
 }
 
-pub fn run_rms_norm<T: LaneElemPub, G: LaneElemPub>(
+pub fn run_rms_norm<T: Float, G: Float>(
     exec: &Exec<'_>,
     x: &[T],
     xs: &[usize],
@@ -127,7 +127,7 @@ pub fn run_rms_norm<T: LaneElemPub, G: LaneElemPub>(
     }
 }
 
-pub fn run_add_rms_norm<T: LaneElemPub, G: LaneElemPub>(
+pub fn run_add_rms_norm<T: Float, G: Float>(
     exec: &Exec<'_>,
     x1: &[T],
     x2: &[T],
@@ -168,7 +168,7 @@ pub struct Bwd<T, G> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn run_grad<T: LaneElemPub, G: LaneElemPub>(
+pub fn run_grad<T: Float, G: Float>(
     exec: &Exec<'_>,
     dy: &[T],
     x: &[T],
@@ -186,24 +186,23 @@ pub fn run_grad<T: LaneElemPub, G: LaneElemPub>(
     );
     let rt = TensorRef::new(rstd, &[rstd.len()]).unwrap();
     let gt = TensorRef::new(g, gs).unwrap();
-    let mut ws = vec![0u8; rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, opts).unwrap()];
+    let dres = dres.map(|d| TensorRef::new(d, xs).unwrap());
+    let mut ws =
+        vec![0u8; rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, dres, opts).unwrap()];
     let mut dx = vec![T::from_f64(0.0); x.len()];
     let mut dgamma = dgamma_init.unwrap_or_else(|| vec![f32::NAN; g.len()]);
     let mut dgc = vec![G::from_f64(0.0); g.len()];
-    let dres = dres.map(|d| TensorRef::new(d, xs).unwrap());
     rms_norm_grad(
         exec,
         dyt,
         xt,
-        rstd,
+        rt,
         gt,
         dres,
         opts,
-        RmsNormGradOutputs {
-            dx: &mut dx,
-            dgamma: Some(&mut dgamma),
-            dgamma_cast: Some(&mut dgc),
-        },
+        &mut dx,
+        Some(&mut dgamma),
+        Some(&mut dgc),
         &mut ws,
     )
     .unwrap();
@@ -214,12 +213,8 @@ pub fn run_grad<T: LaneElemPub, G: LaneElemPub>(
     }
 }
 
-/// The element types the lanes load and store (re-exported for tests).
-pub use npukern::lanes::LaneElem as LaneElemPub;
-
 pub fn reference() -> Exec<'static> {
-    static R: Reference = Reference;
-    Exec::new(&R)
+    Exec::reference()
 }
 
 /// One ulp of T at |v| (the spacing above |v| rounded to T).

@@ -5,7 +5,8 @@
 use core::ffi::c_void;
 
 use super::{dispatch_go, dispatch_index, EmbeddingDenseGradCall, IndexElem, RowMap};
-use crate::lanes::{widen_into, Isa, LaneElem, Lanes, GROUP};
+use crate::dtype::Float;
+use crate::lanes::{widen_into, Isa, Lanes, GROUP};
 use crate::ops::dispatch_isa;
 use crate::runner::Runner;
 use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
@@ -148,7 +149,7 @@ struct Ctx<'a, G, O> {
 
 /// # Safety
 /// As for `cpu`; `sorted` is the counting sort of this call's indices.
-unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
+unsafe fn run<L: Lanes, G: Float, O: Float>(
     call: &EmbeddingDenseGradCall,
     sorted: Sorted<'_>,
     ws: Workspace,
@@ -181,7 +182,7 @@ unsafe fn run<L: Lanes, G: LaneElem, O: LaneElem>(
 }
 
 #[inline(always)]
-fn block<L: Lanes, G: LaneElem, O: LaneElem>(c: &Ctx<'_, G, O>, b: usize) {
+fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
     let (r0, r1) = c.sorted.block_rows(c.blocks, b);
     let h = c.cols;
     let claim = c.slots.claim(b);
@@ -253,7 +254,7 @@ const BATCH: usize = 8;
 /// whole groups and in scalar f32 for the tail (the same IEEE additions in
 /// the same order, so the same bits). Every `srcs[k]` has the same length.
 #[inline(always)]
-fn add_rows<L: Lanes, T: LaneElem>(srcs: &[&[T]], tile: &mut [f32]) {
+fn add_rows<L: Lanes, T: Float>(srcs: &[&[T]], tile: &mut [f32]) {
     let Some(len) = srcs.first().map(|s| s.len()) else {
         return;
     };
@@ -281,7 +282,7 @@ fn add_rows<L: Lanes, T: LaneElem>(srcs: &[&[T]], tile: &mut [f32]) {
 /// Applies the scale (`sum / count`) and the accumulation (`sum + old`) and
 /// rounds once into `out`.
 #[inline(always)]
-fn finish<L: Lanes, O: LaneElem>(
+fn finish<L: Lanes, O: Float>(
     tile: &[f32],
     out: &mut [O],
     count: usize,

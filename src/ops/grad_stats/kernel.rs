@@ -33,8 +33,8 @@
 use super::minmax::MinMax;
 use super::plan::{GradTiling, Partial, Seg};
 use super::GradSummary;
-use crate::dtype::DType;
-use crate::lanes::{LaneElem, Lanes, GROUP};
+use crate::dtype::{DType, Float};
+use crate::lanes::{Lanes, GROUP};
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
 
@@ -127,7 +127,7 @@ fn masked(acc: &mut Acc, v: &[f32]) {
 
 /// One group: its squares into `s`, its values into `w`.
 #[inline(always)]
-fn step<L: Lanes, T: LaneElem>(s: &mut L, w: &mut MinMax, v: &mut [f32; GROUP], g: &[T; GROUP]) {
+fn step<L: Lanes, T: Float>(s: &mut L, w: &mut MinMax, v: &mut [f32; GROUP], g: &[T; GROUP]) {
     let x = T::load::<L>(g);
     *s = s.add(x.mul(x));
     x.store(v);
@@ -139,7 +139,7 @@ fn step<L: Lanes, T: LaneElem>(s: &mut L, w: &mut MinMax, v: &mut [f32; GROUP], 
 /// then `(s0 + s1) + (s2 + s3)`: at most 8 + 2 additions per lane), min/max
 /// at the ISA's width (`MinMax`).
 #[inline(always)]
-fn window<L: Lanes, T: LaneElem>(acc: &mut Acc, win: &[[T; GROUP]]) {
+fn window<L: Lanes, T: Float>(acc: &mut Acc, win: &[[T; GROUP]]) {
     let z = L::splat(0.0);
     let mut s = [z; ACCS];
     let mut w = MinMax::new();
@@ -169,7 +169,7 @@ fn window<L: Lanes, T: LaneElem>(acc: &mut Acc, win: &[[T; GROUP]]) {
 }
 
 #[inline(always)]
-fn seg_stats<L: Lanes, T: LaneElem>(x: &[T], acc: &mut Acc) {
+fn seg_stats<L: Lanes, T: Float>(x: &[T], acc: &mut Acc) {
     let (groups, tail) = x.as_chunks::<GROUP>();
     for win in groups.chunks(WINDOW_GROUPS) {
         window::<L, T>(acc, win);
@@ -234,7 +234,7 @@ pub(crate) unsafe fn block_stats<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usiz
 }
 
 #[inline(always)]
-fn seg_scale<L: Lanes, T: LaneElem>(x: &mut [T], c: f32) {
+fn seg_scale<L: Lanes, T: Float>(x: &mut [T], c: f32) {
     let vc = L::splat(c);
     let (groups, tail) = x.as_chunks_mut::<GROUP>();
     for g in groups {

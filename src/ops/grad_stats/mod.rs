@@ -55,10 +55,11 @@
 //!   negative or NaN `max_norm` and silently flips or poisons every gradient.
 //!   `+Inf` is accepted (compute the norm, never clip).
 //!
-//! # Why not `Backend`
-//! c-api.md's foreign table has no entry for these operators, so they do not
-//! go through the `Backend` trait: a `GradExec` names the `Runner` (and ISA)
-//! directly, or selects the f64 reference model.
+//! # Where they run
+//! The C ABI's foreign table has no entry for these operators, so no `*Call`
+//! is dispatched: the `Exec`'s backend names, through
+//! `Backend::grad_engine`, the `Runner` and ISA of the CPU kernels (`Cpu`),
+//! or the f64 reference model (`Reference`).
 //!
 //! # Validation
 //! Everything is checked before anything is written: dtypes (i32/i64 are
@@ -76,13 +77,14 @@ mod types;
 use core::ffi::c_void;
 
 pub use plan::{GradTiling, GRAD_MIN_BLOCK_ELEMS};
-pub use types::{GradEngine, GradExec, GradSummary, GradTensor, GradTensorMut};
+pub use types::{ClipGradNormOptions, GradSummary, GradTensor, GradTensorMut};
 
 #[cfg_attr(not(feature = "capi"), allow(unused_imports))] // for the C ABI
 pub(crate) use plan::{first_bad, plan_of, GradSource, ARG};
 use plan::{Partial, RawList, RoList, RwList, Seg};
 
-use super::dispatch_isa;
+use super::{dispatch_isa, Exec};
+use crate::backend::GradEngine;
 use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
 use crate::lanes::{detect, Isa, Lanes};
@@ -100,22 +102,24 @@ pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f32 {
 
 /// Workspace bytes `grad_stats` needs for these tensors under `exec.ub`
 /// (depends on the number of non-empty tensors and the element count only).
-pub fn grad_stats_workspace_size(exec: &GradExec<'_>, tensors: &[GradTensor<'_>]) -> Result<usize> {
+pub fn grad_stats_workspace_size(exec: &Exec<'_>, tensors: &[GradTensor<'_>]) -> Result<usize> {
     bytes_of(plan_of(&mut RoList(tensors), &exec.ub)?)
 }
 
 /// Workspace bytes `clip_grad_norm` needs: the same as `grad_stats` for the
-/// same tensors.
+/// same tensors (`opts` is validated here too).
 pub fn clip_grad_norm_workspace_size(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     tensors: &[GradTensorMut<'_>],
+    opts: &ClipGradNormOptions,
 ) -> Result<usize> {
+    opts.check()?;
     bytes_of(plan_of(&mut ShapeList(tensors), &exec.ub)?)
 }
 
 /// `grad_stats_workspace_size` for C-style descriptors (validates them; the
 /// data pointers are not dereferenced).
-pub fn grad_stats_workspace_size_raw(exec: &GradExec<'_>, tensors: &[RawTensor]) -> Result<usize> {
+pub fn grad_stats_workspace_size_raw(exec: &Exec<'_>, tensors: &[RawTensor]) -> Result<usize> {
     bytes_of(plan_of(&mut RawList(tensors), &exec.ub)?)
 }
 
@@ -123,7 +127,7 @@ pub fn grad_stats_workspace_size_raw(exec: &GradExec<'_>, tensors: &[RawTensor])
 /// every tensor, in one read of the data. `workspace` must hold
 /// `grad_stats_workspace_size` bytes (any alignment).
 pub fn grad_stats(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     tensors: &[GradTensor<'_>],
     workspace: &mut [u8],
 ) -> Result<GradSummary> {
@@ -134,27 +138,18 @@ pub fn grad_stats(
 /// `torch.nn.utils.clip_grad_norm_` (L2): returns the total norm of all
 /// tensors and scales them in place by `min(1, max_norm / (norm + 1e-6))`
 /// (see the module docs for NaN/Inf and rounding). With
-/// `error_if_nonfinite` and a NaN/Inf present it returns
+/// `opts.error_if_nonfinite` and a NaN/Inf present it returns
 /// `Error::NonFinite` and changes nothing. `workspace` must hold
 /// `clip_grad_norm_workspace_size` bytes.
 pub fn clip_grad_norm(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     tensors: &mut [GradTensorMut<'_>],
-    max_norm: f64,
-    error_if_nonfinite: bool,
+    opts: &ClipGradNormOptions,
     workspace: &mut [u8],
 ) -> Result<f64> {
     let ws = workspace.as_mut_ptr() as *mut c_void;
     let n = workspace.len();
-    clip_with(
-        exec,
-        &mut RwList(tensors),
-        max_norm,
-        error_if_nonfinite,
-        ws,
-        n,
-        None,
-    )
+    clip_with(exec, &mut RwList(tensors), opts, ws, n, None)
 }
 
 /// `grad_stats` over C-style descriptors (what `npk_grad_stats` runs).
@@ -166,7 +161,7 @@ pub fn clip_grad_norm(
 /// descriptors themselves are validated (rank, dims, dtype, NULL data,
 /// alignment, overflow, workspace overlap).
 pub unsafe fn grad_stats_raw(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     tensors: &[RawTensor],
     workspace: *mut c_void,
     workspace_bytes: usize,
@@ -186,23 +181,14 @@ pub unsafe fn grad_stats_raw(
 /// As for `grad_stats_raw`, and every non-empty tensor must be valid for
 /// writes. Overlapping tensors are detected and rejected.
 pub unsafe fn clip_grad_norm_raw(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     tensors: &[RawTensor],
-    max_norm: f64,
-    error_if_nonfinite: bool,
+    opts: &ClipGradNormOptions,
     workspace: *mut c_void,
     workspace_bytes: usize,
 ) -> Result<f64> {
     let mut l = RawList(tensors);
-    clip_with(
-        exec,
-        &mut l,
-        max_norm,
-        error_if_nonfinite,
-        workspace,
-        workspace_bytes,
-        None,
-    )
+    clip_with(exec, &mut l, opts, workspace, workspace_bytes, None)
 }
 
 /// Read-only view of a mutable list, for sizing only.
@@ -248,7 +234,7 @@ struct Prepared {
 /// Validates everything, then writes the segment table into the workspace.
 /// `writes`: the tensors are outputs too (clip), so they must not overlap.
 fn prepare<S: GradSource>(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     src: &mut S,
     ws: *mut c_void,
     bytes: usize,
@@ -256,9 +242,9 @@ fn prepare<S: GradSource>(
     out: Option<OutRange>,
 ) -> Result<Prepared> {
     let t = plan_of(src, &exec.ub)?;
-    let isa = match exec.engine {
-        types::GradEngine::Cpu => Some(detect::resolve(exec.isa)?),
-        types::GradEngine::Reference => None,
+    let isa = match exec.backend.grad_engine() {
+        GradEngine::Cpu { isa, .. } => Some(detect::resolve(isa)?),
+        GradEngine::Reference => None,
     };
     let needed = bytes_of(t)?;
     let w = Workspace::new(ws, bytes, t.workspace_bytes)?;
@@ -348,7 +334,7 @@ fn prepare<S: GradSource>(
 }
 
 pub(crate) fn stats_with<S: GradSource>(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     src: &mut S,
     ws: *mut c_void,
     bytes: usize,
@@ -359,28 +345,26 @@ pub(crate) fn stats_with<S: GradSource>(
         // SAFETY: `src` was validated by `prepare`.
         None => Ok(unsafe { reference::stats(src) }),
         // SAFETY: `p` was built by `prepare`.
-        Some(isa) => Ok(unsafe { run_stats(&p, isa, exec.runner) }),
+        Some(isa) => Ok(unsafe { run_stats(&p, isa, runner_of(exec)) }),
     }
 }
 
 pub(crate) fn clip_with<S: GradSource>(
-    exec: &GradExec<'_>,
+    exec: &Exec<'_>,
     src: &mut S,
-    max_norm: f64,
-    error_if_nonfinite: bool,
+    opts: &ClipGradNormOptions,
     ws: *mut c_void,
     bytes: usize,
     out: Option<OutRange>,
 ) -> Result<f64> {
-    if max_norm.is_nan() || max_norm < 0.0 {
-        return Err(invalid("max_norm", "must be >= 0 and not NaN"));
-    }
+    opts.check()?;
+    let (max_norm, error_if_nonfinite) = (opts.max_norm, opts.error_if_nonfinite);
     let p = prepare(exec, src, ws, bytes, true, out)?;
     let s = match p.isa {
         // SAFETY: `src` was validated by `prepare`.
         None => unsafe { reference::stats(src) },
         // SAFETY: `p` was built by `prepare`.
-        Some(isa) => unsafe { run_stats(&p, isa, exec.runner) },
+        Some(isa) => unsafe { run_stats(&p, isa, runner_of(exec)) },
     };
     if error_if_nonfinite && !s.is_finite() {
         return Err(Error::NonFinite);
@@ -393,9 +377,17 @@ pub(crate) fn clip_with<S: GradSource>(
         // Multiplying by exactly 1.0 changes no bit here (see module docs).
         Some(_) if c == 1.0 => {}
         // SAFETY: as above.
-        Some(isa) => unsafe { run_scale(&p, isa, exec.runner, c) },
+        Some(isa) => unsafe { run_scale(&p, isa, runner_of(exec), c) },
     }
     Ok(norm)
+}
+
+/// The runner of the exec's CPU engine (the reference model runs serially).
+fn runner_of<'a>(exec: &'a Exec<'_>) -> &'a dyn Runner {
+    match exec.backend.grad_engine() {
+        GradEngine::Cpu { runner, .. } => runner,
+        GradEngine::Reference => &crate::runner::Serial,
+    }
 }
 
 /// # Safety

@@ -160,10 +160,10 @@ impl GradSource for RoList<'_, '_> {
         self.0.len()
     }
     fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        let t = self.0.get(i).ok_or(Error::InvalidParam {
-            arg: ARG,
-            reason: "index past the list",
-        })?;
+        let t = self
+            .0
+            .get(i)
+            .ok_or(crate::error::invalid(ARG, "index past the list"))?;
         // Read-only pointers: the stats kernel never writes through them.
         let p = match t {
             GradTensor::F32(s) => s.as_ptr() as *mut c_void,
@@ -179,10 +179,10 @@ impl GradSource for RwList<'_, '_> {
         self.0.len()
     }
     fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        let t = self.0.get_mut(i).ok_or(Error::InvalidParam {
-            arg: ARG,
-            reason: "index past the list",
-        })?;
+        let t = self
+            .0
+            .get_mut(i)
+            .ok_or(crate::error::invalid(ARG, "index past the list"))?;
         let (dt, n) = (t.dtype(), t.len());
         let p = match t {
             GradTensorMut::F32(s) => s.as_mut_ptr() as *mut c_void,
@@ -198,13 +198,17 @@ impl GradSource for RawList<'_> {
         self.0.len()
     }
     fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        let t = self.0.get(i).ok_or(Error::InvalidParam {
-            arg: ARG,
-            reason: "index past the list",
-        })?;
+        let t = self
+            .0
+            .get(i)
+            .ok_or(crate::error::invalid(ARG, "index past the list"))?;
         let c = t.check(ARG)?;
         if !t.dtype.is_float() {
-            return Err(Error::DtypeUnsupported { arg: ARG });
+            return Err(crate::error::dtype_err!(
+                ARG,
+                "tensor {i} has dtype {}, not f32, f16 or bf16",
+                t.dtype
+            ));
         }
         Ok((t.data, t.dtype, c.numel))
     }

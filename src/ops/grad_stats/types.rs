@@ -4,10 +4,8 @@
 use half::{bf16, f16};
 
 use crate::dtype::DType;
-use crate::lanes::{sqrt_f64, Isa};
-use crate::runner::{Runner, Serial};
+use crate::lanes::sqrt_f64;
 use crate::tensor::TensorRef;
-use crate::tiling::UbConfig;
 
 /// One read-only gradient tensor. Its shape does not matter to these
 /// operators (every element counts once), so a flat slice is all they need.
@@ -170,93 +168,34 @@ impl GradSummary {
     }
 }
 
-/// Which implementation runs a gradient-health call.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GradEngine {
-    /// The blocked SIMD kernels over `GradExec::runner`.
-    #[default]
-    Cpu = 0,
-    /// The scalar f64 golden model (serial; ignores the runner and ISA).
-    Reference = 1,
+/// Options of `clip_grad_norm` (`npk_clip_grad_norm`'s scalar arguments).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClipGradNormOptions {
+    /// The largest total L2 norm left unscaled; >= 0 and not NaN (`+Inf`:
+    /// compute the norm, never clip).
+    pub max_norm: f64,
+    /// Fail with `Error::NonFinite` (changing nothing) when an element is
+    /// NaN or Inf, instead of applying the NaN / zero coefficient.
+    pub error_if_nonfinite: bool,
 }
 
-static SERIAL: Serial = Serial;
-
-/// Where and how the gradient-health operators run.
-///
-/// These operators are not NPU-dispatch operators (c-api.md's foreign table
-/// has no entry for them), so they do not go through `Backend`: they run the
-/// CPU kernels directly on a `Runner`, or the f64 reference. The plan (block
-/// split) depends only on the tensors and `ub`, never on the runner, so every
-/// runner gives the same bits.
-#[derive(Clone, Copy)]
-pub struct GradExec<'a> {
-    /// Tiling machine model: `blocks` cuts the flat element range.
-    /// `ub_bytes` is validated but unused: these kernels stream through
-    /// registers and need no UB arena.
-    pub ub: UbConfig,
-    /// Runs the blocks.
-    pub runner: &'a dyn Runner,
-    /// Forced ISA, or None for automatic selection.
-    pub isa: Option<Isa>,
-    /// Kernels or reference model.
-    pub engine: GradEngine,
-}
-
-impl GradExec<'static> {
-    /// Serial CPU kernels, automatic ISA, default tiling.
-    pub fn cpu() -> Self {
-        GradExec::new(&SERIAL)
-    }
-}
-
-impl Default for GradExec<'static> {
-    fn default() -> Self {
-        GradExec::cpu()
-    }
-}
-
-impl<'a> GradExec<'a> {
-    /// CPU kernels on `runner` (e.g. `&Threads::new(4)`), default tiling.
-    pub fn new(runner: &'a dyn Runner) -> Self {
-        GradExec {
-            ub: UbConfig::default(),
-            runner,
-            isa: None,
-            engine: GradEngine::Cpu,
+impl ClipGradNormOptions {
+    /// `max_norm`, with `error_if_nonfinite` false (PyTorch's default).
+    pub const fn new(max_norm: f64) -> Self {
+        ClipGradNormOptions {
+            max_norm,
+            error_if_nonfinite: false,
         }
     }
 
-    /// The same, with another tiling machine model.
-    pub fn with_ub(self, ub: UbConfig) -> Self {
-        GradExec { ub, ..self }
-    }
-
-    /// The same, with `isa` forced (an unavailable ISA makes every CPU call
-    /// fail with `IsaUnavailable`).
-    pub fn with_isa(self, isa: Isa) -> Self {
-        GradExec {
-            isa: Some(isa),
-            ..self
+    pub(crate) fn check(&self) -> crate::error::Result<()> {
+        if self.max_norm.is_nan() || self.max_norm < 0.0 {
+            return Err(crate::error::invalid_fmt!(
+                "max_norm",
+                "{} is negative or NaN",
+                self.max_norm
+            ));
         }
-    }
-
-    /// The same, on the f64 reference model.
-    pub fn reference(self) -> Self {
-        GradExec {
-            engine: GradEngine::Reference,
-            ..self
-        }
-    }
-}
-
-impl core::fmt::Debug for GradExec<'_> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("GradExec")
-            .field("ub", &self.ub)
-            .field("isa", &self.isa)
-            .field("engine", &self.engine)
-            .finish_non_exhaustive()
+        Ok(())
     }
 }
