@@ -56,3 +56,14 @@ def pytest_terminal_summary(terminalreporter):
 def gen():
     """A seeded generator: every test's data is fixed."""
     return torch.Generator().manual_seed(20261123)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included) of same-dtype tensors."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = _BITS[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
