@@ -111,3 +111,13 @@ def test_single_rank_group(tmp_path):
     results = run_ranks(1, "semantics", tmp_path)
     assert results[0]["shard_grads_bit_identical"]
     assert torch.__version__  # torch imported in this process too
+
+
+def test_readme_example_runs(tmp_path):
+    """examples/vocab_parallel.py as the README runs it (2 ranks it spawns itself)."""
+    example = HERE.parent / "examples" / "vocab_parallel.py"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    out = subprocess.run([sys.executable, str(example), "--steps", "2"], capture_output=True, text=True,
+                         timeout=TIMEOUT_S, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "bit-identical to one process: True" in out.stdout
