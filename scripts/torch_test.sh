@@ -13,7 +13,10 @@ PY=$VENV/bin/python
 if [ ! -x "$PY" ]; then
   echo "== creating the virtual environment $VENV"
   mkdir -p "$(dirname "$VENV")"
-  python3 -m venv "$VENV"
+  python3 -m venv "$VENV" || {
+    # A Python without the venv module (Debian's python3 without python3-venv).
+    python3 -m pip install --quiet --user virtualenv && python3 -m virtualenv --quiet "$VENV"
+  }
 fi
 if ! "$PY" -c "import torch, pytest, numpy, ninja" 2>/dev/null; then
   echo "== installing torch, pytest, numpy, ninja into $VENV (first time only)"
