@@ -31,6 +31,13 @@ struct GradList {
     }
   }
   const npk_tensor *data() const { return desc.empty() ? nullptr : desc.data(); }
+
+  // Phase one: the workspace npk_grad_stats and npk_clip_grad_norm need.
+  at::Tensor workspace(const Call &call, size_t *bytes) const {
+    *bytes = 0;
+    call.check(npk_grad_stats_workspace_size(data(), desc.size(), call.exec(), bytes));
+    return Call::workspace(*bytes);
+  }
 };
 
 }  // namespace
@@ -40,8 +47,7 @@ at::Tensor grad_stats(at::TensorList grads) {
   GradList list(op, grads);
   Call call(op);
   size_t bytes = 0;
-  call.check(npk_grad_stats_workspace_size(list.data(), list.desc.size(), call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
+  at::Tensor ws = list.workspace(call, &bytes);
   npk_grad_summary s{};
   call.check(npk_grad_stats(list.data(), list.desc.size(), &s, Call::data(ws), bytes, call.exec()));
   at::Tensor out = at::empty({6}, at::TensorOptions().dtype(at::kDouble));
@@ -60,8 +66,7 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, bool error_if_
   GradList list(op, grads);
   Call call(op);
   size_t bytes = 0;
-  call.check(npk_grad_stats_workspace_size(list.data(), list.desc.size(), call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
+  at::Tensor ws = list.workspace(call, &bytes);
   double total = 0.0;
   call.check(npk_clip_grad_norm(list.data(), list.desc.size(), max_norm, error_if_nonfinite ? 1 : 0, &total,
                                 Call::data(ws), bytes, call.exec()));
