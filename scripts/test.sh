@@ -16,3 +16,6 @@ cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib
 
 echo "== cargo test --release --workspace"
 cargo test --release --workspace
+
+echo "== the PyTorch adapter (scripts/torch_test.sh)"
+./scripts/torch_test.sh

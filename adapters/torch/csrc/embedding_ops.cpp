@@ -1,0 +1,129 @@
+// Embedding lookup (whole table or one vocab shard) and EmbeddingDenseGrad
+// over the C ABI.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <vector>
+
+#include "glue.h"
+#include "ops.h"
+
+namespace npk_torch {
+namespace {
+
+// Flat position of the first index outside [0, num_embeddings), or -1.
+template <class I>
+int64_t first_out_of_range(const I *idx, int64_t n, int64_t num_embeddings) {
+  for (int64_t i = 0; i < n; i++)
+    if (idx[i] < 0 || static_cast<int64_t>(idx[i]) >= num_embeddings) return i;
+  return -1;
+}
+
+// out[i] = weight[idx[i] - vocab_start] for ids inside the shard, zeros for
+// the others (after every id was checked to lie in [0, num_embeddings)).
+template <class I>
+void gather_rows(const I *idx, int64_t n, const char *weight, int64_t rows, int64_t vocab_start,
+                 size_t row_bytes, char *out) {
+  const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(65536 / std::max<size_t>(row_bytes, 1)));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t r = static_cast<int64_t>(idx[i]) - vocab_start;
+      char *dst = out + static_cast<size_t>(i) * row_bytes;
+      if (r >= 0 && r < rows)
+        std::memcpy(dst, weight + static_cast<size_t>(r) * row_bytes, row_bytes);
+      else
+        std::memset(dst, 0, row_bytes);
+    }
+  });
+}
+
+at::Tensor lookup(const char *op, const at::Tensor &weight_in, const at::Tensor &indices_in,
+                  int64_t num_embeddings, int64_t vocab_start) {
+  at::Tensor weight = cpu_contiguous(weight_in, op, "weight");
+  at::Tensor indices = cpu_contiguous(indices_in, op, "indices");
+  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [rows, embedding_dim], got shape ",
+                    weight.sizes());
+  TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt, op,
+                   ": indices must be int64 or int32, got ", indices.scalar_type());
+  const int64_t rows = weight.size(0);
+  TORCH_CHECK_VALUE(vocab_start >= 0 && num_embeddings >= 0 && vocab_start <= num_embeddings &&
+                        rows <= num_embeddings - vocab_start,
+                    op, ": the shard [", vocab_start, ", ", vocab_start, " + ", rows,
+                    ") does not lie in [0, num_embeddings = ", num_embeddings, ")");
+  const int64_t n = indices.numel();
+  const int64_t bad = indices.scalar_type() == at::kLong
+                          ? first_out_of_range(indices.data_ptr<int64_t>(), n, num_embeddings)
+                          : first_out_of_range(indices.data_ptr<int32_t>(), n, num_embeddings);
+  if (bad >= 0) {
+    const int64_t value = indices.reshape({-1})[bad].item<int64_t>();
+    TORCH_CHECK_INDEX(false, op, ": indices[", bad, "] = ", value, " is out of range for num_embeddings ",
+                      num_embeddings, " (flat position ", bad, ", value ", value, ")");
+  }
+  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end());
+  shape.push_back(weight.size(1));
+  at::Tensor out = at::empty(shape, weight.options());
+  const size_t row_bytes = static_cast<size_t>(weight.size(1)) * weight.element_size();
+  if (n == 0 || row_bytes == 0) return out;
+  char *dst = static_cast<char *>(out.data_ptr());
+  const char *src = rows ? static_cast<const char *>(weight.data_ptr()) : nullptr;
+  if (indices.scalar_type() == at::kLong)
+    gather_rows(indices.data_ptr<int64_t>(), n, src, rows, vocab_start, row_bytes, dst);
+  else
+    gather_rows(indices.data_ptr<int32_t>(), n, src, rows, vocab_start, row_bytes, dst);
+  return out;
+}
+
+at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tensor &indices_in, int64_t num_weights,
+                      const npk_embedding_grad_options &opts) {
+  at::Tensor grad = cpu_contiguous(grad_in, op, "grad"), indices = cpu_contiguous(indices_in, op, "indices");
+  TORCH_CHECK_VALUE(grad.dim() >= 1, op, ": grad must have a last (embedding) dim, got a 0-dim tensor");
+  TORCH_CHECK_VALUE(num_weights >= 0, op, ": num_weights must be >= 0, got ", num_weights);
+  at::Tensor out = at::empty({num_weights, grad.size(-1)}, grad.options());
+  npk_tensor gt = describe(grad, op, "grad"), it = describe(indices, op, "indices"), ot = describe(out, op, "out");
+  const uint64_t nw = static_cast<uint64_t>(num_weights);
+
+  Call call(op);
+  size_t bytes = 0;
+  call.check(npk_embedding_dense_grad_workspace_size(&gt, &it, nw, &opts, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_embedding_dense_grad(&gt, &it, nw, &opts, &ot, Call::data(ws), bytes, call.exec()));
+  return out;
+}
+
+}  // namespace
+
+at::Tensor embedding(const at::Tensor &weight, const at::Tensor &indices, int64_t /*padding_idx*/,
+                     bool /*scale_grad_by_freq*/) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "npukern::embedding: weight must be 2-D [num_embeddings, embedding_dim], ",
+                    "got shape ", weight.sizes());
+  return lookup("npukern::embedding", weight, indices, weight.size(0), 0);
+}
+
+at::Tensor embedding_shard(const at::Tensor &weight, const at::Tensor &indices, int64_t num_embeddings,
+                           int64_t vocab_start, int64_t /*padding_idx*/, bool /*scale_grad_by_freq*/) {
+  return lookup("npukern::embedding_shard", weight, indices, num_embeddings, vocab_start);
+}
+
+at::Tensor embedding_dense_backward(const at::Tensor &grad, const at::Tensor &indices, int64_t num_weights,
+                                    int64_t padding_idx, bool scale_grad_by_freq) {
+  npk_embedding_grad_options opts{};
+  opts.padding_idx = padding_idx;
+  opts.scale_grad_by_freq = scale_grad_by_freq ? 1 : 0;
+  opts.vocab_start = 0;
+  opts.out_of_range = NPK_INDEX_ERROR;
+  return dense_grad("npukern::embedding_dense_backward", grad, indices, num_weights, opts);
+}
+
+at::Tensor embedding_dense_backward_shard(const at::Tensor &grad, const at::Tensor &indices, int64_t num_weights,
+                                          int64_t vocab_start, int64_t padding_idx, bool scale_grad_by_freq) {
+  npk_embedding_grad_options opts{};
+  opts.padding_idx = padding_idx;
+  opts.scale_grad_by_freq = scale_grad_by_freq ? 1 : 0;
+  opts.vocab_start = vocab_start;
+  opts.out_of_range = NPK_INDEX_IGNORE;
+  return dense_grad("npukern::embedding_dense_backward_shard", grad, indices, num_weights, opts);
+}
+
+}  // namespace npk_torch

@@ -1,0 +1,112 @@
+#include "glue.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+namespace npk_torch {
+namespace {
+
+// The runner: npukern's blocks on PyTorch's intra-op thread pool. The C ABI
+// requires every block to run exactly once and nothing to unwind into it;
+// at::parallel_for runs each index of [0, n) once, and should it throw (it
+// does not for a non-throwing body), the library sees the missing blocks and
+// reports NPK_ERR_PARAM_INVALID naming "parallel_for".
+extern "C" void aten_parallel_for(void * /*runner_ctx*/, size_t n_blocks, npk_task_fn task,
+                                  void *task_ctx) {
+  try {
+    at::parallel_for(0, static_cast<int64_t>(n_blocks), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; b++) task(task_ctx, static_cast<size_t>(b));
+    });
+  } catch (...) {
+  }
+}
+
+npk_dtype dtype_of(const at::Tensor &t, const char *op, const char *arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return NPK_F32;
+    case at::kHalf:
+      return NPK_F16;
+    case at::kBFloat16:
+      return NPK_BF16;
+    case at::kInt:
+      return NPK_I32;
+    case at::kLong:
+      return NPK_I64;
+    default:
+      TORCH_CHECK_TYPE(false, op, ": ", arg, " has dtype ", t.scalar_type(),
+                       "; npukern takes float32, float16, bfloat16 (data) and int32, int64 (indices)");
+      return NPK_F32;  // unreachable: TORCH_CHECK_TYPE(false) throws
+  }
+}
+
+}  // namespace
+
+at::Tensor cpu_contiguous(const at::Tensor &t, const char *op, const char *arg) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", arg, " is on ", t.device(),
+                    "; npukern's kernels run on CPU tensors");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor");
+  TORCH_CHECK_VALUE(t.dim() <= NPK_MAX_DIMS, op, ": ", arg, " has ", t.dim(), " dims; npukern takes at most ",
+                    NPK_MAX_DIMS);
+  return t.contiguous();
+}
+
+npk_tensor describe(const at::Tensor &t, const char *op, const char *arg) {
+  npk_tensor d;
+  std::memset(&d, 0, sizeof d);
+  d.dtype = dtype_of(t, op, arg);
+  d.data = t.numel() ? t.data_ptr() : nullptr;
+  d.ndim = static_cast<uint32_t>(t.dim());
+  for (int64_t i = 0; i < t.dim(); i++) d.shape[i] = t.size(i);
+  return d;
+}
+
+Call::Call(const char *op) : op_(op) {
+  exec_.parallel_for = aten_parallel_for;
+  exec_.detail = &detail_;
+}
+
+void Call::check(npk_status status) const {
+  if (status == NPK_OK) return;
+  // The detail was filled by this call; fall back to the status string if a
+  // future library version leaves it empty.
+  const char *msg = detail_.message[0] ? detail_.message : npk_status_string(status);
+  const char *name = npk_status_string(status);
+  switch (status) {
+    case NPK_ERR_INDEX_OUT_OF_RANGE:
+      TORCH_CHECK_INDEX(false, op_, ": ", msg, " (argument '", detail_.argument, "', flat position ",
+                        detail_.position, ", value ", detail_.value, ")");
+    case NPK_ERR_DTYPE_UNSUPPORTED:
+      TORCH_CHECK_TYPE(false, op_, ": ", msg, " (argument '", detail_.argument, "'; ", name, ")");
+    case NPK_ERR_PARAM_INVALID:
+    case NPK_ERR_NULLPTR:
+    case NPK_ERR_SIZE_OVERFLOW:
+      TORCH_CHECK_VALUE(false, op_, ": ", msg, " (argument '", detail_.argument, "'; ", name, ")");
+    default:
+      TORCH_CHECK(false, op_, ": ", msg, " (", name, ")");
+  }
+}
+
+at::Tensor Call::workspace(size_t bytes) {
+  TORCH_CHECK(bytes <= static_cast<size_t>(INT64_MAX), "npukern: workspace of ", bytes, " bytes");
+  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+}
+
+void *Call::data(at::Tensor &ws) { return ws.numel() ? ws.data_ptr() : nullptr; }
+
+std::vector<int64_t> reduced_shape(const at::Tensor &x, int64_t normalized_dims) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  for (int64_t i = x.dim() - normalized_dims; i < x.dim(); i++) shape[i] = 1;
+  return shape;
+}
+
+void check_gamma_rank(const at::Tensor &x, const at::Tensor &gamma, const char *op) {
+  TORCH_CHECK_VALUE(gamma.dim() >= 1 && gamma.dim() <= x.dim(), op, ": gamma has ", gamma.dim(),
+                    " dims; it must cover 1..", x.dim(), " trailing dims of x (shape ", x.sizes(), ")");
+}
+
+}  // namespace npk_torch

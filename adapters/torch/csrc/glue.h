@@ -1,0 +1,54 @@
+// The adapter's glue between ATen and the npukern C ABI (include/npukern.h):
+// tensor descriptors, the exec (at::parallel_for as the runner), the
+// workspace from PyTorch's allocator, and npk_error_detail turned into the
+// exception types PyTorch maps to IndexError / TypeError / ValueError.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstddef>
+#include <vector>
+
+#include "npukern.h"
+
+namespace npk_torch {
+
+// `t` made contiguous, after checking it is a CPU tensor with at most
+// NPK_MAX_DIMS dims. `op` and `arg` name it in the error message.
+at::Tensor cpu_contiguous(const at::Tensor &t, const char *op, const char *arg);
+
+// The npk_tensor describing a contiguous CPU tensor (no copy). Dtypes the C
+// ABI has no name for raise TypeError; the library rejects the rest.
+npk_tensor describe(const at::Tensor &t, const char *op, const char *arg);
+
+// One C ABI call's context: the exec (PyTorch's thread pool as the runner)
+// and its error detail; `check` throws on a non-OK status.
+class Call {
+ public:
+  explicit Call(const char *op);
+  Call(const Call &) = delete;
+  Call &operator=(const Call &) = delete;
+
+  const npk_exec *exec() const { return &exec_; }
+  void check(npk_status status) const;
+
+  // A workspace of `bytes` from PyTorch's CPU allocator (kept alive by the
+  // returned tensor); `data(ws)` is NULL when bytes == 0.
+  static at::Tensor workspace(size_t bytes);
+  static void *data(at::Tensor &ws);
+
+ private:
+  const char *op_;
+  npk_error_detail detail_{};
+  npk_exec exec_{};
+};
+
+// x's shape with its trailing `normalized_dims` dims set to 1 (torch_npu's rstd).
+std::vector<int64_t> reduced_shape(const at::Tensor &x, int64_t normalized_dims);
+
+// Rejects a gamma that cannot cover x's trailing dims before any output is
+// allocated from its shape (the library checks the dims themselves).
+void check_gamma_rank(const at::Tensor &x, const at::Tensor &gamma, const char *op);
+
+}  // namespace npk_torch

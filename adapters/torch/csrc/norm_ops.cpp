@@ -1,0 +1,92 @@
+// RmsNorm, AddRmsNorm and RmsNormGrad as ATen CPU kernels over the C ABI
+// (two-phase calls: size the workspace, allocate it from PyTorch, run).
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <tuple>
+
+#include "glue.h"
+#include "ops.h"
+
+namespace npk_torch {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x_in, const at::Tensor &gamma_in, double epsilon) {
+  const char *op = "npukern::rms_norm";
+  at::Tensor x = cpu_contiguous(x_in, op, "x"), gamma = cpu_contiguous(gamma_in, op, "gamma");
+  check_gamma_rank(x, gamma, op);
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty(reduced_shape(x, gamma.dim()), x.options().dtype(at::kFloat));
+  npk_tensor xt = describe(x, op, "x"), gt = describe(gamma, op, "gamma");
+  npk_tensor yt = describe(y, op, "y"), rt = describe(rstd, op, "rstd");
+  const npk_rms_norm_options opts{epsilon, 0.0f, NPK_ROUNDING_FUSED};
+
+  Call call(op);
+  size_t bytes = 0;
+  call.check(npk_rms_norm_workspace_size(&xt, &gt, &opts, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_rms_norm(&xt, &gt, &opts, &yt, &rt, Call::data(ws), bytes, call.exec()));
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1_in, const at::Tensor &x2_in,
+                                                            const at::Tensor &gamma_in, double epsilon) {
+  const char *op = "npukern::add_rms_norm";
+  at::Tensor x1 = cpu_contiguous(x1_in, op, "x1"), x2 = cpu_contiguous(x2_in, op, "x2");
+  at::Tensor gamma = cpu_contiguous(gamma_in, op, "gamma");
+  check_gamma_rank(x1, gamma, op);
+  at::Tensor y = at::empty_like(x1, at::MemoryFormat::Contiguous);
+  at::Tensor x_sum = at::empty_like(x1, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty(reduced_shape(x1, gamma.dim()), x1.options().dtype(at::kFloat));
+  npk_tensor x1t = describe(x1, op, "x1"), x2t = describe(x2, op, "x2"), gt = describe(gamma, op, "gamma");
+  npk_tensor yt = describe(y, op, "y"), rt = describe(rstd, op, "rstd"), st = describe(x_sum, op, "x_sum");
+  const npk_rms_norm_options opts{epsilon, 0.0f, NPK_ROUNDING_FUSED};
+
+  Call call(op);
+  size_t bytes = 0;
+  call.check(npk_add_rms_norm_workspace_size(&x1t, &x2t, &gt, &opts, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_add_rms_norm(&x1t, &x2t, &gt, &opts, &yt, &rt, &st, Call::data(ws), bytes, call.exec()));
+  return {y, rstd, x_sum};
+}
+
+namespace {
+
+// dx (x's dtype) and the f32 dgamma (gamma's shape); dres, when defined, is
+// added to dx inside the same pass (the backward of AddRmsNorm).
+std::tuple<at::Tensor, at::Tensor> norm_grad(const char *op, const at::Tensor &dy_in, const at::Tensor &x_in,
+                                             const at::Tensor &gamma_in, const at::Tensor &rstd_in,
+                                             const at::Tensor *dres_in) {
+  at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), x = cpu_contiguous(x_in, op, "x");
+  at::Tensor gamma = cpu_contiguous(gamma_in, op, "gamma"), rstd = cpu_contiguous(rstd_in, op, "rstd");
+  at::Tensor dres = dres_in ? cpu_contiguous(*dres_in, op, "dres") : at::Tensor();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dgamma = at::empty(gamma.sizes(), gamma.options().dtype(at::kFloat));
+  npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), gt = describe(gamma, op, "gamma");
+  npk_tensor rt = describe(rstd, op, "rstd"), dxt = describe(dx, op, "dx"), dgt = describe(dgamma, op, "dgamma");
+  npk_tensor drt{};
+  if (dres_in) drt = describe(dres, op, "dres");
+  const npk_tensor *drp = dres_in ? &drt : nullptr;
+
+  Call call(op);
+  size_t bytes = 0;
+  call.check(npk_rms_norm_grad_workspace_size(&dyt, &xt, &rt, &gt, nullptr, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_rms_norm_grad(&dyt, &xt, &rt, &gt, drp, nullptr, &dxt, &dgt, nullptr, Call::data(ws), bytes,
+                               call.exec()));
+  return {dx, dgamma};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor &dy, const at::Tensor &x,
+                                                     const at::Tensor &gamma, const at::Tensor &rstd) {
+  return norm_grad("npukern::rms_norm_backward", dy, x, gamma, rstd, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward(const at::Tensor &dy, const at::Tensor &x_sum,
+                                                         const at::Tensor &gamma, const at::Tensor &rstd,
+                                                         const at::Tensor &dx_sum) {
+  return norm_grad("npukern::add_rms_norm_backward", dy, x_sum, gamma, rstd, &dx_sum);
+}
+
+}  // namespace npk_torch

@@ -1,0 +1,31 @@
+// The CPU kernels registered as npukern:: ops (register.cpp holds the schemas).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace npk_torch {
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x, const at::Tensor &gamma, double epsilon);
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor &dy, const at::Tensor &x,
+                                                     const at::Tensor &gamma, const at::Tensor &rstd);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1, const at::Tensor &x2,
+                                                            const at::Tensor &gamma, double epsilon);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward(const at::Tensor &dy, const at::Tensor &x_sum,
+                                                         const at::Tensor &gamma, const at::Tensor &rstd,
+                                                         const at::Tensor &dx_sum);
+
+at::Tensor embedding(const at::Tensor &weight, const at::Tensor &indices, int64_t padding_idx,
+                     bool scale_grad_by_freq);
+at::Tensor embedding_shard(const at::Tensor &weight, const at::Tensor &indices, int64_t num_embeddings,
+                           int64_t vocab_start, int64_t padding_idx, bool scale_grad_by_freq);
+at::Tensor embedding_dense_backward(const at::Tensor &grad, const at::Tensor &indices, int64_t num_weights,
+                                    int64_t padding_idx, bool scale_grad_by_freq);
+at::Tensor embedding_dense_backward_shard(const at::Tensor &grad, const at::Tensor &indices, int64_t num_weights,
+                                          int64_t vocab_start, int64_t padding_idx, bool scale_grad_by_freq);
+
+at::Tensor grad_stats(at::TensorList grads);
+at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, bool error_if_nonfinite);
+
+}  // namespace npk_torch

@@ -1,0 +1,71 @@
+// The npukern:: op library: schemas (torch_npu's where it has them), the CPU
+// kernels, and the Python module stub that loading the package imports.
+// Fake (meta) implementations and autograd are registered from Python
+// (npukern_torch/_meta.py, npukern_torch/_autograd.py).
+#include <Python.h>
+#include <torch/library.h>
+
+#include "npukern.h"
+#include "ops.h"
+
+TORCH_LIBRARY(npukern, m) {
+  m.def("rms_norm(Tensor x, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
+  // AddRmsNorm's backward: RmsNormGrad of x_sum with the residual gradient
+  // dx_sum added to dx in the same pass (dx is the gradient of x1 and x2).
+  m.def("add_rms_norm_backward(Tensor dy, Tensor x_sum, Tensor gamma, Tensor rstd, Tensor dx_sum) -> "
+        "(Tensor, Tensor)");
+  m.def("embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False) -> Tensor");
+  m.def("embedding_shard(Tensor weight, Tensor indices, SymInt num_embeddings, SymInt vocab_start, "
+        "SymInt padding_idx=-1, bool scale_grad_by_freq=False) -> Tensor");
+  m.def("embedding_dense_backward(Tensor grad, Tensor indices, SymInt num_weights, SymInt padding_idx, "
+        "bool scale_grad_by_freq) -> Tensor");
+  m.def("embedding_dense_backward_shard(Tensor grad, Tensor indices, SymInt num_weights, SymInt vocab_start, "
+        "SymInt padding_idx, bool scale_grad_by_freq) -> Tensor");
+  m.def("grad_stats(Tensor[] grads) -> Tensor");
+  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, bool error_if_nonfinite=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(npukern, CPU, m) {
+  m.impl("rms_norm", &npk_torch::rms_norm);
+  m.impl("rms_norm_backward", &npk_torch::rms_norm_backward);
+  m.impl("add_rms_norm", &npk_torch::add_rms_norm);
+  m.impl("add_rms_norm_backward", &npk_torch::add_rms_norm_backward);
+  m.impl("embedding", &npk_torch::embedding);
+  m.impl("embedding_shard", &npk_torch::embedding_shard);
+  m.impl("embedding_dense_backward", &npk_torch::embedding_dense_backward);
+  m.impl("embedding_dense_backward_shard", &npk_torch::embedding_dense_backward_shard);
+  m.impl("grad_stats", &npk_torch::grad_stats);
+  m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
+}
+
+namespace {
+
+PyObject *version(PyObject *, PyObject *) { return PyUnicode_FromString(npk_version()); }
+
+PyObject *detected_isa(PyObject *, PyObject *) {
+  switch (npk_detected_isa()) {
+    case NPK_ISA_AVX512:
+      return PyUnicode_FromString("avx512");
+    case NPK_ISA_AVX2:
+      return PyUnicode_FromString("avx2");
+    default:
+      return PyUnicode_FromString("portable");
+  }
+}
+
+PyMethodDef methods[] = {
+    {"version", version, METH_NOARGS, "The linked npukern library's version."},
+    {"detected_isa", detected_isa, METH_NOARGS, "The SIMD ISA npukern picks on this CPU."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "npukern's ops, registered under torch.ops.npukern.", -1,
+                      methods, nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace
+
+// Importing npukern_torch._C loads this library, which runs the TORCH_LIBRARY
+// registrations above.
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

@@ -1,0 +1,42 @@
+"""npukern_torch: PyTorch adapter for npukern's kernels (a client of its C ABI).
+
+Importing it registers the ``torch.ops.npukern`` ops with CPU kernels, fake
+implementations (torch.compile) and autograd formulas:
+
+- ``rms_norm(x, gamma, epsilon=1e-6) -> (y, rstd)``
+- ``rms_norm_backward(dy, x, gamma, rstd) -> (dx, dgamma)``
+- ``add_rms_norm(x1, x2, gamma, epsilon=1e-6) -> (y, rstd, x_sum)``
+- ``add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum) -> (dx, dgamma)``
+- ``embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False)``
+  and ``embedding_shard(...)`` (lookups whose backward is npukern's)
+- ``embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)``
+  and ``embedding_dense_backward_shard(...)`` (one vocab range)
+- ``grad_stats(grads) -> [sum_sq, nan, inf, min, max, absmax]`` (float64)
+- ``clip_grad_norm_(grads, max_norm, error_if_nonfinite=False) -> total_norm`` (in place)
+
+and exports drop-in modules (:class:`RMSNorm`, :class:`AddRMSNorm`,
+:class:`Embedding`), :func:`clip_grad_norm_`, and the functional forms.
+``npukern_torch.parallel`` has the torch.distributed pieces.
+"""
+
+from . import _C  # noqa: F401  (loads the library: registers torch.ops.npukern)
+from . import _autograd, _meta  # noqa: F401  (registrations)
+from .clip import clip_grad_norm_
+from .functional import add_rms_norm, embedding, rms_norm
+from .modules import AddRMSNorm, Embedding, RMSNorm
+
+__version__ = "0.1.0"
+library_version = _C.version()
+detected_isa = _C.detected_isa()
+
+__all__ = [
+    "AddRMSNorm",
+    "Embedding",
+    "RMSNorm",
+    "add_rms_norm",
+    "clip_grad_norm_",
+    "detected_isa",
+    "embedding",
+    "library_version",
+    "rms_norm",
+]

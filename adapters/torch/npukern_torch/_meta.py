@@ -1,0 +1,74 @@
+"""Fake (meta) implementations of the npukern:: ops: output shapes, dtypes and
+strides without running a kernel, so FakeTensor tracing (torch.compile,
+torch.export, torch.library.opcheck) sees through every op."""
+
+import torch
+
+
+def _rstd_shape(x, gamma):
+    torch._check(
+        1 <= gamma.dim() <= x.dim(),
+        lambda: f"gamma has {gamma.dim()} dims; it must cover 1..{x.dim()} trailing dims of x",
+    )
+    return (*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim()))
+
+
+def _contiguous_like(t):
+    return t.new_empty(t.shape)
+
+
+@torch.library.register_fake("npukern::rms_norm")
+def _rms_norm(x, gamma, epsilon=1e-6):
+    return _contiguous_like(x), x.new_empty(_rstd_shape(x, gamma), dtype=torch.float32)
+
+
+@torch.library.register_fake("npukern::add_rms_norm")
+def _add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    rstd = x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
+    return _contiguous_like(x1), rstd, _contiguous_like(x1)
+
+
+@torch.library.register_fake("npukern::rms_norm_backward")
+def _rms_norm_backward(dy, x, gamma, rstd):
+    return _contiguous_like(x), gamma.new_empty(gamma.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("npukern::add_rms_norm_backward")
+def _add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum):
+    return _contiguous_like(x_sum), gamma.new_empty(gamma.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("npukern::embedding")
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
+    torch._check(weight.dim() == 2, lambda: "weight must be 2-D")
+    return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
+@torch.library.register_fake("npukern::embedding_shard")
+def _embedding_shard(weight, indices, num_embeddings, vocab_start, padding_idx=-1, scale_grad_by_freq=False):
+    torch._check(weight.dim() == 2, lambda: "weight must be 2-D")
+    return weight.new_empty((*indices.shape, weight.shape[1]))
+
+
+@torch.library.register_fake("npukern::embedding_dense_backward")
+def _embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+@torch.library.register_fake("npukern::embedding_dense_backward_shard")
+def _embedding_dense_backward_shard(grad, indices, num_weights, vocab_start, padding_idx, scale_grad_by_freq):
+    return grad.new_empty((num_weights, grad.shape[-1]))
+
+
+def _scalar_device(grads):
+    return grads[0].device if len(grads) else torch.device("cpu")
+
+
+@torch.library.register_fake("npukern::grad_stats")
+def _grad_stats(grads):
+    return torch.empty(6, dtype=torch.float64, device=_scalar_device(grads))
+
+
+@torch.library.register_fake("npukern::clip_grad_norm_")
+def _clip_grad_norm_(grads, max_norm, error_if_nonfinite=False):
+    return torch.empty((), dtype=torch.float64, device=_scalar_device(grads))

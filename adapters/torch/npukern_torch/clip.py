@@ -1,0 +1,44 @@
+"""torch.nn.utils.clip_grad_norm_ on npukern's clip_grad_norm (L2): one read
+of every gradient for the norm (f64 sum of squares), one pass to scale."""
+
+import functools
+
+import torch
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _grads(parameters):
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def total_norm_dtype(grads):
+    """The dtype torch's clip_grad_norm_ returns its norm in (per-tensor norms
+    in each gradient's dtype, stacked with type promotion)."""
+    return functools.reduce(torch.promote_types, (g.dtype for g in grads))
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``torch.nn.utils.clip_grad_norm_`` for ``norm_type=2``: returns the total
+    L2 norm of all gradients (as a tensor of the dtype torch returns) and
+    scales every gradient in place by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Differences, by decision: the norm is computed exactly in f64 (torch sums
+    per-tensor norms in the gradients' dtype) and the coefficient in f64,
+    rounded once to float32; a negative or NaN ``max_norm`` raises ValueError
+    (torch silently flips or NaNs the gradients). ``error_if_nonfinite`` raises
+    RuntimeError, as torch does, with every gradient left untouched.
+    Other norm types, and gradients the kernels do not take (float64, sparse,
+    non-CPU), go to torch's own function. ``foreach`` is accepted for
+    compatibility and otherwise ignored (npukern always does one pass)."""
+    grads = _grads(parameters)
+    norm_type = float(norm_type)
+    if norm_type != 2.0 or any(g.device.type != "cpu" or g.is_sparse or g.dtype not in _KERNEL_DTYPES for g in grads):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch.ops.npukern.clip_grad_norm_(grads, float(max_norm), bool(error_if_nonfinite))
+    return total.to(total_norm_dtype(grads))

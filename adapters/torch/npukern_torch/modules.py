@@ -1,0 +1,112 @@
+"""Drop-in modules: subclasses of torch.nn.RMSNorm and torch.nn.Embedding
+(same constructor arguments, defaults, parameters and state_dict) whose
+forward and backward run npukern's kernels."""
+
+import torch
+
+from . import functional as F
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _on_kernels(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm on npukern's RmsNorm / RmsNormGrad.
+
+    ``eps=None`` means what it means in torch: the machine epsilon of the
+    computation type, ``torch.finfo(torch.float32).eps`` for float32, float16
+    and bfloat16 inputs. With ``elementwise_affine=False`` the kernel is given
+    a float32 gamma of ones (a non-persistent buffer, not in the state_dict).
+    A weight whose dtype is neither x's nor float32 is used as float32.
+    Inputs the kernels do not take (float64, non-CPU tensors) run torch's own
+    ``torch.nn.functional.rms_norm``.
+    """
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        if not elementwise_affine:
+            ones = torch.ones(self.normalized_shape, device=device, dtype=torch.float32)
+            self.register_buffer("_ones", ones, persistent=False)
+
+    def _gamma(self, x):
+        gamma = self.weight if self.weight is not None else self._ones
+        if gamma.dtype != x.dtype and gamma.dtype != torch.float32:
+            gamma = gamma.float()
+        return gamma
+
+    def _eps(self, x):
+        return self.eps if self.eps is not None else torch.finfo(torch.float32).eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _on_kernels(x):
+            return super().forward(x)
+        return F.rms_norm(x, self._gamma(x), self._eps(x))[0]
+
+
+class AddRMSNorm(RMSNorm):
+    """RMSNorm of ``x + residual`` fused with the add: ``forward(x, residual)``
+    returns ``(y, x + residual)``, the normalized output and the new residual
+    stream (torch_npu's npu_add_rms_norm as a module)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):
+        if not _on_kernels(x):
+            s = x + residual
+            return super().forward(s), s
+        y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x))
+        return y, s
+
+
+class Embedding(torch.nn.Embedding):
+    """torch.nn.Embedding whose weight gradient is npukern's
+    EmbeddingDenseGrad (f32 sums in ascending position order, one rounding;
+    padding_idx and scale_grad_by_freq as in torch). ``sparse=True`` and
+    ``max_norm`` are refused: the kernel computes a dense gradient and does
+    not renormalize rows. Weights the kernels do not take (float64, non-CPU)
+    run torch's own embedding."""
+
+    def __init__(
+        self,
+        num_embeddings,
+        embedding_dim,
+        padding_idx=None,
+        max_norm=None,
+        norm_type=2.0,
+        scale_grad_by_freq=False,
+        sparse=False,
+        _weight=None,
+        _freeze=False,
+        device=None,
+        dtype=None,
+    ):
+        if sparse:
+            raise ValueError(
+                "npukern_torch.Embedding: sparse=True is not supported (npukern computes the dense "
+                "weight gradient); use torch.nn.Embedding for sparse gradients"
+            )
+        if max_norm is not None:
+            raise ValueError(
+                "npukern_torch.Embedding: max_norm is not supported (npukern does not renormalize "
+                "rows in the forward); use torch.nn.Embedding for max_norm"
+            )
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight,
+            _freeze,
+            device,
+            dtype,
+        )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _on_kernels(self.weight):
+            return super().forward(input)
+        padding_idx = -1 if self.padding_idx is None else self.padding_idx
+        return torch.ops.npukern.embedding(self.weight, input, padding_idx, self.scale_grad_by_freq)

@@ -1,0 +1,69 @@
+"""Shared helpers: units of error against float64, and a record of the
+largest measured differences, printed at the end of the run."""
+
+import pytest
+import torch
+
+import npukern_torch  # noqa: F401  (registers torch.ops.npukern)
+
+HALF = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+_MIN_EXP = {torch.float32: -126, torch.float16: -14, torch.bfloat16: -126}
+
+# name -> largest value seen (the closing note quotes these).
+WORST = {}
+
+
+def record(name, value):
+    """Keeps the largest `value` measured under `name`."""
+    value = float(value)
+    if name not in WORST or value > WORST[name]:
+        WORST[name] = value
+
+
+def ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype` at each (float64) reference value: one unit in
+    the last place, subnormals included."""
+    _, e = torch.frexp(ref.abs().to(torch.float64))  # |ref| = m * 2**e, m in [0.5, 1)
+    e = torch.clamp(e - 1, min=_MIN_EXP[dtype])
+    return torch.ldexp(torch.ones_like(ref, dtype=torch.float64), e - _MANTISSA[dtype])
+
+
+def ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got - ref| in units of got's dtype at ref (NaN where both are NaN or equal infinities count as 0)."""
+    g, r = got.to(torch.float64), ref.to(torch.float64)
+    same = (g == r) | (g.isnan() & r.isnan())
+    d = (g - r).abs() / ulp(r, got.dtype)
+    return torch.where(same, torch.zeros_like(d), d)
+
+
+def rand(shape, dtype, lo=-2.0, hi=2.0, gen=None):
+    """Uniform values in [lo, hi), rounded to `dtype`."""
+    t = torch.rand(shape, dtype=torch.float64, generator=gen) * (hi - lo) + lo
+    return t.to(dtype)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not WORST:
+        return
+    terminalreporter.section("npukern_torch: largest differences measured")
+    for name in sorted(WORST):
+        terminalreporter.write_line(f"{name:60s} {WORST[name]:.3g}")
+
+
+@pytest.fixture
+def gen():
+    """A seeded generator: every test's data is fixed."""
+    return torch.Generator().manual_seed(20261123)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included) of same-dtype tensors."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = _BITS[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
