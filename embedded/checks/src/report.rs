@@ -1,0 +1,99 @@
+//! Counting and printing check results; the expected hashes.
+
+use core::fmt::{self, Write};
+
+/// `name hex` lines (`#` starts a comment), written by `scripts/cross.sh`
+/// with `NPK_BLESS=1` from the host consumer's output.
+const EXPECTED: &str = include_str!("../../expected_hashes.txt");
+
+fn expected(name: &str) -> Option<u64> {
+    EXPECTED.lines().find_map(|l| {
+        let mut w = l.split_whitespace();
+        match (w.next(), w.next()) {
+            (Some(n), Some(h)) if n == name && !n.starts_with('#') => {
+                u64::from_str_radix(h.trim_start_matches("0x"), 16).ok()
+            }
+            _ => None,
+        }
+    })
+}
+
+/// How many checks passed and failed.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Outcome {
+    /// Checks that passed.
+    pub passed: u32,
+    /// Checks that failed.
+    pub failed: u32,
+}
+
+impl Outcome {
+    /// True when something ran and nothing failed.
+    pub fn ok(&self) -> bool {
+        self.failed == 0 && self.passed > 0
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "checks: {} passed, {} failed", self.passed, self.failed)
+    }
+}
+
+/// Records checks and prints them.
+pub struct Checker<'a> {
+    out: &'a mut dyn Write,
+    bless: bool,
+    outcome: Outcome,
+}
+
+impl<'a> Checker<'a> {
+    /// A checker printing to `out`.
+    pub fn new(out: &'a mut dyn Write, bless: bool) -> Self {
+        Checker {
+            out,
+            bless,
+            outcome: Outcome::default(),
+        }
+    }
+
+    /// Counts one check; prints `ok name` or `FAIL name: why`.
+    pub fn check(&mut self, name: &str, ok: bool, why: fmt::Arguments<'_>) -> bool {
+        // Output errors cannot change the outcome, which is also the exit status.
+        let _ = if ok {
+            self.outcome.passed += 1;
+            writeln!(self.out, "ok   {name}")
+        } else {
+            self.outcome.failed += 1;
+            writeln!(self.out, "FAIL {name}: {why}")
+        };
+        ok
+    }
+
+    /// Compares an output's bit hash with the expected one. Prints
+    /// `hash name 0x...` (the line `--bless` collects) and the verdict.
+    pub fn hash(&mut self, name: &str, got: u64) -> bool {
+        let _ = writeln!(self.out, "hash {name} {got:#018x}");
+        let want = expected(name);
+        if self.bless {
+            return true;
+        }
+        match want {
+            Some(w) => self.check(
+                name,
+                w == got,
+                format_args!("bits differ: hash {got:#018x}, expected {w:#018x}"),
+            ),
+            None => self.check(
+                name,
+                false,
+                format_args!("no expected hash (run scripts/cross.sh with NPK_BLESS=1)"),
+            ),
+        }
+    }
+
+    /// The counts so far.
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+}
