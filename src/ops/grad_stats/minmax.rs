@@ -12,7 +12,9 @@
 
 use wide::f32x8;
 
-use crate::lanes::{Isa, Lanes, GROUP};
+#[cfg(target_arch = "x86_64")]
+use crate::lanes::Isa;
+use crate::lanes::{Lanes, GROUP};
 
 /// Running min/max of the window's elements.
 #[derive(Clone, Copy)]

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# Beyond the host: every step exits non-zero on failure.
+#
+#   nostd     the no_std, no-alloc consumer (embedded/host) built and run on the
+#             host, and the symbol check: the no-feature rlib and the consumer
+#             reference no `std` / `alloc` symbol
+#   embedded  the no-feature library for thumbv7em-none-eabihf (Cortex-M4F),
+#             riscv32imac-unknown-none-elf and aarch64-unknown-none (symbol-checked too)
+#   aarch64   `cargo test -p npukern` for aarch64-unknown-linux-gnu under qemu-user
+#             (the portable `wide` lanes on NEON), bit hashes included
+#   cortex-m  the consumer on a Cortex-M4F under qemu-system-arm (mps2-an386),
+#             reporting through semihosting, exiting with its status
+#
+# Usage: scripts/cross.sh [step...]   (no step: all four, in that order)
+#   NPK_CROSS_CACHE   where the cross builds' target directories live
+#                     (default ~/.cache/npukern/cross; reused when present)
+#   NPK_BLESS=1       rewrite embedded/expected_hashes.txt from the host consumer
+#
+# Targets other than the host's are built with Debian's Rust (rustc-web,
+# cargo-web, rust-web-src: a compiler with its library source, so
+# -Zbuild-std can build core/std for targets rustup cannot fetch here). The
+# Debian packages are installed when missing (apt-get, as root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CACHE=${NPK_CROSS_CACHE:-$HOME/.cache/npukern/cross}
+mkdir -p "$CACHE"
+
+STEPS=("$@")
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(nostd embedded aarch64 cortex-m)
+for s in "${STEPS[@]}"; do
+    case $s in nostd | embedded | aarch64 | cortex-m) ;; *)
+        echo "cross.sh: unknown step '$s' (nostd embedded aarch64 cortex-m)" >&2
+        exit 2
+        ;;
+    esac
+done
+wants() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
+
+# --- Debian packages --------------------------------------------------------
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'; }
+APT_UPDATED=0
+ensure() {
+    local missing=()
+    for p in "$@"; do installed "$p" || missing+=("$p"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    echo "== apt-get install ${missing[*]}"
+    local sudo=()
+    [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+    if [ $APT_UPDATED -eq 0 ]; then
+        "${sudo[@]}" apt-get update -qq
+        APT_UPDATED=1
+    fi
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+# Debian's Rust for -Zbuild-std; rust-lld (rust-web-llvm's link to lld-N)
+# links the bare-metal targets.
+debian_rust() {
+    ensure rustc-web cargo-web rust-web-src rust-web-llvm
+    local lld
+    lld=$(readlink /usr/bin/rust-lld)
+    ensure "$lld"
+}
+deb_cargo() { RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc RUSTC_BOOTSTRAP=1 /usr/bin/cargo "$@"; }
+
+step_start() {
+    echo "== cross: $1"
+    T0=$SECONDS
+}
+step_end() { echo "== cross: $1 done in $((SECONDS - T0)) s"; }
+
+# --- the symbol check -------------------------------------------------------
+# Legacy (_ZN3std, _ZN5alloc) and v0 (_R...3std) mangled paths into std or
+# alloc, and the global allocator's entry points.
+STD_SYMS='_ZN3std|_ZN5alloc|_R[[:alnum:]_]*(3std|5alloc)|__rust_(alloc|dealloc|realloc|alloc_zeroed|no_alloc_shim)|__rg_(alloc|dealloc|realloc)'
+no_std_symbols() { # file...: fails, listing them, if any symbol matches
+    local f hits
+    for f in "$@"; do
+        hits=$(nm -A "$f" 2>/dev/null | grep -E "$STD_SYMS" || true)
+        if [ -n "$hits" ]; then
+            echo "FAIL: $f references std/alloc:" >&2
+            echo "$hits" | head -20 >&2
+            return 1
+        fi
+        if ! nm "$f" >/dev/null 2>&1; then
+            echo "FAIL: nm cannot read $f" >&2
+            return 1
+        fi
+        echo "no std/alloc symbol in ${f#"$CACHE"/}"
+    done
+}
+# The check must be able to fail: a crate that uses std and alloc is caught.
+symbol_check_control() {
+    local d="$CACHE/control"
+    mkdir -p "$d"
+    printf '%s\n' '#![no_std]' 'extern crate alloc; extern crate std;' \
+        'pub fn f(n: usize) -> usize { let v: alloc::vec::Vec<u8> = alloc::vec![1; n]; std::thread::yield_now(); v.len() }' \
+        >"$d/control.rs"
+    rustc --edition 2021 --crate-type rlib -O --crate-name control -o "$d/libcontrol.rlib" "$d/control.rs"
+    if no_std_symbols "$d/libcontrol.rlib" >/dev/null 2>&1; then
+        echo "FAIL: the symbol check missed std/alloc in a crate that uses them" >&2
+        return 1
+    fi
+    echo "symbol check control: std/alloc use detected as it must be"
+}
+# The rlib cargo just built for package npukern (from its JSON messages).
+npukern_rlib() {
+    sed -n '/"reason":"compiler-artifact"/{/"name":"npukern"/s/.*"filenames":\["\([^"]*\.rlib\)".*/\1/p}' | tail -1
+}
+
+# --- steps ------------------------------------------------------------------
+if wants nostd; then
+    step_start nostd
+    symbol_check_control
+    rlib=$(cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib \
+        --message-format=json | npukern_rlib)
+    [ -n "$rlib" ] || { echo "FAIL: no rlib path from cargo" >&2; exit 1; }
+    no_std_symbols "$rlib"
+    host_dir="$CACHE/host"
+    (cd embedded && cargo build --release --locked -p npukern-nostd-host --target-dir "$host_dir")
+    host_bin="$host_dir/release/npukern-nostd-host"
+    no_std_symbols "$host_bin"
+    if [ "${NPK_BLESS:-0}" = 1 ]; then
+        {
+            echo "# Bit hashes of the no_std consumer's outputs (embedded/checks), written by"
+            echo "# NPK_BLESS=1 scripts/cross.sh on x86_64; every target must reproduce them."
+            "$host_bin" --bless | sed -n 's/^hash //p'
+        } >embedded/expected_hashes.txt
+        echo "blessed embedded/expected_hashes.txt"
+        (cd embedded && cargo build --release --locked -p npukern-nostd-host --target-dir "$host_dir")
+    fi
+    "$host_bin" >"$CACHE/nostd-host.log" || {
+        grep -v '^ok\|^hash' "$CACHE/nostd-host.log" >&2
+        echo "FAIL: the no_std consumer failed on the host (log: $CACHE/nostd-host.log)" >&2
+        exit 1
+    }
+    tail -1 "$CACHE/nostd-host.log"
+    step_end nostd
+fi
+
+if wants embedded; then
+    step_start embedded
+    debian_rust
+    for t in thumbv7em-none-eabihf riscv32imac-unknown-none-elf aarch64-unknown-none; do
+        rlib=$(deb_cargo build -p npukern --lib --release --locked --no-default-features \
+            -Zbuild-std=core --target "$t" --target-dir "$CACHE/target" \
+            --message-format=json | npukern_rlib)
+        [ -n "$rlib" ] || { echo "FAIL: no rlib for $t" >&2; exit 1; }
+        no_std_symbols "$rlib"
+    done
+    step_end embedded
+fi
+
+if wants aarch64; then
+    step_start aarch64
+    debian_rust
+    ensure gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+    # The test harness unwinds: std is built once, for panic = "unwind"
+    # (the release profile's "abort" would make cargo build a second core).
+    CARGO_PROFILE_RELEASE_PANIC=unwind \
+        CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+        CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
+        deb_cargo test -p npukern --release --locked --target aarch64-unknown-linux-gnu \
+        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target"
+    step_end aarch64
+fi
+
+if wants cortex-m; then
+    step_start cortex-m
+    debian_rust
+    ensure qemu-system-arm
+    (cd embedded && deb_cargo build --release --locked -p npukern-cortex-m4f -Zbuild-std=core \
+        --target thumbv7em-none-eabihf --target-dir "$CACHE/embedded")
+    elf="$CACHE/embedded/thumbv7em-none-eabihf/release/npukern-cortex-m4f"
+    # Semihosting output goes to stdout; the program's exit request ends QEMU
+    # with its status (the timeout guards against a hang).
+    if ! timeout 600 qemu-system-arm -M mps2-an386 -cpu cortex-m4 -nographic -monitor none \
+        -serial none -semihosting-config enable=on,target=native -kernel "$elf" \
+        >"$CACHE/cortex-m.log"; then
+        grep -v '^ok\|^hash' "$CACHE/cortex-m.log" >&2
+        echo "FAIL: the no_std consumer failed on the Cortex-M4F (log: $CACHE/cortex-m.log)" >&2
+        exit 1
+    fi
+    tail -1 "$CACHE/cortex-m.log"
+    step_end cortex-m
+fi

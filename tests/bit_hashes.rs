@@ -1,0 +1,410 @@
+//! Bit-identical across architectures: every operator on fixed-seed inputs
+//! (every dtype pairing, merge-N and split-D rows, specials, embedding with
+//! duplicates / padding / scaling / sharding / accumulation, gradient health)
+//! under every ISA this machine has, each output hashed bit for bit and
+//! compared with `tests/data/bit_hashes.txt`. The file is produced on
+//! x86_64; scripts/cross.sh runs this test on aarch64 (NEON through `wide`)
+//! too, so a kernel whose bits depend on the ISA or the architecture fails
+//! here, naming the operator and case. `NPK_BLESS=1` rewrites the file.
+
+mod common;
+#[path = "../embedded/checks/src/hash.rs"]
+mod hash;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use common::*;
+use half::{bf16, f16};
+use hash::BitHash;
+use npukern::*;
+
+const FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/bit_hashes.txt");
+
+/// Hashes per case name, for one ISA.
+#[derive(Default)]
+struct Run(BTreeMap<String, u64>);
+
+impl Run {
+    fn put(&mut self, name: String, h: u64) {
+        assert!(
+            self.0.insert(name.clone(), h).is_none(),
+            "case {name} twice"
+        );
+    }
+    fn out<T: Float>(&mut self, name: &str, v: &[T]) {
+        self.put(name.to_string(), BitHash::of(v));
+    }
+}
+
+fn dname<T: Element>() -> &'static str {
+    match T::DTYPE {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+    }
+}
+
+/// Random magnitudes (1e-3..1e3, both signs) with specials planted in row 0
+/// when the row is long enough: NaN, +-Inf, a huge, a tiny and a -0.0.
+fn data<T: Float>(rng: &mut Rng, len: usize, specials: bool) -> Vec<T> {
+    let mut v: Vec<T> = vec_of(len, || rng.mag());
+    if specials && len > 8 {
+        for (i, s) in [f64::NAN, f64::INFINITY, -f64::INFINITY, 6e4, 1e-7, -0.0]
+            .into_iter()
+            .enumerate()
+        {
+            v[1 + i] = T::from_f64(s);
+        }
+    }
+    v
+}
+
+/// (name, rows, cols, tiling, specials): merge-N, split-D by a small UB and
+/// by row length (110000 > a 192 KiB UB's 49152 f32), odd widths.
+fn norm_shapes() -> [(&'static str, usize, usize, UbConfig, bool); 4] {
+    let ub = |ub_bytes, blocks| UbConfig { ub_bytes, blocks };
+    [
+        ("7x300", 7, 300, UbConfig::default(), true),
+        ("9x17.ub1k", 9, 17, ub(1024, 64), false),
+        ("5x4095.ub1k", 5, 4095, ub(1024, 3), true),
+        ("2x110000", 2, 110_000, UbConfig::default(), false),
+    ]
+}
+
+fn norms<T: LaneElemPub, G: LaneElemPub>(run: &mut Run, cpu: &Cpu, seed: u64) {
+    for (si, (shape, m, n, ub, specials)) in norm_shapes().into_iter().enumerate() {
+        let exec = Exec::new(cpu).with_ub(ub);
+        let mut rng = Rng(seed * 100 + si as u64);
+        let x: Vec<T> = data(&mut rng, m * n, specials);
+        let x2: Vec<T> = data(&mut rng, m * n, false);
+        let dy: Vec<T> = data(&mut rng, m * n, false);
+        let dres: Vec<T> = data(&mut rng, m * n, false);
+        let g: Vec<G> = vec_of(n, || rng.uniform(-2.0, 2.0));
+        let (xs, gs) = ([m, n], [n]);
+        let case = format!("{}_{}.{shape}", dname::<T>(), dname::<G>());
+
+        let fwd = run_rms_norm(&exec, &x, &xs, &g, &gs, &RmsNormOptions::default());
+        run.out(&format!("rms_norm.fused.{case}.y"), &fwd.y);
+        run.out(&format!("rms_norm.fused.{case}.rstd"), &fwd.rstd);
+        let cast = RmsNormOptions {
+            gamma_offset: 1.0,
+            rounding: Rounding::CastBeforeGamma,
+            eps: 1e-5,
+        };
+        let f2 = run_rms_norm(&exec, &x, &xs, &g, &gs, &cast);
+        run.out(&format!("rms_norm.cast_offset.{case}.y"), &f2.y);
+
+        let add = run_add_rms_norm(&exec, &x, &x2, &xs, &g, &gs, &RmsNormOptions::default());
+        run.out(&format!("add_rms_norm.{case}.y"), &add.y);
+        run.out(&format!("add_rms_norm.{case}.rstd"), &add.rstd);
+        run.out(&format!("add_rms_norm.{case}.x_sum"), &add.x_sum);
+        // In place: x_sum over x1, same bits as out of place.
+        let mut x1 = x.clone();
+        let (mut y, mut rstd) = (vec![T::from_f64(0.0); m * n], vec![0f32; m]);
+        {
+            let (x2t, gt) = (
+                TensorRef::new(&x2, &xs).unwrap(),
+                TensorRef::new(&g, &gs).unwrap(),
+            );
+            let opts = RmsNormOptions::default();
+            let x1t = TensorRef::new(&x, &xs).unwrap();
+            let sz = add_rms_norm_workspace_size(&exec, x1t, x2t, gt, &opts).unwrap();
+            let mut ws = vec![0u8; sz];
+            let x1m = TensorMut::new(&mut x1, &xs).unwrap();
+            add_rms_norm_in_place(&exec, x1m, x2t, gt, &opts, &mut y, Some(&mut rstd), &mut ws)
+                .unwrap();
+        }
+        let what = format!("add_rms_norm_in_place {case}");
+        assert_same_bits(&x1, &add.x_sum, &what);
+        assert_same_bits(&y, &add.y, &what);
+        assert_same_bits(&rstd, &add.rstd, &what);
+
+        let gopts = RmsNormGradOptions::default();
+        let rs = &fwd.rstd;
+        let b = run_grad(&exec, &dy, &x, &xs, rs, &g, &gs, Some(&dres), &gopts, None);
+        run.out(&format!("rms_norm_grad.dres.{case}.dx"), &b.dx);
+        run.out(&format!("rms_norm_grad.dres.{case}.dgamma"), &b.dgamma);
+        run.out(
+            &format!("rms_norm_grad.dres.{case}.dgamma_cast"),
+            &b.dgamma_cast,
+        );
+        let acc = RmsNormGradOptions {
+            gamma_offset: 0.5,
+            dgamma_mode: DgammaMode::Accumulate,
+        };
+        let init: Vec<f32> = vec_of(n, || rng.mag());
+        let b2 = run_grad(&exec, &dy, &x, &xs, rs, &g, &gs, None, &acc, Some(init));
+        run.out(&format!("rms_norm_grad.offset_acc.{case}.dx"), &b2.dx);
+        run.out(
+            &format!("rms_norm_grad.offset_acc.{case}.dgamma"),
+            &b2.dgamma,
+        );
+        // In place: dx over dy (with dres), same bits as out of place.
+        let mut dydx = dy.clone();
+        let (mut dgamma, mut dgc) = (vec![0f32; n], vec![G::from_f64(0.0); n]);
+        {
+            let (dyt, xt) = (
+                TensorRef::new(&dy, &xs).unwrap(),
+                TensorRef::new(&x, &xs).unwrap(),
+            );
+            let (rt, gt) = (
+                TensorRef::new(&rs[..], &[m]).unwrap(),
+                TensorRef::new(&g, &gs).unwrap(),
+            );
+            let sz = rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, &gopts).unwrap();
+            let mut ws = vec![0u8; sz];
+            let dr = Some(TensorRef::new(&dres, &xs).unwrap());
+            rms_norm_grad_in_place(
+                &exec,
+                &mut dydx,
+                xt,
+                rs,
+                gt,
+                dr,
+                &gopts,
+                Some(&mut dgamma),
+                Some(&mut dgc),
+                &mut ws,
+            )
+            .unwrap();
+        }
+        let what = format!("rms_norm_grad_in_place {case}");
+        assert_same_bits(&dydx, &b.dx, &what);
+        assert_same_bits(&dgamma, &b.dgamma, &what);
+        assert_same_bits(&dgc, &b.dgamma_cast, &what);
+    }
+}
+
+/// Embedding options worth a hash each: plain sums of duplicates, padding,
+/// frequency scaling, a vocab shard ignoring foreign ids, accumulation.
+fn embedding_options() -> [(&'static str, EmbeddingGradOptions, usize); 5] {
+    let d = EmbeddingGradOptions::default();
+    [
+        ("plain", d, 40),
+        (
+            "padding3",
+            EmbeddingGradOptions {
+                padding_idx: 3,
+                ..d
+            },
+            40,
+        ),
+        (
+            "scale_freq.padding0",
+            EmbeddingGradOptions {
+                scale_grad_by_freq: true,
+                padding_idx: 0,
+                ..d
+            },
+            40,
+        ),
+        (
+            "shard16of40",
+            EmbeddingGradOptions {
+                vocab_start: 16,
+                out_of_range: IndexPolicy::Ignore,
+                ..d
+            },
+            16,
+        ),
+        (
+            "accumulate.scale_freq",
+            EmbeddingGradOptions {
+                accumulate: true,
+                scale_grad_by_freq: true,
+                ..d
+            },
+            40,
+        ),
+    ]
+}
+
+fn embedding<G: Float, I: Element + TryFrom<u64>, O: Float>(run: &mut Run, cpu: &Cpu, seed: u64)
+where
+    <I as TryFrom<u64>>::Error: std::fmt::Debug,
+{
+    // (positions, H, tiling): one H row per UB tile and H split across tiles.
+    let shapes = [
+        (96usize, 33usize, UbConfig::default()),
+        (
+            50,
+            3000,
+            UbConfig {
+                ub_bytes: 1024,
+                blocks: 7,
+            },
+        ),
+    ];
+    for (si, (n, h, ub)) in shapes.into_iter().enumerate() {
+        let exec = Exec::new(cpu).with_ub(ub);
+        let mut rng = Rng(seed * 100 + si as u64);
+        let grad: Vec<G> = vec_of(n * h, || rng.mag());
+        // Ids below 40 with heavy duplication (a quarter of them id 7).
+        let idx: Vec<I> = (0..n)
+            .map(|_| {
+                let v = if rng.below(4) == 0 { 7 } else { rng.below(40) };
+                I::try_from(v).unwrap()
+            })
+            .collect();
+        let (gt, it) = (
+            TensorRef::new(&grad, &[n, h]).unwrap(),
+            TensorRef::new(&idx, &[n]).unwrap(),
+        );
+        for (oname, opts, rows) in embedding_options() {
+            let mut out: Vec<O> = vec_of(rows * h, || rng.uniform(-1.0, 1.0));
+            let sz = embedding_dense_grad_workspace_size(&exec, gt, it, rows, &opts).unwrap();
+            let mut ws = vec![0u8; sz];
+            let o = TensorMut::new(&mut out, &[rows, h]).unwrap();
+            embedding_dense_grad(&exec, gt, it, rows, &opts, o, &mut ws).unwrap();
+            let name = format!(
+                "embedding_dense_grad.{oname}.{}_{}_{}.{n}x{h}",
+                dname::<G>(),
+                dname::<I>(),
+                dname::<O>()
+            );
+            run.out(&name, &out);
+        }
+    }
+}
+
+/// Mixed-dtype gradient lists: the summary (every field's bits) and
+/// clip_grad_norm's scaled tensors and norm.
+fn grad_health(run: &mut Run, isa: Isa) {
+    let mut rng = Rng(4242);
+    let a: Vec<f32> = data(&mut rng, 3001, false);
+    let b: Vec<bf16> = data(&mut rng, 777, false);
+    let c: Vec<f16> = data(&mut rng, 4099, false);
+    let d: Vec<bf16> = data(&mut rng, 65, true);
+    let summary = |s: &GradSummary| {
+        let mut h = BitHash::new();
+        h.u64(s.sum_sq.to_bits()).u64(s.nan_count).u64(s.inf_count);
+        h.floats(&[s.min, s.max, s.absmax]).0
+    };
+    for (ub_name, blocks) in [("blocks1", 1u32), ("blocks64", 64)] {
+        let exec = GradExec::cpu().with_isa(isa).with_ub(UbConfig {
+            blocks,
+            ..UbConfig::default()
+        });
+        let lists: [(&str, Vec<GradTensor>); 2] = [
+            (
+                "finite",
+                vec![
+                    GradTensor::F32(&a),
+                    GradTensor::BF16(&b),
+                    GradTensor::F16(&c),
+                ],
+            ),
+            ("specials", vec![GradTensor::F32(&a), GradTensor::BF16(&d)]),
+        ];
+        for (lname, list) in lists {
+            let mut ws = vec![0u8; grad_stats_workspace_size(&exec, &list).unwrap()];
+            let s = grad_stats(&exec, &list, &mut ws).unwrap();
+            run.put(format!("grad_stats.{lname}.{ub_name}.summary"), summary(&s));
+        }
+        for max_norm in [1.0f64, 1e9] {
+            let (mut a2, mut b2, mut c2) = (a.clone(), b.clone(), c.clone());
+            let mut list = [
+                GradTensorMut::F32(&mut a2),
+                GradTensorMut::BF16(&mut b2),
+                GradTensorMut::F16(&mut c2),
+            ];
+            let mut ws = vec![0u8; clip_grad_norm_workspace_size(&exec, &list).unwrap()];
+            let norm = clip_grad_norm(&exec, &mut list, max_norm, true, &mut ws).unwrap();
+            let mut h = BitHash::new();
+            h.u64(norm.to_bits()).floats(&a2).floats(&b2).floats(&c2);
+            run.put(format!("clip_grad_norm.max{max_norm:e}.{ub_name}"), h.0);
+        }
+    }
+}
+
+fn run_all(isa: Isa) -> Run {
+    let cpu = Cpu::new(Serial).with_isa(isa);
+    let mut run = Run::default();
+    norms::<f32, f32>(&mut run, &cpu, 1);
+    norms::<f16, f16>(&mut run, &cpu, 2);
+    norms::<f16, f32>(&mut run, &cpu, 3);
+    norms::<bf16, bf16>(&mut run, &cpu, 4);
+    norms::<bf16, f32>(&mut run, &cpu, 5);
+    embedding::<f32, i64, f32>(&mut run, &cpu, 6);
+    embedding::<bf16, i32, bf16>(&mut run, &cpu, 7);
+    embedding::<bf16, i64, f32>(&mut run, &cpu, 8);
+    embedding::<f16, i32, f16>(&mut run, &cpu, 9);
+    embedding::<f16, i64, f32>(&mut run, &cpu, 10);
+    grad_health(&mut run, isa);
+    run
+}
+
+fn read_expected() -> BTreeMap<String, u64> {
+    let text = std::fs::read_to_string(FILE).unwrap_or_default();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (k, v) = l.split_once(' ').expect("`name hash` lines");
+            let v = u64::from_str_radix(v.trim().trim_start_matches("0x"), 16).expect("hex hash");
+            (k.to_string(), v)
+        })
+        .collect()
+}
+
+#[test]
+fn output_bits_match_the_checked_in_hashes() {
+    let isas: Vec<Isa> = Isa::ALL
+        .into_iter()
+        .filter(|&i| npukern::lanes::available(i))
+        .collect();
+    let runs: Vec<(Isa, Run)> = isas.iter().map(|&i| (i, run_all(i))).collect();
+    let (first_isa, first) = &runs[0];
+    let mut errors = String::new();
+    // Every ISA of this machine agrees with the first (the portable lanes).
+    for (isa, r) in &runs[1..] {
+        for (k, v) in &r.0 {
+            if first.0.get(k) != Some(v) {
+                let _ = writeln!(errors, "{k}: {isa:?} differs from {first_isa:?}");
+            }
+        }
+    }
+    if std::env::var_os("NPK_BLESS").is_some_and(|v| v == "1") {
+        assert!(errors.is_empty(), "ISAs disagree, not blessing:\n{errors}");
+        let mut text = String::from(
+            "# FNV-1a 64 of each output's bits (tests/bit_hashes.rs); NPK_BLESS=1 rewrites.\n",
+        );
+        for (k, v) in &first.0 {
+            let _ = writeln!(text, "{k} {v:#018x}");
+        }
+        std::fs::write(FILE, text).unwrap();
+        return;
+    }
+    let want = read_expected();
+    for (k, v) in &first.0 {
+        match want.get(k) {
+            Some(w) if w == v => {}
+            Some(w) => {
+                let _ = writeln!(
+                    errors,
+                    "{k}: bits differ on {} ({first_isa:?}): {v:#018x}, expected {w:#018x}",
+                    std::env::consts::ARCH
+                );
+            }
+            None => {
+                let _ = writeln!(errors, "{k}: no expected hash (NPK_BLESS=1 to add)");
+            }
+        }
+    }
+    for k in want.keys().filter(|k| !first.0.contains_key(*k)) {
+        let _ = writeln!(errors, "{k}: expected but not produced");
+    }
+    assert!(
+        errors.is_empty(),
+        "{} cases on {} ({isas:?}):\n{errors}",
+        first.0.len(),
+        std::env::consts::ARCH
+    );
+    println!(
+        "{} output hashes match on {} under {isas:?}",
+        first.0.len(),
+        std::env::consts::ARCH
+    );
+}
