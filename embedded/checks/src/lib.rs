@@ -8,8 +8,13 @@
 #![no_std]
 #![deny(missing_docs)]
 
+pub mod api;
+pub mod data;
+mod embedding;
+mod grad_health;
 pub mod hash;
-mod report;
+mod norms;
+pub mod report;
 
 pub use report::{Checker, Outcome};
 
@@ -18,7 +23,8 @@ pub use report::{Checker, Outcome};
 /// failure.
 pub fn run_all(out: &mut dyn core::fmt::Write, bless: bool) -> Outcome {
     let mut c = Checker::new(out, bless);
-    let probe = [1.0f32, 2.0, f32::NAN];
-    c.hash("probe", hash::BitHash::of(&probe));
+    norms::run(&mut c);
+    embedding::run(&mut c);
+    grad_health::run(&mut c);
     c.outcome()
 }

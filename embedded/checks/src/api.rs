@@ -1,0 +1,167 @@
+//! The library calls, each sizing its workspace and running it on a stack
+//! buffer (the only scratch there is: no allocator).
+
+use npukern::*;
+
+/// Stack workspace per call; every call here needs far less (checked).
+pub const WS: usize = 32 * 1024;
+
+/// The element types the checks run on (every float dtype).
+pub trait El: npukern::lanes::LaneElem {}
+impl<T: npukern::lanes::LaneElem> El for T {}
+
+fn sized(bytes: Result<usize>) -> Result<usize> {
+    match bytes {
+        Ok(n) if n > WS => Err(Error::WorkspaceTooSmall {
+            needed: n,
+            given: WS,
+        }),
+        r => r,
+    }
+}
+
+/// RmsNorm: y and rstd.
+pub fn rms_norm<T: El, G: El>(
+    exec: &Exec<'_>,
+    (x, dims): (&[T], &[usize]),
+    g: &[G],
+    opts: &RmsNormOptions,
+    y: &mut [T],
+    rstd: &mut [f32],
+) -> Result<()> {
+    let (xt, gt) = (TensorRef::new(x, dims)?, TensorRef::new(g, &dims[1..])?);
+    let n = sized(rms_norm_workspace_size(exec, xt, gt, opts))?;
+    let mut ws = [0u8; WS];
+    npukern::rms_norm(exec, xt, gt, opts, y, Some(rstd), &mut ws[..n])
+}
+
+/// AddRmsNorm, out of place (`x_sum = Some`) or in place over `x1`.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm<T: El, G: El>(
+    exec: &Exec<'_>,
+    (x1, dims): (&mut [T], &[usize]),
+    x2: &[T],
+    g: &[G],
+    opts: &RmsNormOptions,
+    y: &mut [T],
+    rstd: &mut [f32],
+    x_sum: Option<&mut [T]>,
+) -> Result<()> {
+    let (x2t, gt) = (TensorRef::new(x2, dims)?, TensorRef::new(g, &dims[1..])?);
+    let n = sized(add_rms_norm_workspace_size(
+        exec,
+        TensorRef::new(x1, dims)?,
+        x2t,
+        gt,
+        opts,
+    ))?;
+    let mut ws = [0u8; WS];
+    match x_sum {
+        Some(s) => {
+            let x1t = TensorRef::new(x1, dims)?;
+            npukern::add_rms_norm(exec, x1t, x2t, gt, opts, y, Some(rstd), Some(s), &mut ws[..n])
+        }
+        None => {
+            let x1m = TensorMut::new(x1, dims)?;
+            add_rms_norm_in_place(exec, x1m, x2t, gt, opts, y, Some(rstd), &mut ws[..n])
+        }
+    }
+}
+
+/// The inputs of one RmsNormGrad.
+pub struct GradIn<'a, T, G> {
+    /// Upstream gradient.
+    pub dy: &'a [T],
+    /// Forward input.
+    pub x: &'a [T],
+    /// Its shape.
+    pub dims: &'a [usize],
+    /// Forward rstd.
+    pub rstd: &'a [f32],
+    /// Weight.
+    pub g: &'a [G],
+    /// Residual gradient added to dx.
+    pub dres: Option<&'a [T]>,
+}
+
+/// RmsNormGrad: dx (into `dx`, or over a copy of dy already in `dx` when
+/// `in_place`), dgamma and dgamma_cast.
+pub fn rms_norm_grad<T: El, G: El>(
+    exec: &Exec<'_>,
+    a: &GradIn<'_, T, G>,
+    opts: &RmsNormGradOptions,
+    dx: &mut [T],
+    in_place: bool,
+    dgamma: &mut [f32],
+    dgamma_cast: &mut [G],
+) -> Result<()> {
+    let (xt, gt) = (
+        TensorRef::new(a.x, a.dims)?,
+        TensorRef::new(a.g, &a.dims[1..])?,
+    );
+    let rt = TensorRef::new(a.rstd, &a.dims[..1])?;
+    let dyt = TensorRef::new(a.dy, a.dims)?;
+    let n = sized(rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, opts))?;
+    let dres = match a.dres {
+        Some(d) => Some(TensorRef::new(d, a.dims)?),
+        None => None,
+    };
+    let mut ws = [0u8; WS];
+    if in_place {
+        let (dg, dc) = (Some(dgamma), Some(dgamma_cast));
+        rms_norm_grad_in_place(exec, dx, xt, a.rstd, gt, dres, opts, dg, dc, &mut ws[..n])
+    } else {
+        let out = RmsNormGradOutputs {
+            dx,
+            dgamma: Some(dgamma),
+            dgamma_cast: Some(dgamma_cast),
+        };
+        npukern::rms_norm_grad(exec, dyt, xt, a.rstd, gt, dres, opts, out, &mut ws[..n])
+    }
+}
+
+/// EmbeddingDenseGrad of `grad` ([positions, h]) into `out` ([rows, h]).
+pub fn embedding<G: El, I: Element, O: El>(
+    exec: &Exec<'_>,
+    (grad, h): (&[G], usize),
+    idx: &[I],
+    opts: &EmbeddingGradOptions,
+    out: &mut [O],
+) -> Result<()> {
+    let rows = out.len() / h;
+    let gt = TensorRef::new(grad, &[idx.len(), h])?;
+    let it = TensorRef::new(idx, &[idx.len()])?;
+    let n = sized(embedding_dense_grad_workspace_size(exec, gt, it, rows, opts))?;
+    let mut ws = [0u8; WS];
+    let o = TensorMut::new(out, &[rows, h])?;
+    embedding_dense_grad(exec, gt, it, rows, opts, o, &mut ws[..n])
+}
+
+/// The gradient-health executor: the CPU kernels or the f64 reference.
+pub fn grad_exec(reference: bool) -> GradExec<'static> {
+    let e = GradExec::cpu().with_ub(UbConfig {
+        blocks: 3,
+        ..UbConfig::default()
+    });
+    if reference {
+        e.reference()
+    } else {
+        e
+    }
+}
+
+/// grad_stats over `list`.
+pub fn grad_stats(reference: bool, list: &[GradTensor<'_>]) -> Result<GradSummary> {
+    let exec = grad_exec(reference);
+    let n = sized(grad_stats_workspace_size(&exec, list))?;
+    let mut ws = [0u8; WS];
+    npukern::grad_stats(&exec, list, &mut ws[..n])
+}
+
+/// clip_grad_norm over `list`; the total norm.
+pub fn clip(list: &mut [GradTensorMut<'_>], max_norm: f64, error_if_nonfinite: bool) -> Result<f64> {
+    let exec = grad_exec(false);
+    let n = sized(clip_grad_norm_workspace_size(&exec, list))?;
+    let mut ws = [0u8; WS];
+    clip_grad_norm(&exec, list, max_norm, error_if_nonfinite, &mut ws[..n])
+}
