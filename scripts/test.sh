@@ -14,6 +14,9 @@ cargo clippy --workspace --all-targets --all-features -- -D warnings
 echo "== no_std, no alloc: the rlib without default features"
 cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib
 
+echo "== scripts/cross.sh: no_std consumer + symbol check, embedded targets, aarch64, Cortex-M4F"
+./scripts/cross.sh
+
 echo "== cargo test --release --workspace"
 cargo test --release --workspace
 

@@ -59,7 +59,17 @@ pub fn add_rms_norm<T: El, G: El>(
     match x_sum {
         Some(s) => {
             let x1t = TensorRef::new(x1, dims)?;
-            npukern::add_rms_norm(exec, x1t, x2t, gt, opts, y, Some(rstd), Some(s), &mut ws[..n])
+            npukern::add_rms_norm(
+                exec,
+                x1t,
+                x2t,
+                gt,
+                opts,
+                y,
+                Some(rstd),
+                Some(s),
+                &mut ws[..n],
+            )
         }
         None => {
             let x1m = TensorMut::new(x1, dims)?;
@@ -131,7 +141,9 @@ pub fn embedding<G: El, I: Element, O: El>(
     let rows = out.len() / h;
     let gt = TensorRef::new(grad, &[idx.len(), h])?;
     let it = TensorRef::new(idx, &[idx.len()])?;
-    let n = sized(embedding_dense_grad_workspace_size(exec, gt, it, rows, opts))?;
+    let n = sized(embedding_dense_grad_workspace_size(
+        exec, gt, it, rows, opts,
+    ))?;
     let mut ws = [0u8; WS];
     let o = TensorMut::new(out, &[rows, h])?;
     embedding_dense_grad(exec, gt, it, rows, opts, o, &mut ws[..n])
@@ -159,7 +171,11 @@ pub fn grad_stats(reference: bool, list: &[GradTensor<'_>]) -> Result<GradSummar
 }
 
 /// clip_grad_norm over `list`; the total norm.
-pub fn clip(list: &mut [GradTensorMut<'_>], max_norm: f64, error_if_nonfinite: bool) -> Result<f64> {
+pub fn clip(
+    list: &mut [GradTensorMut<'_>],
+    max_norm: f64,
+    error_if_nonfinite: bool,
+) -> Result<f64> {
     let exec = grad_exec(false);
     let n = sized(clip_grad_norm_workspace_size(&exec, list))?;
     let mut ws = [0u8; WS];

@@ -41,7 +41,14 @@ fn variants() -> [(&'static str, EmbeddingGradOptions, usize); 5] {
     let d = EmbeddingGradOptions::default();
     [
         ("plain", d, VOCAB),
-        ("padding3", EmbeddingGradOptions { padding_idx: 3, ..d }, VOCAB),
+        (
+            "padding3",
+            EmbeddingGradOptions {
+                padding_idx: 3,
+                ..d
+            },
+            VOCAB,
+        ),
         (
             "scale_freq",
             EmbeddingGradOptions {
@@ -122,7 +129,12 @@ fn case<G: El, I: Element + TryFrom<i64>, O: El>(c: &mut Checker<'_>, seed: u64)
             Err(_) => return,
         }
     }
-    let types = name!("{}_{}_{}", dname(G::DTYPE), dname(I::DTYPE), dname(O::DTYPE));
+    let types = name!(
+        "{}_{}_{}",
+        dname(G::DTYPE),
+        dname(I::DTYPE),
+        dname(O::DTYPE)
+    );
     for (vname, opts, rows) in variants() {
         let what = name!("embedding_dense_grad.{vname}.{}", types.as_str());
         let what = what.as_str();

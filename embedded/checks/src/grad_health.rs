@@ -96,11 +96,21 @@ pub fn run(c: &mut Checker<'_>) {
                 let q = 1.0 / (norm + 1e-6);
                 (if q < 1.0 { q } else { 1.0 }) as f32
             };
-            let scaled = |v: &[f32], w: &[f32]| v.iter().zip(w).all(|(x, y)| (*x * coef).to_bits() == y.to_bits());
+            let scaled = |v: &[f32], w: &[f32]| {
+                v.iter()
+                    .zip(w)
+                    .all(|(x, y)| (*x * coef).to_bits() == y.to_bits())
+            };
             let mut ok = norm.to_bits() == s.norm().to_bits() && coef < 1.0;
             ok &= scaled(&a, &a2);
-            ok &= b.iter().zip(&b2).all(|(x, y)| same_bits(&[bf16::from_f32(x.to_f32() * coef)], &[*y]));
-            ok &= cc.iter().zip(&c2).all(|(x, y)| same_bits(&[f16::from_f32(x.to_f32() * coef)], &[*y]));
+            ok &= b
+                .iter()
+                .zip(&b2)
+                .all(|(x, y)| same_bits(&[bf16::from_f32(x.to_f32() * coef)], &[*y]));
+            ok &= cc
+                .iter()
+                .zip(&c2)
+                .all(|(x, y)| same_bits(&[f16::from_f32(x.to_f32() * coef)], &[*y]));
             c.check(
                 "clip_grad_norm",
                 ok,

@@ -120,7 +120,11 @@ fn pair<T: El, G: El>(c: &mut Checker<'_>, seed: u64) {
                 continue;
             }
             // 1 ulp (2 when rounded twice, like the reference); f32: 2e-6 relative.
-            let ulps = if opts.rounding == Rounding::Fused { 1.0 } else { 2.0 };
+            let ulps = if opts.rounding == Rounding::Fused {
+                1.0
+            } else {
+                2.0
+            };
             let tol = |_: usize, w: f64| match T::DTYPE {
                 DType::F32 => 2e-6 * w.abs(),
                 d => ulps * ulp(d, w.abs()),
@@ -151,8 +155,7 @@ fn pair<T: El, G: El>(c: &mut Checker<'_>, seed: u64) {
         let add = |e: &Exec<'_>, x1: &mut [T], y: &mut [T], rs: &mut [f32], s: &mut [T]| {
             api::add_rms_norm(e, (x1, &dims), x2, g, &opts, y, rs, Some(s))
         };
-        if called(c, what, add(&cpu, x1, y, rs, s)) && called(c, what, add(&rf, x1r, yr, rsr, sr))
-        {
+        if called(c, what, add(&cpu, x1, y, rs, s)) && called(c, what, add(&rf, x1r, yr, rsr, sr)) {
             let ok = same_bits(s, sr);
             c.check(
                 name!("{what}.x_sum").as_str(),
@@ -174,7 +177,11 @@ fn pair<T: El, G: El>(c: &mut Checker<'_>, seed: u64) {
             let r = api::add_rms_norm(&cpu, (x1, &dims), x2, g, &opts, y2, rs2, None);
             if called(c, ip.as_str(), r) {
                 let ok = same_bits(x1, s) && same_bits(y2, y) && same_bits(rs2, rs);
-                c.check(ip.as_str(), ok, format_args!("bits differ from out of place"));
+                c.check(
+                    ip.as_str(),
+                    ok,
+                    format_args!("bits differ from out of place"),
+                );
             }
         }
 
@@ -198,8 +205,15 @@ fn pair<T: El, G: El>(c: &mut Checker<'_>, seed: u64) {
         let (dx, dxr, dx2) = (&mut dx[..len], &mut dxr[..len], &mut dx2[..len]);
         let (dg, dgr, dg2) = (&mut dg[..n], &mut dgr[..n], &mut dg2[..n]);
         let (dc, dcr, dc2) = (&mut dc[..n], &mut dcr[..n], &mut dc2[..n]);
-        let ok = called(c, what, api::rms_norm_grad(&cpu, &a, &opts, dx, false, dg, dc))
-            && called(c, what, api::rms_norm_grad(&rf, &a, &opts, dxr, false, dgr, dcr));
+        let ok = called(
+            c,
+            what,
+            api::rms_norm_grad(&cpu, &a, &opts, dx, false, dg, dc),
+        ) && called(
+            c,
+            what,
+            api::rms_norm_grad(&rf, &a, &opts, dxr, false, dgr, dcr),
+        );
         if !ok {
             continue;
         }
@@ -216,22 +230,42 @@ fn pair<T: El, G: El>(c: &mut Checker<'_>, seed: u64) {
             a + d
         };
         let dx_tol = |i: usize, w: f64| ulp(T::DTYPE, w.abs()) + 1e-5 * row_scale(i / n);
-        report(c, name!("{what}.dx").as_str(), dx, dxr, first_off(dx, dxr, dx_tol));
+        report(
+            c,
+            name!("{what}.dx").as_str(),
+            dx,
+            dxr,
+            first_off(dx, dxr, dx_tol),
+        );
         let dg_tol = |j: usize, w: f64| {
             let cond: f64 = (0..m)
                 .map(|r| (f(dy[r * n + j]) * f(x[r * n + j]) * rstd[r] as f64).abs())
                 .sum();
             1e-5 * cond + ulp(DType::F32, w.abs())
         };
-        report(c, name!("{what}.dgamma").as_str(), dg, dgr, first_off(dg, dgr, dg_tol));
+        report(
+            c,
+            name!("{what}.dgamma").as_str(),
+            dg,
+            dgr,
+            first_off(dg, dgr, dg_tol),
+        );
         c.hash(name!("{what}.dx").as_str(), BitHash::of(dx));
         c.hash(name!("{what}.dgamma").as_str(), BitHash::of(dg));
         c.hash(name!("{what}.dgamma_cast").as_str(), BitHash::of(dc));
         dx2.copy_from_slice(dy);
         let ip = name!("rms_norm_grad_in_place.{case}");
-        if called(c, ip.as_str(), api::rms_norm_grad(&cpu, &a, &opts, dx2, true, dg2, dc2)) {
+        if called(
+            c,
+            ip.as_str(),
+            api::rms_norm_grad(&cpu, &a, &opts, dx2, true, dg2, dc2),
+        ) {
             let ok = same_bits(dx2, dx) && same_bits(dg2, dg) && same_bits(dc2, dc);
-            c.check(ip.as_str(), ok, format_args!("bits differ from out of place"));
+            c.check(
+                ip.as_str(),
+                ok,
+                format_args!("bits differ from out of place"),
+            );
         }
     }
 }

@@ -50,7 +50,7 @@ pub extern "C" fn rust_eh_personality() {}
 
 /// The C entry point (crt1's `__libc_start_main` calls it).
 #[no_mangle]
-pub extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
+extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
     let mut bless = false;
     for i in 1..argc.max(0) as usize {
         // SAFETY: the C runtime passes `argc` valid NUL-terminated strings in `argv`.
