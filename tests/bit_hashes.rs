@@ -15,9 +15,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use common::*;
-use half::{bf16, f16};
 use hash::BitHash;
 use npukern::*;
+use npukern::{bf16, f16};
 
 const FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/bit_hashes.txt");
 
@@ -74,7 +74,7 @@ fn norm_shapes() -> [(&'static str, usize, usize, UbConfig, bool); 4] {
     ]
 }
 
-fn norms<T: LaneElemPub, G: LaneElemPub>(run: &mut Run, cpu: &Cpu, seed: u64) {
+fn norms<T: Float, G: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
     for (si, (shape, m, n, ub, specials)) in norm_shapes().into_iter().enumerate() {
         let exec = Exec::new(cpu).with_ub(ub);
         let mut rng = Rng(seed * 100 + si as u64);
@@ -92,7 +92,7 @@ fn norms<T: LaneElemPub, G: LaneElemPub>(run: &mut Run, cpu: &Cpu, seed: u64) {
         let cast = RmsNormOptions {
             gamma_offset: 1.0,
             rounding: Rounding::CastBeforeGamma,
-            eps: 1e-5,
+            eps: 1e-5f32,
         };
         let f2 = run_rms_norm(&exec, &x, &xs, &g, &gs, &cast);
         run.out(&format!("rms_norm.cast_offset.{case}.y"), &f2.y);
@@ -154,14 +154,14 @@ fn norms<T: LaneElemPub, G: LaneElemPub>(run: &mut Run, cpu: &Cpu, seed: u64) {
                 TensorRef::new(&rs[..], &[m]).unwrap(),
                 TensorRef::new(&g, &gs).unwrap(),
             );
-            let sz = rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, &gopts).unwrap();
-            let mut ws = vec![0u8; sz];
             let dr = Some(TensorRef::new(&dres, &xs).unwrap());
+            let sz = rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, dr, &gopts).unwrap();
+            let mut ws = vec![0u8; sz];
             rms_norm_grad_in_place(
                 &exec,
-                &mut dydx,
+                TensorMut::new(&mut dydx, &xs).unwrap(),
                 xt,
-                rs,
+                rt,
                 gt,
                 dr,
                 &gopts,
@@ -257,8 +257,7 @@ where
             let mut out: Vec<O> = vec_of(rows * h, || rng.uniform(-1.0, 1.0));
             let sz = embedding_dense_grad_workspace_size(&exec, gt, it, rows, &opts).unwrap();
             let mut ws = vec![0u8; sz];
-            let o = TensorMut::new(&mut out, &[rows, h]).unwrap();
-            embedding_dense_grad(&exec, gt, it, rows, &opts, o, &mut ws).unwrap();
+            embedding_dense_grad(&exec, gt, it, rows, &opts, &mut out, &mut ws).unwrap();
             let name = format!(
                 "embedding_dense_grad.{oname}.{}_{}_{}.{n}x{h}",
                 dname::<G>(),
@@ -272,7 +271,7 @@ where
 
 /// Mixed-dtype gradient lists: the summary (every field's bits) and
 /// clip_grad_norm's scaled tensors and norm.
-fn grad_health(run: &mut Run, isa: Isa) {
+fn grad_health(run: &mut Run, cpu: &Cpu) {
     let mut rng = Rng(4242);
     let a: Vec<f32> = data(&mut rng, 3001, false);
     let b: Vec<bf16> = data(&mut rng, 777, false);
@@ -284,7 +283,7 @@ fn grad_health(run: &mut Run, isa: Isa) {
         h.floats(&[s.min, s.max, s.absmax]).0
     };
     for (ub_name, blocks) in [("blocks1", 1u32), ("blocks64", 64)] {
-        let exec = GradExec::cpu().with_isa(isa).with_ub(UbConfig {
+        let exec = Exec::new(cpu).with_ub(UbConfig {
             blocks,
             ..UbConfig::default()
         });
@@ -311,8 +310,13 @@ fn grad_health(run: &mut Run, isa: Isa) {
                 GradTensorMut::BF16(&mut b2),
                 GradTensorMut::F16(&mut c2),
             ];
-            let mut ws = vec![0u8; clip_grad_norm_workspace_size(&exec, &list).unwrap()];
-            let norm = clip_grad_norm(&exec, &mut list, max_norm, true, &mut ws).unwrap();
+            let opts = ClipGradNormOptions {
+                max_norm,
+                error_if_nonfinite: true,
+            };
+            let sz = clip_grad_norm_workspace_size(&exec, &list, &opts).unwrap();
+            let mut ws = vec![0u8; sz];
+            let norm = clip_grad_norm(&exec, &mut list, &opts, &mut ws).unwrap();
             let mut h = BitHash::new();
             h.u64(norm.to_bits()).floats(&a2).floats(&b2).floats(&c2);
             run.put(format!("clip_grad_norm.max{max_norm:e}.{ub_name}"), h.0);
@@ -333,7 +337,7 @@ fn run_all(isa: Isa) -> Run {
     embedding::<bf16, i64, f32>(&mut run, &cpu, 8);
     embedding::<f16, i32, f16>(&mut run, &cpu, 9);
     embedding::<f16, i64, f32>(&mut run, &cpu, 10);
-    grad_health(&mut run, isa);
+    grad_health(&mut run, &cpu);
     run
 }
 
@@ -351,10 +355,7 @@ fn read_expected() -> BTreeMap<String, u64> {
 
 #[test]
 fn output_bits_match_the_checked_in_hashes() {
-    let isas: Vec<Isa> = Isa::ALL
-        .into_iter()
-        .filter(|&i| npukern::lanes::available(i))
-        .collect();
+    let isas: Vec<Isa> = Isa::ALL.into_iter().filter(|&i| i.is_available()).collect();
     let runs: Vec<(Isa, Run)> = isas.iter().map(|&i| (i, run_all(i))).collect();
     let (first_isa, first) = &runs[0];
     let mut errors = String::new();

@@ -7,8 +7,8 @@ use npukern::*;
 pub const WS: usize = 32 * 1024;
 
 /// The element types the checks run on (every float dtype).
-pub trait El: npukern::lanes::LaneElem {}
-impl<T: npukern::lanes::LaneElem> El for T {}
+pub trait El: Float {}
+impl<T: Float> El for T {}
 
 fn sized(bytes: Result<usize>) -> Result<usize> {
     match bytes {
@@ -111,22 +111,20 @@ pub fn rms_norm_grad<T: El, G: El>(
     );
     let rt = TensorRef::new(a.rstd, &a.dims[..1])?;
     let dyt = TensorRef::new(a.dy, a.dims)?;
-    let n = sized(rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, opts))?;
     let dres = match a.dres {
         Some(d) => Some(TensorRef::new(d, a.dims)?),
         None => None,
     };
+    let n = sized(rms_norm_grad_workspace_size(
+        exec, dyt, xt, rt, gt, dres, opts,
+    ))?;
     let mut ws = [0u8; WS];
+    let (dg, dc) = (Some(dgamma), Some(dgamma_cast));
     if in_place {
-        let (dg, dc) = (Some(dgamma), Some(dgamma_cast));
-        rms_norm_grad_in_place(exec, dx, xt, a.rstd, gt, dres, opts, dg, dc, &mut ws[..n])
+        let dydx = TensorMut::new(dx, a.dims)?;
+        rms_norm_grad_in_place(exec, dydx, xt, rt, gt, dres, opts, dg, dc, &mut ws[..n])
     } else {
-        let out = RmsNormGradOutputs {
-            dx,
-            dgamma: Some(dgamma),
-            dgamma_cast: Some(dgamma_cast),
-        };
-        npukern::rms_norm_grad(exec, dyt, xt, a.rstd, gt, dres, opts, out, &mut ws[..n])
+        npukern::rms_norm_grad(exec, dyt, xt, rt, gt, dres, opts, dx, dg, dc, &mut ws[..n])
     }
 }
 
@@ -145,21 +143,21 @@ pub fn embedding<G: El, I: Element, O: El>(
         exec, gt, it, rows, opts,
     ))?;
     let mut ws = [0u8; WS];
-    let o = TensorMut::new(out, &[rows, h])?;
-    embedding_dense_grad(exec, gt, it, rows, opts, o, &mut ws[..n])
+    embedding_dense_grad(exec, gt, it, rows, opts, out, &mut ws[..n])
 }
 
-/// The gradient-health executor: the CPU kernels or the f64 reference.
-pub fn grad_exec(reference: bool) -> GradExec<'static> {
-    let e = GradExec::cpu().with_ub(UbConfig {
+/// The gradient-health executor: the CPU kernels or the f64 reference,
+/// the elements cut into 3 blocks.
+pub fn grad_exec(reference: bool) -> Exec<'static> {
+    let e = if reference {
+        Exec::reference()
+    } else {
+        Exec::cpu()
+    };
+    e.with_ub(UbConfig {
         blocks: 3,
         ..UbConfig::default()
-    });
-    if reference {
-        e.reference()
-    } else {
-        e
-    }
+    })
 }
 
 /// grad_stats over `list`.
@@ -177,7 +175,11 @@ pub fn clip(
     error_if_nonfinite: bool,
 ) -> Result<f64> {
     let exec = grad_exec(false);
-    let n = sized(clip_grad_norm_workspace_size(&exec, list))?;
+    let opts = ClipGradNormOptions {
+        max_norm,
+        error_if_nonfinite,
+    };
+    let n = sized(clip_grad_norm_workspace_size(&exec, list, &opts))?;
     let mut ws = [0u8; WS];
-    clip_grad_norm(&exec, list, max_norm, error_if_nonfinite, &mut ws[..n])
+    clip_grad_norm(&exec, list, &opts, &mut ws[..n])
 }

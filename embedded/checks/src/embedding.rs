@@ -4,7 +4,7 @@
 //! position order, one rounding; the data are multiples of 1/8, so the sums
 //! are exact) and hashed.
 
-use half::{bf16, f16};
+use npukern::{bf16, f16};
 use npukern::{DType, Element, EmbeddingGradOptions, Exec, Float, IndexPolicy, UbConfig};
 
 use crate::api::{self, El};

@@ -3,7 +3,7 @@
 //! clipped tensors bit for bit against `round(x * coef)`, NaN/Inf counted,
 //! error_if_nonfinite refusing without writing; every result hashed.
 
-use half::{bf16, f16};
+use npukern::{bf16, f16};
 use npukern::{Error, GradSummary, GradTensor, GradTensorMut};
 
 use crate::api;

@@ -3,7 +3,7 @@
 //! split-D, against the f64 reference within the documented tolerances, and
 //! their bits hashed.
 
-use half::{bf16, f16};
+use npukern::{bf16, f16};
 use npukern::{
     DType, Exec, Float, Reference, RmsNormGradOptions, RmsNormOptions, Rounding, UbConfig,
 };
