@@ -124,7 +124,7 @@ if wants nostd; then
     step_start nostd
     symbol_check_control
     rlib=$(cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib \
-        --message-format=json | npukern_rlib)
+        --message-format=json-render-diagnostics | npukern_rlib)
     [ -n "$rlib" ] || { echo "FAIL: no rlib path from cargo" >&2; exit 1; }
     no_std_symbols "$rlib"
     host_dir="$CACHE/host"
@@ -158,7 +158,7 @@ if wants embedded; then
     for t in thumbv7em-none-eabihf riscv32imac-unknown-none-elf aarch64-unknown-none; do
         rlib=$(deb_cargo build -p npukern --lib --release --locked --no-default-features \
             -Zbuild-std=core --target "$t" --target-dir "$CACHE/target" \
-            --message-format=json | npukern_rlib)
+            --message-format=json-render-diagnostics | npukern_rlib)
         [ -n "$rlib" ] || { echo "FAIL: no rlib for $t" >&2; exit 1; }
         no_std_symbols "$rlib"
     done
