@@ -1,34 +1,28 @@
 //! The CPU kernels: one block of the flat element range at a time.
 //!
-//! # Stats: the fixed 16-lane pattern
+//! # Stats: the fixed 16-lane pattern, exact squares
 //! Element `k` of a tensor's piece inside a block goes to lane `k % 16`.
-//! The piece is read in windows of `WINDOW_GROUPS` = 32 groups of 16 (512
-//! elements). In a window the `Lanes` widen each group and square it; group
-//! `j` of the window is added, in f32, to accumulator `j % 4`, and the four
-//! accumulators are combined as `(s0 + s1) + (s2 + s3)` (four independent
-//! add chains keep the adders busy). The window's 16 lane sums are then
-//! widened to f64 and added to the block's 16 f64 lane sums. The tail of a
-//! piece (< 16 elements) goes, element `k` to lane `k % 16`, straight into
-//! the f64 lanes. At the end of the block the 16 f64 lanes fold in one fixed
-//! tree (lane `i + 8` onto `i`, then `+4`, `+2`, `+1`). Min/max run at the
-//! ISA's width (`MinMax`; the `Lanes` have none). The order of every
-//! operation is fixed by the plan alone, never by the runner or ISA; no FMA.
+//! Each finite element's square is computed exactly in f64 (an f32 times an
+//! f32 is exact in f64) and added, in element order, to its lane's f64 sum;
+//! at the end of the block the 16 f64 lanes fold in one fixed tree (lane
+//! `i + 8` onto `i`, then `+4`, `+2`, `+1`). The only rounding is f64
+//! addition (relative error about `n * 2^-53`), so the sum of squares of a
+//! tensor hardly depends on where blocks or shards cut it: a vocab-parallel
+//! embedding's per-rank sums, all-reduced, give the single-process norm to
+//! about 1e-15 (the f32 windows this replaced were exact to 6.6e-7 only, and
+//! their rounding moved with the cut).
 //!
-//! # Why f32 windows are exact enough, and when they are not used
-//! A lane's window sum is 8 squares per accumulator plus two combining
-//! additions: each square and each addition rounds once, so its relative
-//! error is at most 11 * 2^-24 < 6.6e-7 (all terms >= 0, so the bound holds
-//! for the total `sum_sq`), < 3.3e-7 on the norm, before the f64 part
-//! (~1e-15). That holds only while no square overflows or underflows f32, so
-//! a window is taken as is only when its f32 sums are finite and its largest
-//! magnitude `m` is 0 or in `[2^-50, 2^60]`. Otherwise — a window holding
-//! NaN/Inf, a huge value, or only tiny nonzero ones — the window is re-read,
-//! masked, while it is in L1: each finite element's exact f64 square is
-//! added to its f64 lane, NaN/Inf are counted, min/max see the finite
-//! elements only. Whether a window is masked depends on its contents alone,
-//! so results stay deterministic. (Below `2^-50` the f32 squares would lose
-//! bits to underflow; in a window whose largest magnitude is at least
-//! `2^-50` those lost bits are below 2^-40 of the window's sum.)
+//! The piece is read in windows of `WINDOW_GROUPS` = 32 groups of 16 (512
+//! elements). Beside the f64 squares the `Lanes` keep a cheap f32 sum of
+//! squares per window (four accumulators) and the window's min/max at the
+//! ISA's width (`MinMax`; the `Lanes` have none): when that f32 sum is not
+//! finite or the largest magnitude is outside `[2^-50, 2^60]`, the window may
+//! hold NaN/Inf, so it is re-read, masked, while it is in L1: finite
+//! elements add the same exact f64 squares, NaN/Inf are counted, min/max see
+//! the finite elements only. Either path gives the same bits for a window of
+//! finite elements, so the test only decides what is counted. The order of
+//! every operation is fixed by the plan alone, never by the runner or ISA;
+//! no FMA (Rust never contracts `*` and `+`).
 
 use super::minmax::MinMax;
 use super::plan::{GradTiling, Partial, Seg};
@@ -125,39 +119,50 @@ fn masked(acc: &mut Acc, v: &[f32]) {
     }
 }
 
-/// One group: its squares into `s`, its values into `w`.
+/// One group: its exact f64 squares into `sq` (lane by lane), its f32
+/// squares into the finiteness detector `s`, its values into `w`.
 #[inline(always)]
-fn step<L: Lanes, T: Float>(s: &mut L, w: &mut MinMax, v: &mut [f32; GROUP], g: &[T; GROUP]) {
+fn step<L: Lanes, T: Float>(
+    s: &mut L,
+    sq: &mut [f64; GROUP],
+    w: &mut MinMax,
+    v: &mut [f32; GROUP],
+    g: &[T; GROUP],
+) {
     let x = T::load::<L>(g);
     *s = s.add(x.mul(x));
     x.store(v);
     w.push::<L>(v);
+    for (q, &e) in sq.iter_mut().zip(v.iter()) {
+        let d = e as f64;
+        // Separate mul and add: Rust never contracts them into an FMA.
+        *q += d * d;
+    }
 }
 
-/// One window of whole groups: squares summed on the `Lanes` (group `j` of
-/// the window into accumulator `j % 4`, so four add chains run at once;
-/// then `(s0 + s1) + (s2 + s3)`: at most 8 + 2 additions per lane), min/max
-/// at the ISA's width (`MinMax`).
+/// One window of whole groups: exact f64 squares added to a copy of the
+/// block's lane sums, kept when the window's f32 detector (group `j` into
+/// accumulator `j % 4`, then `(s0 + s1) + (s2 + s3)`) and min/max say every
+/// element is finite and in range.
 #[inline(always)]
 fn window<L: Lanes, T: Float>(acc: &mut Acc, win: &[[T; GROUP]]) {
     let z = L::splat(0.0);
     let mut s = [z; ACCS];
+    let mut sq = acc.sq;
     let mut w = MinMax::new();
     let mut v = [0f32; GROUP];
     let (quads, rest) = win.as_chunks::<ACCS>();
     for q in quads {
         for (k, g) in q.iter().enumerate() {
-            step::<L, T>(&mut s[k], &mut w, &mut v, g);
+            step::<L, T>(&mut s[k], &mut sq, &mut w, &mut v, g);
         }
     }
     for (k, g) in rest.iter().enumerate() {
-        step::<L, T>(&mut s[k], &mut w, &mut v, g);
+        step::<L, T>(&mut s[k], &mut sq, &mut w, &mut v, g);
     }
     s[0].add(s[1]).add(s[2].add(s[3])).store(&mut v);
     if w.window_ok(&v) {
-        for (q, &x) in acc.sq.iter_mut().zip(v.iter()) {
-            *q += x as f64;
-        }
+        acc.sq = sq;
         acc.mm.merge(&w);
     } else {
         // Rare: re-read the window (in L1) exactly, masking NaN/Inf.

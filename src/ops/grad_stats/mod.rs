@@ -8,9 +8,8 @@
 //! The tensors (f32 | f16 | bf16, any shapes, any mix) are one flat sequence
 //! of elements in list order. `GradTiling` cuts it into equal blocks from the
 //! element count and `UbConfig::blocks` alone. A block widens its elements
-//! to f32 on the `Lanes` and accumulates their squares into a fixed 16-lane
-//! pattern (f32 sums over windows of 32 terms per lane, then f64 per lane;
-//! see `kernel`), folds the lanes in a fixed tree, and the blocks' partials
+//! to f32 on the `Lanes` and accumulates their exact f64 squares into a fixed
+//! 16-lane pattern (see `kernel`), folds the lanes in a fixed tree, and the blocks' partials
 //! are combined in f64 in block order. So the same tensors and `UbConfig`
 //! give the same bits with any runner and thread count (and any ISA: no FMA,
 //! and zero min/max are reported as +0.0) — in the default floating-point
@@ -18,19 +17,17 @@
 //! (e.g. `torch.set_flush_denormal(True)`) changes subnormal results.
 //!
 //! # Precision of the norm
-//! Within a window each lane sums 32 squares in f32, in four chains of 8
-//! combined pairwise: relative error at most 11 * 2^-24 < 6.6e-7 on
-//! `sum_sq` (all terms are >= 0, so the bound holds for the total), i.e.
-//! < 3.3e-7 on the norm. The window sums are exact in f64 and summed in f64
-//! (per lane, then a 4-level fold, then the blocks): another
-//! ~`(elements / 512 + blocks) * 2^-53`, i.e. ~1e-9 at 10^9 elements.
-//! Windows whose squares could overflow or underflow f32 (a magnitude above
-//! 2^60, or all magnitudes below 2^-50 but not all zero) or that hold
-//! NaN/Inf are summed exactly in f64 instead, so a finite gradient never
-//! yields an infinite norm and tiny gradients keep their precision.
+//! Each square is exact in f64 (an f32 times an f32), and the squares are
+//! summed in f64 (per lane in element order, a 4-level fold, then the blocks
+//! in order): relative error at most about `(elements / 16 + blocks) *
+//! 2^-53` on `sum_sq`, ~1e-9 at 10^9 elements in the worst case and far less
+//! in practice. No f32 rounding is involved, so a finite gradient never
+//! yields an infinite norm, tiny gradients keep their precision, and where
+//! the blocks (or the ranks of a sharded model) cut the elements moves the
+//! result only in the last f64 bits.
 //! Measured against a compensated float64 sum (`tests/grad_stats.rs`,
-//! `cargo test --test grad_stats -- --nocapture`): worst 1.2e-8 relative on
-//! the norm over random mixed lists, 4.3e-9 over 2^24 + 2^23 elements.
+//! `cargo test --test grad_stats -- --nocapture`): worst 3.0e-14 relative on
+//! the norm over random mixed lists, 1.1e-13 over 2^24 + 2^23 elements.
 //!
 //! # Clipping (`clip_grad_norm`), PyTorch's rule
 //! - `total_norm` = L2 norm of all elements: NaN if any element is NaN, +Inf
