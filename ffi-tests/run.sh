@@ -34,11 +34,18 @@ set -x
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
   -o "$build/test_c_static"
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "${shared_libs[@]}" -o "$build/test_c_shared"
-"$cxx" -std=c++17 "${flags[@]}" "$root/ffi-tests/test_cpp.cpp" "$libdir/libnpukern.a" "${static_libs[@]}" \
-  -o "$build/test_cpp_static"
+"$cxx" -std=c++17 "${flags[@]}" -Wnarrowing "$root/ffi-tests/test_cpp.cpp" "$libdir/libnpukern.a" \
+  "${static_libs[@]}" -o "$build/test_cpp_static"
 "$cxx" -std=c++17 "${flags[@]}" "$root/ffi-tests/test_cpp.cpp" "${shared_libs[@]}" -o "$build/test_cpp_shared"
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_grad_stats.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
   -o "$build/test_grad_stats_static"
+"$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_regressions.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
+  -o "$build/test_regressions_static"
+# clang, where installed, is stricter about narrowing in braced initializers.
+if command -v clang++ >/dev/null; then
+  clang++ -std=c++17 "${flags[@]}" -Wnarrowing "$root/ffi-tests/test_cpp.cpp" "${shared_libs[@]}" \
+    -o "$build/test_cpp_clang"
+fi
 set +x
 
 # Make sure each binary is linked the way its name says.
@@ -53,7 +60,7 @@ done
 
 # The pkg-config template, as an installed copy would be used: a staged
 # prefix whose include/ and lib/ point at this tree and its libraries.
-tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static)
+tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static test_regressions_static)
 if command -v pkg-config >/dev/null; then
   stage="$build/stage"
   mkdir -p "$stage/include" "$stage/lib/pkgconfig"
@@ -69,6 +76,8 @@ if command -v pkg-config >/dev/null; then
 else
   echo "run.sh: pkg-config not found; the .pc template is not exercised"
 fi
+
+if [[ -x "$build/test_cpp_clang" ]] && command -v clang++ >/dev/null; then tests+=(test_cpp_clang); fi
 
 status=0
 run() { # NAME [ENV=VALUE...]

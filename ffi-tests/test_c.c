@@ -795,7 +795,7 @@ static void test_errors_rms_norm(void) {
   e = E;
   e.parallel_for = skipping_parallel_for;
   e.blocks = 4;
-  EXPECT_ERR(npk_rms_norm(&xt, &gt, NULL, &yt, &rt, wsm, ws, &e), NPK_ERR_PARAM_INVALID, "parallel_for");
+  EXPECT_ERR(npk_rms_norm(&xt, &gt, NULL, &yt, &rt, wsm, ws, &e), NPK_ERR_BACKEND, "parallel_for");
 
   /* Empty tensors: data may be NULL, and the workspace too when its size is 0. */
   {

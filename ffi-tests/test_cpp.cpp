@@ -374,9 +374,36 @@ void test_errors() {
   }
 }
 
+// npk_tensor_make: size_t (and other integer) dimensions without narrowing
+// (this file builds with -Wnarrowing -Werror), and a working call with it.
+void test_tensor_make() {
+  const size_t rows = 3, cols = 40;
+  std::vector<float> x(rows * cols, 0.5f), g(cols, 1.0f), y(rows * cols, 0.0f);
+  npk_tensor xt = npk_tensor_make(x.data(), NPK_F32, rows, cols);
+  npk_tensor gt = npk_tensor_make(g.data(), NPK_F32, cols);
+  npk_tensor yt = npk_tensor_make(y.data(), NPK_F32, int64_t(rows), int(cols));
+  CHECK(xt.ndim == 2 && xt.shape[0] == 3 && xt.shape[1] == 40 && xt.data == x.data() && xt.dtype == NPK_F32,
+        "%s", "npk_tensor_make fills the descriptor");
+  CHECK(yt.ndim == 2 && yt.shape[0] == 3 && yt.shape[1] == 40, "%s", "mixed integer types");
+  CHECK(npk_dim(size_t(-1)) == -1 && npk_dim(-5) == -1 && npk_dim(uint8_t(7)) == 7, "%s",
+        "out-of-range dimensions become -1");
+  npk_tensor bad = npk_tensor_make(x.data(), NPK_F32, size_t(-1), cols);
+  npk_error_detail d;
+  npk_exec e = {};
+  e.detail = &d;
+  size_t ws = 0;
+  CHECK(npk_rms_norm_workspace_size(&bad, &gt, nullptr, &e, &ws) == NPK_ERR_PARAM_INVALID, "%s",
+        "a dimension above INT64_MAX is rejected, not wrapped");
+  CHECK(npk_rms_norm_workspace_size(&xt, &gt, nullptr, &e, &ws) == NPK_OK, "%s", "size call");
+  std::vector<unsigned char> w(ws + 1);
+  CHECK(npk_rms_norm(&xt, &gt, nullptr, &yt, nullptr, w.data(), ws, &e) == NPK_OK, "%s", "run");
+  CHECK(y[0] > 0.99f && y[0] < 1.01f, "y = x / rms(x) = 1: %g", double(y[0]));
+}
+
 }  // namespace
 
 int main() {
+  test_tensor_make();
   test_norms();
   test_embedding();
   test_errors();

@@ -8,10 +8,20 @@
  *   npk_rms_norm(&x, &gamma, &opts, &y, &rstd, ws, ws_bytes, exec);
  *
  * Every call validates everything before its first write; on error no output
- * changes and exec->detail (if given) says what was wrong. The contract is
- * c-api.md; the library never panics, aborts, allocates (outside
- * npk_threads_parallel_for's pool creation) or keeps a pointer after return.
- * Enums are int-sized: do not build callers with -fshort-enums.
+ * changes and exec->detail (if given) says what was wrong. The library never
+ * panics, aborts, allocates (outside npk_threads_parallel_for's pool
+ * creation) or keeps a pointer after return. Enums are int-sized: do not
+ * build callers with -fshort-enums.
+ *
+ * f16 and bf16 tensors hold uint16_t bit patterns: IEEE binary16, and the
+ * top 16 bits of an IEEE binary32 (bfloat16). Every name declared here
+ * starts with npk_ or NPK_. C++ users build descriptors from size_t (or any
+ * integer) dimensions with npk_tensor_make (at the end; no narrowing).
+ *
+ * Reference: docs/c-api.md (functions, status codes, the two-phase pattern),
+ * docs/operators.md (semantics and numerics), docs/reproducibility.md,
+ * docs/dispatch.md (tiling plans and the foreign backend an NPU adapter
+ * plugs in).
  */
 
 #ifndef NPUKERN_H
@@ -95,49 +105,24 @@ typedef enum npk_isa {
 } npk_isa;
 
 /**
- * An instruction-set implementation of `Lanes`. Values are the C ABI's `npk_isa`.
- */
-enum Isa
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : uint32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  /**
-   * `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
-   */
-  Portable = 1,
-  /**
-   * AVX2 + FMA + F16C (x86_64); FMA is enabled but never used.
-   */
-  Avx2 = 2,
-  /**
-   * AVX-512F and BW (with AVX2, FMA, F16C) on x86_64.
-   */
-  Avx512 = 3,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum Isa Isa;
-#else
-typedef uint32_t Isa;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
-
-/**
  * A tensor's element type (the header's definition of `npk_dtype`; the
- * library's own type is `DType`, with the same values).
+ * library's own type is `DType`, with the same values). C has no 16-bit
+ * float type: f16 and bf16 elements cross the ABI as `uint16_t` bit
+ * patterns.
  */
 typedef enum npk_dtype {
   /**
-   * IEEE binary32.
+   * IEEE binary32 (`float`).
    */
   NPK_F32 = 0,
   /**
-   * IEEE binary16.
+   * IEEE binary16, as `uint16_t` bits (C23 `_Float16`, C++23
+   * `std::float16_t`, `__fp16` where available: same bits).
    */
   NPK_F16 = 1,
   /**
-   * bfloat16.
+   * bfloat16, as `uint16_t` bits: the top 16 bits of the binary32 of the
+   * same value (`float f = bits << 16`; C++23 `std::bfloat16_t`).
    */
   NPK_BF16 = 2,
   /**
@@ -1063,3 +1048,35 @@ void npk_threads_parallel_for(void *runner_ctx,
 #endif  // __cplusplus
 
 #endif  /* NPUKERN_H */
+
+#if defined(__cplusplus) && !defined(NPK_CXX_HELPERS_H)
+#define NPK_CXX_HELPERS_H
+#include <type_traits>
+
+/** C++: one dimension as int64_t without narrowing (-1 when it does not fit). */
+template <typename D>
+constexpr int64_t npk_dim(D d) noexcept {
+  static_assert(std::is_integral<D>::value, "npk_tensor_make: dimensions are integers");
+  return (std::is_signed<D>::value && static_cast<long long>(d) < 0) ? int64_t(-1)
+         : static_cast<unsigned long long>(d) > static_cast<unsigned long long>(INT64_MAX)
+             ? int64_t(-1)
+             : static_cast<int64_t>(d);
+}
+
+/**
+ * C++: an npk_tensor from 1..NPK_MAX_DIMS dimensions of any integer type
+ * (size_t, int64_t, int, ...), e.g. npk_tensor_make(p, NPK_BF16, rows, cols).
+ */
+template <typename... Dims>
+inline npk_tensor npk_tensor_make(const void *data, npk_dtype dtype, Dims... dims) noexcept {
+  static_assert(sizeof...(Dims) >= 1 && sizeof...(Dims) <= NPK_MAX_DIMS,
+                "npk_tensor_make: 1..NPK_MAX_DIMS dimensions");
+  const int64_t shape[] = {npk_dim(dims)...};
+  npk_tensor t = {};
+  t.data = const_cast<void *>(data);
+  t.dtype = dtype;
+  t.ndim = static_cast<uint32_t>(sizeof...(Dims));
+  for (uint32_t i = 0; i < t.ndim; ++i) t.shape[i] = shape[i];
+  return t;
+}
+#endif  /* __cplusplus, NPK_CXX_HELPERS_H */

@@ -227,6 +227,23 @@ impl RawTensor {
         }
     }
 
+    /// True when this tensor's bytes share a byte with `[addr, addr + bytes)`
+    /// (for a descriptor whose shape has been validated).
+    pub(crate) fn overlaps(&self, addr: usize, bytes: usize) -> bool {
+        let nd = (self.ndim as usize).min(MAX_DIMS);
+        if self.shape[..nd].contains(&0) {
+            return false; // empty, whatever the other dims
+        }
+        let own = self.shape[..nd]
+            .iter()
+            .try_fold(self.dtype.size_bytes(), |acc, &d| {
+                usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+            })
+            .unwrap_or(usize::MAX);
+        let a = self.data as usize;
+        own > 0 && bytes > 0 && a < addr.saturating_add(bytes) && addr < a.saturating_add(own)
+    }
+
     /// Validates rank, dims and the element/byte counts; returns the shape.
     /// Does not check `data` (see `Checked`).
     pub(crate) fn checked_shape(&self, arg: &'static str) -> Result<Shape> {

@@ -123,12 +123,16 @@ impl NormTiling {
         let blocks = rows.div_ceil(rows_per_block);
         t.blocks = blocks as u32;
         t.rows_per_block = rows_per_block as u64;
+        if cols_padded == 0 {
+            // Rows of length 0 write at most their rstd: no arena, no
+            // partials, no workspace.
+            t.rows_per_tile = rows_per_block as u64;
+            return Ok(t);
+        }
 
         let ub = cfg.ub_bytes / WORKSPACE_ALIGN * WORKSPACE_ALIGN;
         let floats = ub / 4;
-        let (split, rpt, chunk) = if cols_padded == 0 {
-            (false, rows_per_block, 0)
-        } else if (1 + streams)
+        let (split, rpt, chunk) = if (1 + streams)
             .checked_mul(cols_padded)
             .is_some_and(|need| need <= floats)
         {

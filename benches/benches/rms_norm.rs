@@ -1,6 +1,6 @@
 //! RmsNorm / AddRmsNorm / RmsNormGrad against a memcpy of the same bytes, in
 //! one criterion group per (operator, dtype, shape), single-threaded (serial
-//! runner, as the oneDNN comparison in design.md). The figure that matters is
+//! runner, as the oneDNN figures in the README). The figure that matters is
 //! kernel time / copy time.
 //!
 //! Run: `cargo bench -p npukern-benches --bench rms_norm` (add `-- --quick` for a short run).

@@ -46,3 +46,214 @@ fn header_is_up_to_date() {
         );
     }
 }
+
+/// The names a C (or C++) header declares at file scope: macros, tags,
+/// typedef names, enumerators and functions (not members, parameters or
+/// anything inside a function body or template parameter list).
+fn declared_names(header: &str) -> Vec<String> {
+    // Comments out.
+    let mut text = String::new();
+    let mut rest = header;
+    while !rest.is_empty() {
+        if let Some(r) = rest.strip_prefix("/*") {
+            rest = r.find("*/").map_or("", |i| &r[i + 2..]);
+        } else if let Some(r) = rest.strip_prefix("//") {
+            rest = r.find('\n').map_or("", |i| &r[i..]);
+        } else {
+            let c = rest.chars().next().unwrap_or(' ');
+            text.push(c);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    let mut names = Vec::new();
+    let mut code = String::new();
+    for line in text.lines() {
+        let l = line.trim_start();
+        if let Some(d) = l.strip_prefix('#') {
+            if let Some(m) = d.trim_start().strip_prefix("define") {
+                if let Some(n) = m
+                    .split(|c: char| !c.is_alphanumeric() && c != '_')
+                    .find(|s| !s.is_empty())
+                {
+                    names.push(n.to_string());
+                }
+            }
+        } else {
+            code.push_str(line);
+            code.push('\n');
+        }
+    }
+    // Tokens: identifiers, string literals, single punctuation characters.
+    let mut toks: Vec<String> = Vec::new();
+    let cs: Vec<char> = code.chars().collect();
+    let mut i = 0;
+    while i < cs.len() {
+        let c = cs[i];
+        if c.is_alphabetic() || c == '_' {
+            let s = i;
+            while i < cs.len() && (cs[i].is_alphanumeric() || cs[i] == '_') {
+                i += 1;
+            }
+            toks.push(cs[s..i].iter().collect());
+        } else if c == '"' {
+            let s = i;
+            i += 1;
+            while i < cs.len() && cs[i] != '"' {
+                i += 1;
+            }
+            i += 1;
+            toks.push(cs[s..i.min(cs.len())].iter().collect());
+        } else {
+            if !c.is_whitespace() {
+                toks.push(c.to_string());
+            }
+            i += 1;
+        }
+    }
+    let ident = |t: &str| t.starts_with(|c: char| c.is_alphabetic() || c == '_');
+    // Brace kinds: `extern "C" {` is transparent; an enum body lists names.
+    #[derive(PartialEq)]
+    enum B {
+        Transparent,
+        Enum,
+        Other,
+    }
+    let mut braces: Vec<B> = Vec::new();
+    let (mut parens, mut in_typedef, mut pending_enum) = (0usize, false, false);
+    let mut last_ident: Option<String> = None;
+    let mut k = 0;
+    while k < toks.len() {
+        let t = toks[k].as_str();
+        let depth = braces.iter().filter(|b| **b != B::Transparent).count();
+        let next = toks.get(k + 1).map(String::as_str).unwrap_or("");
+        match t {
+            "template" if depth == 0 && next == "<" => {
+                // Skip the parameter list.
+                let mut angle = 0;
+                k += 1;
+                while k < toks.len() {
+                    match toks[k].as_str() {
+                        "<" => angle += 1,
+                        ">" => {
+                            angle -= 1;
+                            if angle == 0 {
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                    k += 1;
+                }
+            }
+            "extern"
+                if next.starts_with('"') && toks.get(k + 2).map(String::as_str) == Some("{") =>
+            {
+                braces.push(B::Transparent);
+                k += 2;
+            }
+            "{" => {
+                braces.push(if pending_enum && parens == 0 {
+                    B::Enum
+                } else {
+                    B::Other
+                });
+                pending_enum = false;
+            }
+            "}" => {
+                braces.pop();
+            }
+            "(" => {
+                pending_enum = false; // `enum x f(...)`: a return type
+                if depth == 0 && parens == 0 {
+                    if next == "*" {
+                        // A function pointer typedef: `(*name)`; the return
+                        // type before it is not a name.
+                        last_ident = None;
+                        if let Some(n) = toks.get(k + 2) {
+                            names.push(n.clone());
+                        }
+                    } else if let Some(n) = last_ident.take() {
+                        names.push(n); // a function
+                    }
+                }
+                parens += 1;
+            }
+            ")" => parens = parens.saturating_sub(1),
+            ";" if depth == 0 && parens == 0 => {
+                pending_enum = false;
+                if in_typedef {
+                    if let Some(n) = last_ident.take() {
+                        names.push(n);
+                    }
+                }
+                in_typedef = false;
+            }
+            "typedef" if depth == 0 => in_typedef = true,
+            "enum" | "struct" | "union" if parens == 0 => {
+                if t == "enum" && depth == 0 {
+                    pending_enum = true;
+                }
+                if depth == 0 && ident(next) {
+                    names.push(next.to_string());
+                }
+            }
+            _ if ident(t) => {
+                let in_enum = braces.last() == Some(&B::Enum) && parens == 0;
+                let prev = if k > 0 { toks[k - 1].as_str() } else { "" };
+                if in_enum && (prev == "{" || prev == ",") {
+                    names.push(t.to_string());
+                }
+                if depth == 0 && parens == 0 {
+                    last_ident = Some(t.to_string());
+                }
+            }
+            _ => {}
+        }
+        k += 1;
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Every name the header declares starts with `npk_` / `NPK_` (the include
+/// guard `NPUKERN_H` aside), so it cannot clash with a user's `Avx2`.
+#[test]
+fn every_declared_name_is_prefixed() {
+    // The scanner itself: it must see what a stray declaration would add.
+    let probe = "#define FOO 1\nenum Isa { Portable, Avx2 = 2 };\ntypedef uint32_t Isa;\n\
+                 typedef void (*cb)(int a);\nint f(int x);\nstruct S { int m; };\n\
+                 #ifdef __cplusplus\nextern \"C\" {\n#endif\nint g(void);\n\
+                 enum S2 k(void);\n\
+                 template <typename T> inline int h(T t) { static_assert(1, \"\"); return 0; }\n}";
+    assert_eq!(
+        declared_names(probe),
+        ["Avx2", "FOO", "Isa", "Portable", "S", "S2", "cb", "f", "g", "h", "k"]
+    );
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("root");
+    let header = std::fs::read_to_string(root.join("include/npukern.h")).expect("header");
+    let names = declared_names(&header);
+    for must in [
+        "npk_rms_norm",
+        "NPK_OK",
+        "npk_tensor",
+        "NPK_MAX_DIMS",
+        "npk_task_fn",
+        "npk_tensor_make",
+    ] {
+        assert!(
+            names.iter().any(|n| n == must),
+            "the scan misses {must}: {names:?}"
+        );
+    }
+    let bad: Vec<&String> = names
+        .iter()
+        .filter(|n| !(n.starts_with("npk_") || n.starts_with("NPK_") || *n == "NPUKERN_H"))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "names without the npk_/NPK_ prefix: {bad:?}"
+    );
+}

@@ -2,18 +2,16 @@
 //! runner callback adapted into a `Runner`. Every exported operator goes
 //! through `run`, which also fills `npk_error_detail`.
 
-use core::ffi::c_void;
-use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use super::foreign::{npk_foreign_backend, Foreign};
+use super::host_runner::HostRunner;
 use super::status::report;
-use super::types::{npk_error_detail, npk_exec, npk_parallel_for_fn, npk_status};
+use super::types::{npk_error_detail, npk_exec, npk_status};
 use crate::backend::{Backend, Cpu, Reference};
 use crate::error::{invalid, Error, Result};
 use crate::lanes::{detect, Isa};
 use crate::ops::Exec;
-use crate::runner::Runner;
 use crate::tiling::{UbConfig, DEFAULT_BLOCKS, DEFAULT_UB_BYTES};
 
 /// Which backend `npk_exec.backend` names.
@@ -124,13 +122,11 @@ impl ExecConfig {
             ub: self.ub,
             backend,
         });
-        if r.is_ok() && self.runner.faulted.load(Ordering::Relaxed) {
-            return Err(invalid(
-                "parallel_for",
-                "did not run every block exactly once",
-            ));
+        // A broken runner outranks whatever the call returned.
+        match self.runner.fault() {
+            Some(e) => Err(e),
+            None => r,
         }
-        r
     }
 }
 
@@ -200,91 +196,4 @@ pub(crate) unsafe fn write_size(out: *mut usize, bytes: u64) -> Result<()> {
     // SAFETY: non-NULL and writable (caller).
     unsafe { out.write_unaligned(n) };
     Ok(())
-}
-
-/// The host's `parallel_for` callback as a `Runner`; NULL runs serially.
-pub(crate) struct HostRunner {
-    f: npk_parallel_for_fn,
-    ctx: *mut c_void,
-    /// Set when the callback skipped a block, ran one twice or passed a block
-    /// number out of range: the call then fails instead of reporting success.
-    faulted: AtomicBool,
-}
-
-// SAFETY: `ctx` is only passed back to the host's callback, whose contract
-// (c-api.md) allows it to be called from the calling thread; the runner is
-// never used after the C call returns.
-unsafe impl Sync for HostRunner {}
-
-impl HostRunner {
-    /// Adapts the host's callback (NULL: serial on the calling thread).
-    pub(crate) fn new(f: npk_parallel_for_fn, ctx: *mut c_void) -> Self {
-        HostRunner {
-            f,
-            ctx,
-            faulted: AtomicBool::new(false),
-        }
-    }
-}
-
-/// What the trampoline receives as `task_ctx`.
-struct Trampoline<'a> {
-    task: &'a (dyn Fn(usize) + Sync),
-    n: usize,
-    ran: AtomicUsize,
-    bad: AtomicBool,
-}
-
-/// The `npk_task_fn` handed to the host: runs block `block` of the task.
-///
-/// # Safety
-/// `ctx` is the `Trampoline` of a `parallel_for` that has not returned.
-unsafe extern "C" fn trampoline(ctx: *mut c_void, block: usize) {
-    // SAFETY: the host passes back our `task_ctx`, alive until its
-    // `parallel_for` returns (the callback's contract).
-    let t = unsafe { &*(ctx as *const Trampoline<'_>) };
-    // A block number out of range would address rows beyond the plan: refuse.
-    if block >= t.n {
-        t.bad.store(true, Ordering::Relaxed);
-        return;
-    }
-    (t.task)(block);
-    t.ran.fetch_add(1, Ordering::Relaxed);
-}
-
-// SAFETY: the host's callback promises (c-api.md) to run each block once and
-// return after all ran; the counts below report a callback that does not.
-unsafe impl Runner for HostRunner {
-    fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
-        let Some(f) = self.f else {
-            for b in 0..n_blocks {
-                task(b);
-            }
-            return;
-        };
-        if n_blocks == 0 {
-            return;
-        }
-        let t = Trampoline {
-            task,
-            n: n_blocks,
-            ran: AtomicUsize::new(0),
-            bad: AtomicBool::new(false),
-        };
-        // SAFETY: the host's callback, called as c-api.md says; `t` outlives
-        // the call, which returns only after every block ran.
-        unsafe {
-            f(
-                self.ctx,
-                n_blocks,
-                Some(trampoline),
-                &t as *const Trampoline<'_> as *mut c_void,
-            )
-        };
-        // The callback's return is the synchronization point; the counts
-        // were published by whatever joined the worker threads.
-        if t.bad.load(Ordering::Acquire) || t.ran.load(Ordering::Acquire) != n_blocks {
-            self.faulted.store(true, Ordering::Relaxed);
-        }
-    }
 }

@@ -1,4 +1,4 @@
-//! The C ABI (`include/npukern.h`, contract in `c-api.md`): aclnn-shaped
+//! The C ABI (`include/npukern.h`, reference in `docs/c-api.md`): aclnn-shaped
 //! two-phase calls — `npk_<op>_workspace_size(...)` then
 //! `npk_<op>(..., workspace, workspace_bytes, exec)` — over the same front end
 //! Rust callers use (`ops::*::{plan, prepare, launch}`), so validation exists
@@ -32,6 +32,7 @@ pub mod embedding_dense_grad;
 pub mod exec;
 pub mod foreign;
 pub mod grad_stats;
+mod host_runner;
 pub mod rms_norm;
 pub mod rms_norm_grad;
 pub mod status;

@@ -1,4 +1,4 @@
-//! The C ABI's plain types: enums, descriptors and options of `c-api.md`.
+//! The C ABI's plain types: enums, descriptors and options (docs/c-api.md).
 //!
 //! # Enums and soundness
 //! A C caller may store any integer in an enum-typed field. Materializing a
@@ -27,15 +27,19 @@ use crate::tensor::RawTensor;
 pub const NPK_MAX_DIMS: usize = 8;
 
 /// A tensor's element type (the header's definition of `npk_dtype`; the
-/// library's own type is `DType`, with the same values).
+/// library's own type is `DType`, with the same values). C has no 16-bit
+/// float type: f16 and bf16 elements cross the ABI as `uint16_t` bit
+/// patterns.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum npk_dtype {
-    /// IEEE binary32.
+    /// IEEE binary32 (`float`).
     NPK_F32 = 0,
-    /// IEEE binary16.
+    /// IEEE binary16, as `uint16_t` bits (C23 `_Float16`, C++23
+    /// `std::float16_t`, `__fp16` where available: same bits).
     NPK_F16 = 1,
-    /// bfloat16.
+    /// bfloat16, as `uint16_t` bits: the top 16 bits of the binary32 of the
+    /// same value (`float f = bits << 16`; C++23 `std::bfloat16_t`).
     NPK_BF16 = 2,
     /// Signed 32-bit integer (indices).
     NPK_I32 = 3,

@@ -134,7 +134,13 @@ pub(crate) fn prepare(
     })
 }
 
-op_call!(AddRmsNormCall, add_rms_norm);
+// Rows of length 0 write only their rstd (NaN); x_sum and y are empty.
+op_call!(
+    AddRmsNormCall,
+    add_rms_norm,
+    |c| c.tiling.rows == 0 || (c.tiling.cols == 0 && c.has_rstd == 0),
+    [x1, x2, gamma, y, rstd, x_sum]
+);
 
 /// Workspace bytes `add_rms_norm` (and `add_rms_norm_in_place`) needs for
 /// these inputs under `exec.ub`.

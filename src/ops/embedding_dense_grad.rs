@@ -1,7 +1,7 @@
 //! EmbeddingDenseGrad: the gradient of an embedding table,
 //! `out[v] = scale(v) * sum over positions i with indices[i] == vocab_start + v of grad[i]`.
 //!
-//! Exact semantics (design.md section 1):
+//! Exact semantics (also in docs/operators.md):
 //! - `grad` is `[..., H]` (f32 | f16 | bf16); `indices` (i32 | i64) has as many
 //!   elements as grad has leading positions (`numel(grad) / H`; with `H == 0`
 //!   the product of grad's leading dims); `out` is `[num_weights, H]`, grad's
@@ -381,7 +381,13 @@ unsafe fn first_out_of_range<I: IndexElem>(data: *mut c_void, n: usize, map: Row
     }
 }
 
-op_call!(EmbeddingDenseGradCall, embedding_dense_grad);
+// An empty table (H == 0 or no rows) has nothing to write.
+op_call!(
+    EmbeddingDenseGradCall,
+    embedding_dense_grad,
+    |c| c.tiling.cols == 0 || c.num_weights == 0,
+    [grad, indices, out]
+);
 
 /// Workspace bytes `embedding_dense_grad` needs for these inputs under
 /// `exec.ub` (sized for the worst case; no index value is read).

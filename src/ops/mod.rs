@@ -13,7 +13,7 @@ pub mod rms_norm_grad;
 use core::ffi::c_void;
 
 use crate::backend::{Backend, CPU_SERIAL};
-use crate::error::{Error, Result};
+use crate::error::{invalid_fmt, Error, Result};
 use crate::tiling::UbConfig;
 use crate::workspace::Workspace;
 
@@ -134,6 +134,13 @@ pub(crate) use dispatch_isa;
 pub(crate) trait OpCall {
     /// Workspace bytes the call's plan needs.
     fn workspace_needed(&self) -> u64;
+    /// True when the call has no output element to write (e.g. rows of
+    /// length 0 and no rstd): it then returns at once, whatever the row
+    /// count, without reaching the backend.
+    fn writes_nothing(&self) -> bool;
+    /// The first of the call's tensors (inputs and outputs) whose bytes
+    /// overlap `[addr, addr + bytes)`, by name.
+    fn overlapping(&self, addr: usize, bytes: usize) -> Option<&'static str>;
     /// Records the caller's workspace in the call.
     fn attach(&mut self, ws: *mut c_void, bytes: usize);
     /// Runs the call on `backend`.
@@ -144,12 +151,26 @@ pub(crate) trait OpCall {
 }
 
 /// Implements `OpCall` for a `*Call` struct with `tiling.workspace_bytes`,
-/// `workspace` and `workspace_bytes` fields, dispatching to `Backend::$method`.
+/// `workspace` and `workspace_bytes` fields, dispatching to `Backend::$method`;
+/// `$nothing` (a closure on the call) says when it writes nothing; `$t` are
+/// its tensor fields (absent optional ones are empty, so never overlap).
 macro_rules! op_call {
-    ($call:ty, $method:ident) => {
+    ($call:ty, $method:ident, $nothing:expr, [$($t:ident),*]) => {
         impl $crate::ops::OpCall for $call {
             fn workspace_needed(&self) -> u64 {
                 self.tiling.workspace_bytes
+            }
+            fn writes_nothing(&self) -> bool {
+                let f: fn(&$call) -> bool = $nothing;
+                f(self)
+            }
+            fn overlapping(&self, addr: usize, bytes: usize) -> Option<&'static str> {
+                $(
+                    if self.$t.overlaps(addr, bytes) {
+                        return Some(stringify!($t));
+                    }
+                )*
+                None
             }
             fn attach(&mut self, ws: *mut core::ffi::c_void, bytes: usize) {
                 self.workspace = ws;
@@ -175,6 +196,18 @@ pub(crate) fn launch<C: OpCall>(
     bytes: usize,
 ) -> Result<()> {
     Workspace::new(ws, bytes, call.workspace_needed())?;
+    // The part of the workspace the call may write must not be a tensor's.
+    let used = bytes.min(workspace_len(call.workspace_needed())?);
+    if let Some(name) = call.overlapping(ws as usize, used) {
+        return Err(invalid_fmt!(
+            "workspace",
+            "its first {used} bytes overlap {name}"
+        ));
+    }
+    if call.writes_nothing() {
+        // Work proportional to the bytes touched: none.
+        return Ok(());
+    }
     call.attach(ws, bytes);
     // SAFETY: `call` was built by its operator's `prepare` from validated
     // descriptors, and the workspace was just checked against its plan.

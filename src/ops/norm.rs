@@ -201,6 +201,20 @@ pub(crate) fn load_group<L: Lanes, T: Float>(src: &[T], i: usize) -> L {
     }
 }
 
+/// `v` with lanes `n..16` set to +0.0. A partial group's padding lanes must
+/// add nothing to a row sum, and a product with a padding zero is not zero
+/// when the other factor is infinite (0 * Inf = NaN): sums mask them out, so
+/// results never depend on `N mod 16`.
+#[inline(always)]
+pub(crate) fn first_lanes<L: Lanes>(v: L, n: usize) -> L {
+    let mut t = [0f32; GROUP];
+    v.store(&mut t);
+    for x in t.iter_mut().skip(n) {
+        *x = 0.0;
+    }
+    L::load(&t)
+}
+
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]
 pub(crate) fn round_to<L: Lanes, T: Float>(v: L) -> L {

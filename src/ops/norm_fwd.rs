@@ -68,6 +68,15 @@ pub(crate) unsafe fn run_forward<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
     o: &FwdOut<'_>,
     runner: &dyn Runner,
 ) {
+    if o.tiling.cols == 0 {
+        // Rows of length 0: rstd = 1/sqrt(0/0 + eps) = NaN is the only
+        // output (one store per row, not a block walk per row).
+        if let Some(r) = o.rstd {
+            // SAFETY: rstd holds one f32 per row (validated).
+            unsafe { Dst(r.data as *mut f32).get(0, o.tiling.rows as usize) }.fill(f32::NAN);
+        }
+        return;
+    }
     let Ok(ws) = Workspace::new(o.workspace, o.workspace_bytes, o.tiling.workspace_bytes) else {
         return;
     };

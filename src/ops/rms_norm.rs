@@ -93,7 +93,13 @@ pub(crate) fn prepare(
     })
 }
 
-op_call!(RmsNormCall, rms_norm);
+// Rows of length 0 write only their rstd (NaN).
+op_call!(
+    RmsNormCall,
+    rms_norm,
+    |c| c.tiling.rows == 0 || (c.tiling.cols == 0 && c.has_rstd == 0),
+    [x, gamma, y, rstd]
+);
 
 /// Workspace bytes `rms_norm` needs for these inputs under `exec.ub`.
 pub fn rms_norm_workspace_size<T: Float, G: Float>(

@@ -6,8 +6,8 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    arena_group, load_gamma, load_group, norm_dims, rstd_check, same_shape, store_tail,
-    MAX_TILE_ROWS,
+    arena_group, first_lanes, load_gamma, load_group, norm_dims, rstd_check, same_shape,
+    store_tail, MAX_TILE_ROWS,
 };
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
@@ -218,7 +218,14 @@ pub(crate) fn prepare(
     })
 }
 
-op_call!(RmsNormGradCall, rms_norm_grad);
+// Rows of length 0: dx, dgamma and dgamma_cast are all empty. No rows and
+// no dgamma output: dx is empty.
+op_call!(
+    RmsNormGradCall,
+    rms_norm_grad,
+    |c| c.tiling.cols == 0 || (c.tiling.rows == 0 && c.has_dgamma == 0 && c.has_dgamma_cast == 0),
+    [dy, x, rstd, gamma, dres, dx, dgamma, dgamma_cast]
+);
 
 /// Workspace bytes `rms_norm_grad` (and `rms_norm_grad_in_place`) needs
 /// for these inputs under `exec.ub`: per-block arenas and dgamma partials.
@@ -539,23 +546,34 @@ fn widen_reduce<L: Lanes, T: Float>(
         if let (Some(d), Some(e), Some(gv)) = (dyg.get_mut(full), xg.get_mut(full), gg.get(full)) {
             a.store(d);
             b.store(e);
-            s.push(a.mul(L::load(gv)).mul(b.mul(rs)));
+            s.push(first_lanes(a.mul(L::load(gv)).mul(b.mul(rs)), dyr.len()));
         }
     }
 }
 
-/// Pushes `sum_j (dy * g) * (x * rstd)` of one chunk (f32 arena rows).
+/// Pushes `sum_j (dy * g) * (x * rstd)` of one chunk of `len` elements
+/// (f32 arena rows, zero-padded to 16; the padding lanes are masked).
 #[inline(always)]
-fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L) {
+fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L, len: usize) {
     let (dg, _) = dy.as_chunks::<GROUP>();
     let (xg, _) = x.as_chunks::<GROUP>();
     let (gg, _) = g.as_chunks::<GROUP>();
     let n = dg.len().min(xg.len()).min(gg.len());
-    crate::lanes::push_groups!(s, n, |k| {
-        let gy = L::load(&dg[k]).mul(L::load(&gg[k]));
-        let xh = L::load(&xg[k]).mul(rs);
-        gy.mul(xh)
-    });
+    let full = n.min(len / GROUP);
+    crate::lanes::push_groups!(s, full, |k| grad_term(&dg[k], &xg[k], &gg[k], rs));
+    if full < n && !len.is_multiple_of(GROUP) {
+        s.push(first_lanes(
+            grad_term(&dg[full], &xg[full], &gg[full], rs),
+            len % GROUP,
+        ));
+    }
+}
+
+/// `(dy * g) * (x * rstd)` of one group (a function, not a closure: it must
+/// inline into the ISA context).
+#[inline(always)]
+fn grad_term<L: Lanes>(dy: &[f32; GROUP], x: &[f32; GROUP], g: &[f32; GROUP], rs: L) -> L {
+    L::load(dy).mul(L::load(g)).mul(L::load(x).mul(rs))
 }
 
 /// `rstd * (dy * g - (x * rstd) * c)` for group `gi`: dx's arithmetic.
@@ -703,7 +721,7 @@ fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
                 let len = chunk.min(n - k);
                 let p = len.div_ceil(GROUP) * GROUP;
                 load_chunk::<L, T, G>(c, r, k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
-                reduce_chunk(&mut s, &dyt[..p], &xt[..p], &gbuf[..p], rs);
+                reduce_chunk(&mut s, &dyt[..p], &xt[..p], &gbuf[..p], rs, len);
                 k += len;
             }
             let cc = L::splat(s.finish() / n as f32);
