@@ -54,6 +54,21 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn load_f16(src: &[f16; GROUP]) -> Self;
     /// Stores sixteen f16, rounded to nearest even (NaN kept, overflow to Inf).
     fn store_f16(self, dst: &mut [f16; GROUP]);
+    /// `store` with a non-temporal (streaming) store when `dst` is aligned
+    /// for it, else an ordinary one: the same bits either way. Streaming
+    /// stores skip the destination's read-for-ownership and do not displace
+    /// cached data; a kernel issues `stream_fence` after its last one.
+    fn stream(self, dst: &mut [f32; GROUP]);
+    /// `store_bf16`, streaming when `dst` is aligned (see `stream`).
+    fn stream_bf16(self, dst: &mut [bf16; GROUP]);
+    /// `store_f16`, streaming when `dst` is aligned (see `stream`).
+    fn stream_f16(self, dst: &mut [f16; GROUP]);
+    /// Orders this thread's streaming stores before its later stores
+    /// (`sfence`), so a block's outputs are complete when it returns.
+    fn stream_fence();
+    /// Hints that the cache line at `p` will be read soon (no effect on
+    /// results; `p` need not be dereferenceable).
+    fn prefetch(p: *const u8);
     /// Lane-wise `self + o`.
     fn add(self, o: Self) -> Self;
     /// Lane-wise `self - o`.
@@ -75,6 +90,17 @@ pub trait LaneElem: Sized {
     fn load<L: Lanes>(src: &[Self; GROUP]) -> L;
     /// Stores sixteen lanes rounded to this type.
     fn store<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
+    /// `store`, streaming when `dst` is aligned (`Lanes::stream`).
+    fn stream<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
+    /// `store` or `stream`.
+    #[inline(always)]
+    fn put<L: Lanes>(v: L, dst: &mut [Self; GROUP], stream: bool) {
+        if stream {
+            Self::stream(v, dst)
+        } else {
+            Self::store(v, dst)
+        }
+    }
 }
 
 impl LaneElem for f32 {
@@ -85,6 +111,10 @@ impl LaneElem for f32 {
     #[inline(always)]
     fn store<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
         v.store(dst)
+    }
+    #[inline(always)]
+    fn stream<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
+        v.stream(dst)
     }
 }
 
@@ -97,6 +127,10 @@ impl LaneElem for bf16 {
     fn store<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
         v.store_bf16(dst)
     }
+    #[inline(always)]
+    fn stream<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
+        v.stream_bf16(dst)
+    }
 }
 
 impl LaneElem for f16 {
@@ -107,6 +141,10 @@ impl LaneElem for f16 {
     #[inline(always)]
     fn store<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
         v.store_f16(dst)
+    }
+    #[inline(always)]
+    fn stream<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
+        v.stream_f16(dst)
     }
 }
 

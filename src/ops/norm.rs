@@ -3,8 +3,9 @@
 
 use crate::dtype::{gamma_dtype_ok, DType, Float};
 use crate::error::{dtype_err, invalid_fmt, Result};
-use crate::lanes::{Lanes, RowSum, GROUP};
+use crate::lanes::{Lanes, GROUP};
 use crate::tensor::{Checked, RawTensor};
+use crate::workspace::{Dst, Src};
 
 /// How the forward output is rounded. Values are the C ABI's `npk_rounding`.
 #[repr(u32)]
@@ -215,6 +216,96 @@ pub(crate) fn first_lanes<L: Lanes>(v: L, n: usize) -> L {
     L::load(&t)
 }
 
+/// Elements `at..at + len` of `src` (`len <= 16`) widened, zero-padded to a
+/// group; a whole group is one load.
+///
+/// # Safety
+/// The range is inside `src`'s tensor and not being written.
+#[inline(always)]
+pub(crate) unsafe fn load_at<L: Lanes, T: Float>(src: Src<T>, at: usize, len: usize) -> L {
+    if len == GROUP {
+        // SAFETY: forwarded from the caller.
+        return T::load(unsafe { src.group(at) });
+    }
+    // SAFETY: forwarded from the caller.
+    load_group::<L, T>(unsafe { src.get(at, len) }, 0)
+}
+
+/// `gamma + offset` at columns `j..j + len` (`len <= 16`); the lanes past
+/// `len` are exactly +0.0, as in `load_gamma`'s padding.
+///
+/// # Safety
+/// The columns are inside gamma.
+#[inline(always)]
+pub(crate) unsafe fn gamma_at<L: Lanes, G: Float>(
+    gamma: Src<G>,
+    j: usize,
+    len: usize,
+    off: L,
+) -> L {
+    if len == GROUP {
+        // SAFETY: forwarded from the caller.
+        return G::load::<L>(unsafe { gamma.group(j) }).add(off);
+    }
+    let mut tmp = [0f32; GROUP];
+    // SAFETY: forwarded from the caller.
+    load_group::<L, G>(unsafe { gamma.get(j, len) }, 0)
+        .add(off)
+        .store(&mut tmp);
+    tmp[len.min(GROUP)..].fill(0.0);
+    L::load(&tmp)
+}
+
+/// Stores `v` at `dst[at..at + len]` (`len <= 16`): a whole group with an
+/// ordinary or a streaming store, a partial one through a temporary.
+///
+/// # Safety
+/// The range is inside `dst`'s tensor, and nothing else refers to it.
+#[inline(always)]
+pub(crate) unsafe fn store_at<L: Lanes, T: Float>(
+    v: L,
+    dst: Dst<T>,
+    at: usize,
+    len: usize,
+    stream: bool,
+) {
+    if len == GROUP {
+        // SAFETY: forwarded from the caller.
+        T::put(v, unsafe { dst.group(at) }, stream);
+    } else {
+        // SAFETY: forwarded from the caller.
+        store_tail::<L, T>(unsafe { dst.get(at, len) }, v);
+    }
+}
+
+/// Calls `$body` with `($j, $len)` for the windows of a row of `$n`
+/// elements: a head of `$head` elements (which aligns the output for
+/// streaming stores), whole groups, then the tail. Elementwise outputs may
+/// use any windows; reductions must not (their groups start at the row's
+/// start). A macro so the body inlines into the ISA context.
+macro_rules! for_windows {
+    ($n:expr, $head:expr, |$j:ident, $len:ident| $body:expr) => {{
+        let n: usize = $n;
+        let head: usize = $head;
+        let mut $j = 0usize;
+        if head > 0 {
+            let $len = head;
+            $body;
+            $j = head;
+        }
+        while $j + $crate::lanes::GROUP <= n {
+            let $len = $crate::lanes::GROUP;
+            $body;
+            $j += $crate::lanes::GROUP;
+        }
+        if $j < n {
+            let $len = n - $j;
+            $body;
+        }
+    }};
+}
+pub(crate) use for_windows;
+
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]
 pub(crate) fn round_to<L: Lanes, T: Float>(v: L) -> L {
@@ -233,35 +324,5 @@ pub(crate) fn arena_group<L: Lanes>(row: &[f32], i: usize) -> L {
     match g.get(i) {
         Some(a) => L::load(a),
         None => L::splat(0.0),
-    }
-}
-
-/// CopyIn with the optional fused reduction: widens `src` into `dst` (zero
-/// padded to a multiple of 16) and pushes each group's squares into `sum`.
-#[inline(always)]
-pub(crate) fn widen_sum_sq<L: Lanes, T: Float>(
-    src: &[T],
-    dst: &mut [f32],
-    sum: Option<&mut RowSum<L>>,
-) {
-    match sum {
-        None => crate::lanes::widen_into::<L, T>(src, dst),
-        Some(s) => {
-            let (sg, st) = src.as_chunks::<GROUP>();
-            let (dg, _) = dst.as_chunks_mut::<GROUP>();
-            let full = sg.len().min(dg.len());
-            crate::lanes::push_groups!(s, full, |k| {
-                let v = T::load::<L>(&sg[k]);
-                v.store(&mut dg[k]);
-                v.mul(v)
-            });
-            if !st.is_empty() {
-                let v = load_group::<L, T>(src, sg.len());
-                if let Some(d) = dg.get_mut(sg.len()) {
-                    v.store(d);
-                }
-                s.push(v.mul(v));
-            }
-        }
     }
 }

@@ -100,7 +100,7 @@ pub(crate) fn plan(
             opts.gamma_offset
         ));
     }
-    NormTiling::new(d.rows, d.cols, 2, true, ub)
+    NormTiling::new(d.rows, d.cols, x.dtype.size_bytes(), 2, true, ub)
 }
 
 /// Validates everything and builds the call.
