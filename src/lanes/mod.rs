@@ -172,20 +172,6 @@ pub fn widen_into<L: Lanes, T: Float>(src: &[T], dst: &mut [f32]) {
     dt.fill(0.0);
 }
 
-/// Rounds `src[..dst.len()]` into `dst`.
-#[inline(always)]
-pub fn narrow_into<L: Lanes, T: Float>(src: &[f32], dst: &mut [T]) {
-    let (sg, _) = src.as_chunks::<GROUP>();
-    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
-    for (s, d) in sg.iter().zip(dg.iter_mut()) {
-        T::store(L::load(s), d);
-    }
-    let done = dg.len() * GROUP;
-    for (o, &v) in dt.iter_mut().zip(src.get(done..).unwrap_or(&[])) {
-        *o = T::from_f32(v);
-    }
-}
-
 /// The fixed row-sum pattern: each group of 16 is added lane-wise into a
 /// segment accumulator; every `SEGMENT_GROUPS` groups the segment's partial is
 /// merged into a binary counter of partials (pairwise summation whose tree is

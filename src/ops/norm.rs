@@ -61,11 +61,6 @@ impl RmsNormOptions {
     }
 }
 
-/// Rows of one merge-N tile whose per-row scalars (rstd, or the backward's
-/// `c`) a kernel keeps on its stack; the plan may give more, the kernel then
-/// takes the tile in several passes (per-row results do not depend on it).
-pub(crate) const MAX_TILE_ROWS: usize = 256;
-
 /// Rows and row length of a normalization.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NormDims {
@@ -156,23 +151,6 @@ pub(crate) fn rstd_check(t: &RawTensor, tc: &Checked, rows: usize) -> Result<()>
     Ok(())
 }
 
-/// Widens `src` to f32, adds `offset`, and stores it in `dst` (padded with
-/// zeros to a multiple of 16).
-#[inline(always)]
-pub(crate) fn load_gamma<L: Lanes, G: Float>(src: &[G], dst: &mut [f32], offset: f32) {
-    crate::lanes::widen_into::<L, G>(src, dst);
-    let off = L::splat(offset);
-    let n = src.len();
-    let (groups, _) = dst.as_chunks_mut::<GROUP>();
-    for g in groups.iter_mut() {
-        L::load(g).add(off).store(g);
-    }
-    // Keep the padding exactly zero (0 + offset would leak into sums).
-    if let Some(pad) = dst.get_mut(n..) {
-        pad.fill(0.0);
-    }
-}
-
 /// Stores the first `dst.len()` (< 16) lanes of `v` into `dst`: the last,
 /// partial group of a row. (A value, not a closure: kernels run inside a
 /// `#[target_feature]` context and must not depend on closure inlining.)
@@ -232,7 +210,7 @@ pub(crate) unsafe fn load_at<L: Lanes, T: Float>(src: Src<T>, at: usize, len: us
 }
 
 /// `gamma + offset` at columns `j..j + len` (`len <= 16`); the lanes past
-/// `len` are exactly +0.0, as in `load_gamma`'s padding.
+/// `len` are exactly +0.0, so sums over padding add nothing.
 ///
 /// # Safety
 /// The columns are inside gamma.
