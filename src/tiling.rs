@@ -139,7 +139,10 @@ impl NormTiling {
         }
         // Bytes of one input tensor (saturating: only compared with limits).
         let tensor_bytes = rows.saturating_mul(cols).saturating_mul(elem_bytes);
-        if tensor_bytes >= STREAM_MIN_BYTES {
+        // 16-bit rows would stream a line per two groups; on the development
+        // machine holding a group back for its partner cost more than the
+        // saved read-for-ownership, so only 4-byte outputs stream.
+        if tensor_bytes >= STREAM_MIN_BYTES && elem_bytes >= 4 {
             t.flags |= NORM_FLAG_STREAM;
         }
         let by_size = (tensor_bytes.saturating_mul(streams) / MIN_BLOCK_BYTES).max(1);
@@ -250,8 +253,14 @@ mod tests {
             NormTiling::new(64, 4096, 2, 1, false, &cfg).unwrap().blocks,
             2
         );
-        let t = NormTiling::new(2048, 4096, 2, 1, false, &cfg).unwrap();
+        let t = NormTiling::new(2048, 4096, 4, 1, false, &cfg).unwrap();
         assert_eq!((t.blocks, t.flags), (64, NORM_FLAG_STREAM));
+        assert_eq!(
+            NormTiling::new(2048, 4096, 2, 1, false, &cfg)
+                .unwrap()
+                .flags,
+            0
+        );
     }
 
     #[test]

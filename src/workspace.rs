@@ -151,6 +151,22 @@ impl<T> Dst<T> {
         unsafe { &mut *(self.0.add(start) as *mut [T; GROUP]) }
     }
 
+    /// The 32 elements from `start`.
+    ///
+    /// # Safety
+    /// As for `get` with `len = 2 * GROUP`.
+    #[inline(always)]
+    pub unsafe fn pair<'a>(&self, start: usize) -> &'a mut [T; 2 * GROUP] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { &mut *(self.0.add(start) as *mut [T; 2 * GROUP]) }
+    }
+
+    /// Whether element `start` begins a 64-byte line.
+    #[inline(always)]
+    pub fn line_start(&self, start: usize) -> bool {
+        (self.0.wrapping_add(start) as usize) % 64 == 0
+    }
+
     /// Elements to write before `start` is aligned for a streaming store of
     /// a group (16 elements' bytes), at most `len`.
     #[inline(always)]

@@ -59,10 +59,12 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// stores skip the destination's read-for-ownership and do not displace
     /// cached data; a kernel issues `stream_fence` after its last one.
     fn stream(self, dst: &mut [f32; GROUP]);
-    /// `store_bf16`, streaming when `dst` is aligned (see `stream`).
-    fn stream_bf16(self, dst: &mut [bf16; GROUP]);
-    /// `store_f16`, streaming when `dst` is aligned (see `stream`).
-    fn stream_f16(self, dst: &mut [f16; GROUP]);
+    /// `self` then `hi` as 32 bf16 (one 64-byte line), streaming when `dst`
+    /// is 64-byte aligned. Only whole lines are streamed: a partly written
+    /// write-combining line goes to memory as slow partial writes.
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]);
+    /// `stream2_bf16` for f16.
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]);
     /// Orders this thread's streaming stores before its later stores
     /// (`sfence`), so a block's outputs are complete when it returns.
     fn stream_fence();
@@ -90,17 +92,12 @@ pub trait LaneElem: Sized {
     fn load<L: Lanes>(src: &[Self; GROUP]) -> L;
     /// Stores sixteen lanes rounded to this type.
     fn store<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
-    /// `store`, streaming when `dst` is aligned (`Lanes::stream`).
-    fn stream<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
-    /// `store` or `stream`.
-    #[inline(always)]
-    fn put<L: Lanes>(v: L, dst: &mut [Self; GROUP], stream: bool) {
-        if stream {
-            Self::stream(v, dst)
-        } else {
-            Self::store(v, dst)
-        }
-    }
+    /// Whether one group fills a 64-byte line (f32) or two groups do (f16, bf16).
+    const LINE_GROUPS: usize;
+    /// Two groups, streamed as whole lines when `dst` is 64-byte aligned.
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]);
+    /// One group streamed when it is a whole aligned line (f32), else stored.
+    fn stream_line<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
 }
 
 impl LaneElem for f32 {
@@ -112,9 +109,18 @@ impl LaneElem for f32 {
     fn store<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
         v.store(dst)
     }
+    const LINE_GROUPS: usize = 1;
     #[inline(always)]
-    fn stream<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
+    fn stream_line<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
         v.stream(dst)
+    }
+    #[inline(always)]
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f32; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            lo.stream(a);
+            hi.stream(b);
+        }
     }
 }
 
@@ -127,9 +133,14 @@ impl LaneElem for bf16 {
     fn store<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
         v.store_bf16(dst)
     }
+    const LINE_GROUPS: usize = 2;
     #[inline(always)]
-    fn stream<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
-        v.stream_bf16(dst)
+    fn stream_line<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
+        Self::store(v, dst)
+    }
+    #[inline(always)]
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
+        lo.stream2_bf16(hi, dst)
     }
 }
 
@@ -142,9 +153,14 @@ impl LaneElem for f16 {
     fn store<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
         v.store_f16(dst)
     }
+    const LINE_GROUPS: usize = 2;
     #[inline(always)]
-    fn stream<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
-        v.stream_f16(dst)
+    fn stream_line<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
+        Self::store(v, dst)
+    }
+    #[inline(always)]
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f16; 2 * GROUP]) {
+        lo.stream2_f16(hi, dst)
     }
 }
 

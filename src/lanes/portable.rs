@@ -96,12 +96,20 @@ impl Lanes for Portable {
         self.store(dst)
     }
     #[inline(always)]
-    fn stream_bf16(self, dst: &mut [bf16; GROUP]) {
-        self.store_bf16(dst)
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            self.store_bf16(a);
+            hi.store_bf16(b);
+        }
     }
     #[inline(always)]
-    fn stream_f16(self, dst: &mut [f16; GROUP]) {
-        self.store_f16(dst)
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            self.store_f16(a);
+            hi.store_f16(b);
+        }
     }
     #[inline(always)]
     fn stream_fence() {}

@@ -45,6 +45,20 @@ fn aligned<T>(p: &T, a: usize) -> bool {
     (p as *const T as usize) % a == 0
 }
 
+/// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming when aligned.
+#[inline(always)]
+unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
+    // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
+    unsafe {
+        let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        if (p as usize) % 64 == 0 {
+            _mm512_stream_si512(p, v);
+        } else {
+            _mm512_storeu_si512(p, v);
+        }
+    }
+}
+
 /// bf16 round-to-nearest-even of sixteen lanes, as `dtype::bf16_bits_rne`,
 /// packed in the low 256 bits.
 #[inline(always)]
@@ -151,15 +165,23 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
-    fn stream_bf16(self, dst: &mut [bf16; GROUP]) {
-        if !aligned(dst, 16) {
-            return self.store_bf16(dst);
-        }
-        // SAFETY: 32 writable bytes, 16-byte aligned; AVX2 present.
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; AVX2 present.
         unsafe {
             let p = dst.as_mut_ptr() as *mut __m128i;
-            _mm_stream_si128(p, bf16_bits8(self.0));
-            _mm_stream_si128(p.add(1), bf16_bits8(self.1));
+            let v = [
+                bf16_bits8(self.0),
+                bf16_bits8(self.1),
+                bf16_bits8(hi.0),
+                bf16_bits8(hi.1),
+            ];
+            for (i, w) in v.into_iter().enumerate() {
+                if aligned(dst, 64) {
+                    _mm_stream_si128(p.add(i), w);
+                } else {
+                    _mm_storeu_si128(p.add(i), w);
+                }
+            }
         }
     }
     #[inline(always)]
@@ -186,18 +208,23 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
-    fn stream_f16(self, dst: &mut [f16; GROUP]) {
-        if !aligned(dst, 16) {
-            return self.store_f16(dst);
-        }
-        // SAFETY: 32 writable bytes, 16-byte aligned; F16C present.
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; F16C present.
         unsafe {
             let p = dst.as_mut_ptr() as *mut __m128i;
-            _mm_stream_si128(p, _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0));
-            _mm_stream_si128(
-                p.add(1),
+            let v = [
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0),
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.1),
-            );
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.1),
+            ];
+            for (i, w) in v.into_iter().enumerate() {
+                if aligned(dst, 64) {
+                    _mm_stream_si128(p.add(i), w);
+                } else {
+                    _mm_storeu_si128(p.add(i), w);
+                }
+            }
         }
     }
     #[inline(always)]
@@ -283,12 +310,15 @@ impl Lanes for Avx512 {
         unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bf16_bits16(self.0)) }
     }
     #[inline(always)]
-    fn stream_bf16(self, dst: &mut [bf16; GROUP]) {
-        if !aligned(dst, 32) {
-            return self.store_bf16(dst);
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; AVX-512F/BW present.
+        unsafe {
+            put_line(
+                dst.as_mut_ptr() as *mut __m512i,
+                bf16_bits16(self.0),
+                bf16_bits16(hi.0),
+            )
         }
-        // SAFETY: 32 writable bytes, 32-byte aligned; AVX-512F/BW present.
-        unsafe { _mm256_stream_si256(dst.as_mut_ptr() as *mut __m256i, bf16_bits16(self.0)) }
     }
     #[inline(always)]
     fn stream(self, dst: &mut [f32; GROUP]) {
@@ -316,14 +346,12 @@ impl Lanes for Avx512 {
         }
     }
     #[inline(always)]
-    fn stream_f16(self, dst: &mut [f16; GROUP]) {
-        if !aligned(dst, 32) {
-            return self.store_f16(dst);
-        }
-        // SAFETY: 32 writable bytes, 32-byte aligned; AVX-512F present.
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; AVX-512F present. Round to nearest even.
         unsafe {
-            let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
-            _mm256_stream_si256(dst.as_mut_ptr() as *mut __m256i, h)
+            let lo = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
+            let hi = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0);
+            put_line(dst.as_mut_ptr() as *mut __m512i, lo, hi)
         }
     }
     #[inline(always)]

@@ -5,7 +5,7 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    load_at, norm_dims, round_to, rstd_check, same_shape, store_at, RmsNormOptions, Rounding,
+    load_at, norm_dims, round_to, rstd_check, same_shape, RmsNormOptions, Rounding, RowOut,
 };
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
@@ -250,11 +250,8 @@ impl<T: Float> FwdSource<T> for AddSource<T> {
         round_to::<L, T>(a.add(b))
     }
     #[inline(always)]
-    unsafe fn side<L: Lanes>(&self, v: L, at: usize, len: usize, stream: bool) {
-        if let Some(xs) = self.x_sum {
-            // SAFETY: forwarded; this window of x1 was consumed by `at`.
-            unsafe { store_at::<L, T>(v, xs, at, len, stream) };
-        }
+    fn side_out<L: Lanes>(&self, stream: bool) -> Option<RowOut<L, T>> {
+        self.x_sum.map(|d| RowOut::new(d, stream))
     }
 }
 

@@ -234,25 +234,91 @@ pub(crate) unsafe fn gamma_at<L: Lanes, G: Float>(
     L::load(&tmp)
 }
 
-/// Stores `v` at `dst[at..at + len]` (`len <= 16`): a whole group with an
-/// ordinary or a streaming store, a partial one through a temporary.
+/// Stores `v` at `dst[at..at + len]` (`len <= 16`): a whole group with one
+/// store, a partial one through a temporary.
 ///
 /// # Safety
 /// The range is inside `dst`'s tensor, and nothing else refers to it.
 #[inline(always)]
-pub(crate) unsafe fn store_at<L: Lanes, T: Float>(
-    v: L,
-    dst: Dst<T>,
-    at: usize,
-    len: usize,
-    stream: bool,
-) {
+pub(crate) unsafe fn store_at<L: Lanes, T: Float>(v: L, dst: Dst<T>, at: usize, len: usize) {
     if len == GROUP {
         // SAFETY: forwarded from the caller.
-        T::put(v, unsafe { dst.group(at) }, stream);
+        T::store(v, unsafe { dst.group(at) });
     } else {
         // SAFETY: forwarded from the caller.
         store_tail::<L, T>(unsafe { dst.get(at, len) }, v);
+    }
+}
+
+/// One output row's writer: ordinary stores, or (`stream`) streaming stores
+/// of whole 64-byte lines. A 16-bit line holds two groups, so a group that
+/// starts a line waits for the next one; anything else is stored normally.
+/// Results never depend on the path taken.
+pub(crate) struct RowOut<L, T> {
+    dst: Dst<T>,
+    stream: bool,
+    pending: Option<(L, usize)>,
+}
+
+impl<L: Lanes, T: Float> RowOut<L, T> {
+    /// A writer into `dst`.
+    #[inline(always)]
+    pub fn new(dst: Dst<T>, stream: bool) -> Self {
+        RowOut {
+            dst,
+            stream,
+            pending: None,
+        }
+    }
+
+    /// Writes `v` at `at..at + len` (`len <= 16`; consecutive windows).
+    ///
+    /// # Safety
+    /// As for `store_at`; the writer is flushed before the range is read.
+    #[inline(always)]
+    pub unsafe fn put(&mut self, v: L, at: usize, len: usize) {
+        if !self.stream || len < GROUP {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                self.flush();
+                store_at(v, self.dst, at, len)
+            };
+            return;
+        }
+        if T::LINE_GROUPS == 1 {
+            // SAFETY: forwarded from the caller.
+            return T::stream_line(v, unsafe { self.dst.group(at) });
+        }
+        match self.pending.take() {
+            Some((lo, p)) if p + GROUP == at => {
+                // SAFETY: forwarded from the caller: groups p and at are ours.
+                T::stream2(lo, v, unsafe { self.dst.pair(p) })
+            }
+            other => {
+                if let Some((lo, p)) = other {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { store_at(lo, self.dst, p, GROUP) };
+                }
+                if self.dst.line_start(at) {
+                    self.pending = Some((v, at));
+                } else {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { store_at(v, self.dst, at, len) };
+                }
+            }
+        }
+    }
+
+    /// Stores a group still waiting for its line partner.
+    ///
+    /// # Safety
+    /// As for `put`.
+    #[inline(always)]
+    pub unsafe fn flush(&mut self) {
+        if let Some((lo, p)) = self.pending.take() {
+            // SAFETY: forwarded from the caller.
+            unsafe { store_at(lo, self.dst, p, GROUP) };
+        }
     }
 }
 

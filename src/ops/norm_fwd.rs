@@ -12,7 +12,7 @@
 
 use core::ffi::c_void;
 
-use super::norm::{for_windows, gamma_at, round_to, store_at, Rounding};
+use super::norm::{for_windows, gamma_at, round_to, Rounding, RowOut};
 use crate::dtype::Float;
 use crate::lanes::{push_groups, rstd_f32, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
@@ -28,12 +28,9 @@ pub(crate) trait FwdSource<T>: Sync {
     /// # Safety
     /// The range lies in one row of the call's tensors.
     unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L;
-    /// Writes the side outputs (x_sum) of the values `v` at `at..at + len`,
-    /// after `at` read them; `stream` selects streaming stores.
-    ///
-    /// # Safety
-    /// As for `at`; called once per range, by the block owning the row.
-    unsafe fn side<L: Lanes>(&self, v: L, at: usize, len: usize, stream: bool);
+    /// A writer for the side output (x_sum) of the values, if any: each
+    /// window is put after `at` read it.
+    fn side_out<L: Lanes>(&self, stream: bool) -> Option<RowOut<L, T>>;
 }
 
 /// The forward's outputs and settings, common to RmsNorm and AddRmsNorm calls.
@@ -147,22 +144,27 @@ fn forward_block<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(c: &FwdCtx<T, G,
         // Pass 2: y, in windows aligned for y's streaming stores.
         let vr = L::splat(rs);
         let head = if stream { c.y.stream_head(row, n) } else { 0 };
+        let mut y = RowOut::<L, T>::new(c.y, stream);
+        let mut side = c.src.side_out::<L>(stream);
         for_windows!(n, head, |j, len| {
             // SAFETY: columns j..j+len of row r, which belongs to this block;
             // x_sum's window is written after it was read.
             unsafe {
                 let v = c.src.at::<L>(row + j, len);
-                c.src.side(v, row + j, len, stream);
+                if let Some(o) = side.as_mut() {
+                    o.put(v, row + j, len);
+                }
                 let g = gamma_at::<L, G>(c.gamma, j, len, off);
-                store_at(
-                    y_of::<L, T>(v, vr, g, c.cast_before),
-                    c.y,
-                    row + j,
-                    len,
-                    stream,
-                );
+                y.put(y_of::<L, T>(v, vr, g, c.cast_before), row + j, len);
             }
         });
+        // SAFETY: the row's last windows, as above.
+        unsafe {
+            y.flush();
+            if let Some(o) = side.as_mut() {
+                o.flush();
+            }
+        }
     }
     if stream {
         L::stream_fence();

@@ -2,7 +2,7 @@
 
 use core::ffi::c_void;
 
-use super::norm::{load_at, norm_dims, rstd_check, same_shape, RmsNormOptions, Rounding};
+use super::norm::{load_at, norm_dims, rstd_check, same_shape, RmsNormOptions, Rounding, RowOut};
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
@@ -148,7 +148,9 @@ impl<T: Float> FwdSource<T> for XSource<T> {
         unsafe { load_at::<L, T>(self.0, at, len) }
     }
     #[inline(always)]
-    unsafe fn side<L: Lanes>(&self, _v: L, _at: usize, _len: usize, _stream: bool) {}
+    fn side_out<L: Lanes>(&self, _stream: bool) -> Option<RowOut<L, T>> {
+        None
+    }
 }
 
 /// Runs the plan on the CPU.

@@ -7,7 +7,7 @@ use core::ffi::c_void;
 
 use super::norm::{
     arena_group, first_lanes, for_windows, gamma_at, load_at, load_group, norm_dims, rstd_check,
-    same_shape, store_at, store_tail,
+    same_shape, store_at, store_tail, RowOut,
 };
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
@@ -536,6 +536,8 @@ fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
         }
         let cc = L::splat(s.finish() / n as f32);
         let head = if stream { c.dx.stream_head(row, n) } else { 0 };
+        let mut dx = RowOut::<L, T>::new(c.dx, stream);
+        let pp = Dst(part.as_mut_ptr());
         for_windows!(n, head, |j, len| {
             // SAFETY: columns j..j+len of row r, which belongs to this block;
             // dy's window (dx may be dy) is read before dx's is written.
@@ -546,12 +548,13 @@ fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
                 if let Some(dres) = c.dres {
                     d = d.add(load_at::<L, T>(dres, row + j, len));
                 }
-                store_at::<L, T>(d, c.dx, row + j, len, stream);
-                let pp = Dst(part.as_mut_ptr());
+                dx.put(d, row + j, len);
                 let p = load_at::<L, f32>(Src(pp.0 as *const f32), j, len);
-                store_at::<L, f32>(p.add(dy.mul(xh)), pp, j, len, false);
+                store_at::<L, f32>(p.add(dy.mul(xh)), pp, j, len);
             }
         });
+        // SAFETY: the row's last window, as above.
+        unsafe { dx.flush() };
     }
     if stream {
         L::stream_fence();
