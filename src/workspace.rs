@@ -164,7 +164,7 @@ impl<T> Dst<T> {
     /// Whether element `start` begins a 64-byte line.
     #[inline(always)]
     pub fn line_start(&self, start: usize) -> bool {
-        (self.0.wrapping_add(start) as usize) % 64 == 0
+        (self.0.wrapping_add(start) as usize).is_multiple_of(64)
     }
 
     /// Elements to write before `start` is aligned for a streaming store of

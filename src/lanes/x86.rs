@@ -42,7 +42,7 @@ fn fold8(s: [f32; 8]) -> f32 {
 /// Whether `p` is aligned to `a` bytes (what a streaming store needs).
 #[inline(always)]
 fn aligned<T>(p: &T, a: usize) -> bool {
-    (p as *const T as usize) % a == 0
+    (p as *const T as usize).is_multiple_of(a)
 }
 
 /// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming when aligned.
@@ -51,7 +51,7 @@ unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
     // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
     unsafe {
         let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-        if (p as usize) % 64 == 0 {
+        if (p as usize).is_multiple_of(64) {
             _mm512_stream_si512(p, v);
         } else {
             _mm512_storeu_si512(p, v);

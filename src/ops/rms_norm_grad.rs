@@ -513,14 +513,16 @@ fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
         // SAFETY: rstd has one element per row.
         let rs = L::splat(unsafe { c.rstd.get(r, 1)[0] });
         let mut s = RowSum::<L>::new();
-        // SAFETY (pass 1): groups of row r of dy and x, and of gamma; dx's
-        // row (possibly dy's) is written only in pass 2.
-        push_groups!(s, full, |k| unsafe {
+        push_groups!(s, full, |k| {
             let j = k * GROUP;
-            let dy = load_at::<L, T>(c.dy, row + j, GROUP);
-            let x = load_at::<L, T>(c.x, row + j, GROUP);
-            dy.mul(gamma_at::<L, G>(c.gamma, j, GROUP, off))
-                .mul(x.mul(rs))
+            // SAFETY: group k of row r of dy and x, and of gamma; dx's row
+            // (possibly dy's) is written only in pass 2.
+            unsafe {
+                let dy = load_at::<L, T>(c.dy, row + j, GROUP);
+                let x = load_at::<L, T>(c.x, row + j, GROUP);
+                dy.mul(gamma_at::<L, G>(c.gamma, j, GROUP, off))
+                    .mul(x.mul(rs))
+            }
         });
         if tail > 0 {
             let j = full * GROUP;
