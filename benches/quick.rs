@@ -260,6 +260,60 @@ fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bo
     row("EmbeddingDenseGrad", &name, &dt, r);
 }
 
+/// The per-call cost of a parallel launch: `Threads::parallel_for` over 2
+/// empty blocks vs the serial loop, and a 1 x 4096 bf16 RmsNorm (which the
+/// plan keeps in one block, so it runs serially on any runner).
+fn overhead(o: &Opts) {
+    let reps = 2000;
+    let t2 = Threads::new(2);
+    let time = |f: &dyn Fn()| {
+        let mut v: Vec<f64> = (0..o.reps)
+            .map(|_| {
+                let t = now(false);
+                for _ in 0..reps {
+                    f();
+                }
+                (now(false) - t) / reps as f64 * 1e6
+            })
+            .collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let spawn = time(&|| {
+        t2.parallel_for(2, &|b| {
+            black_box(b);
+        })
+    });
+    let x: Vec<bf16> = data(4096, 1);
+    let gamma: Vec<bf16> = data(4096, 2);
+    let (xt, gt) = (
+        TensorRef::new(&x, &[1, 4096]).unwrap(),
+        TensorRef::new(&gamma, &[4096]).unwrap(),
+    );
+    let cpu2 = Cpu::new(t2);
+    let (e1, e2) = (Exec::cpu(), Exec::new(&cpu2));
+    let opts = RmsNormOptions::default();
+    let mut ws = vec![0u8; rms_norm_workspace_size(&e2, xt, gt, &opts).unwrap()];
+    let y = std::cell::RefCell::new(vec![bf16::ZERO; 4096]);
+    let ws = std::cell::RefCell::new(&mut ws);
+    let run = |e: &Exec<'_>| {
+        rms_norm(
+            e,
+            xt,
+            gt,
+            &opts,
+            &mut y.borrow_mut(),
+            None,
+            &mut ws.borrow_mut(),
+        )
+        .unwrap()
+    };
+    let serial = time(&|| run(&e1));
+    let pooled = time(&|| run(&e2));
+    println!("\nper-call overhead (us, median): Threads::new(2).parallel_for(2 empty blocks) {spawn:.2}; \
+         rms_norm 1x4096 bf16: serial {serial:.2}, on Threads(2) {pooled:.2} (the plan gives it 1 block)");
+}
+
 fn main() {
     let mut o = Opts {
         reps: 11,
@@ -275,6 +329,7 @@ fn main() {
             "--threads" => o.threads = args.next().and_then(|v| v.parse().ok()).unwrap_or(1),
             "--filter" => o.filter = args.next(),
             "--cpu-clock" => o.cpu_clock = true,
+            "--overhead" => return overhead(&o),
             _ => {}
         }
     }

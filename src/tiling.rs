@@ -229,7 +229,7 @@ mod tests {
     #[test]
     fn merge_n_and_split_d() {
         let cfg = UbConfig::default();
-        let t = NormTiling::new(1000, 4096, 2, 1, false, &cfg).unwrap();
+        let t = NormTiling::new(1000, 16384, 2, 1, false, &cfg).unwrap();
         assert_eq!(t.split_d, 0);
         assert_eq!(t.blocks, 63); // ceil(1000/64) = 16 rows per block -> 63 blocks
         assert!(t.rows_per_tile >= 2);
