@@ -102,13 +102,6 @@ pub const NORM_FLAG_STREAM: u32 = 1;
 /// 8 MiB written by one call will not be read back from cache).
 pub const STREAM_MIN_BYTES: usize = 8 << 20;
 
-/// Input bytes a block must carry before a plan cuts another one: waking a
-/// pool worker costs a few microseconds, which 256 KiB of streaming work
-/// (20-40 us at one core's bandwidth) amortizes. Small calls thus get fewer
-/// blocks and run serially, whatever the runner (the block count, and so
-/// dgamma's bits, stays a function of the shapes and `UbConfig` alone).
-pub const MIN_BLOCK_BYTES: usize = 256 << 10;
-
 fn round_up(n: usize, m: usize) -> Option<usize> {
     n.checked_add(m - 1).map(|v| v / m * m)
 }
@@ -145,8 +138,7 @@ impl NormTiling {
         if tensor_bytes >= STREAM_MIN_BYTES && elem_bytes >= 4 {
             t.flags |= NORM_FLAG_STREAM;
         }
-        let by_size = (tensor_bytes.saturating_mul(streams) / MIN_BLOCK_BYTES).max(1);
-        let blocks0 = (cfg.blocks as usize).min(rows).min(by_size);
+        let blocks0 = (cfg.blocks as usize).min(rows);
         let rows_per_block = rows.div_ceil(blocks0);
         let blocks = rows.div_ceil(rows_per_block);
         t.blocks = blocks as u32;
@@ -229,7 +221,7 @@ mod tests {
     #[test]
     fn merge_n_and_split_d() {
         let cfg = UbConfig::default();
-        let t = NormTiling::new(1000, 16384, 2, 1, false, &cfg).unwrap();
+        let t = NormTiling::new(1000, 4096, 2, 1, false, &cfg).unwrap();
         assert_eq!(t.split_d, 0);
         assert_eq!(t.blocks, 63); // ceil(1000/64) = 16 rows per block -> 63 blocks
         assert!(t.rows_per_tile >= 2);
