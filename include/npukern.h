@@ -284,9 +284,9 @@ typedef struct npk_norm_tiling {
    */
   uint32_t streams;
   /**
-   * Reserved, zero.
+   * `NORM_FLAG_*` bits: hints for a backend, never changing a result bit.
    */
-  uint32_t reserved;
+  uint32_t flags;
   /**
    * Bytes of one block's arena (<= `ub_bytes`, a multiple of 64).
    */

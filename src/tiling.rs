@@ -73,8 +73,8 @@ pub struct NormTiling {
     pub chunk_cols: u64,
     /// f32 tiles per arena besides gamma.
     pub streams: u32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// `NORM_FLAG_*` bits: hints for a backend, never changing a result bit.
+    pub flags: u32,
     /// Bytes of one block's arena (<= `ub_bytes`, a multiple of 64).
     pub arena_bytes: u64,
     /// Offset of the first of `blocks` arenas from the aligned workspace
@@ -91,16 +91,28 @@ pub struct NormTiling {
     pub workspace_bytes: u64,
 }
 
+/// `NormTiling::flags` bit: the outputs are too large to stay in a cache
+/// (`STREAM_MIN_BYTES` or more), so a CPU backend writes them with streaming
+/// (non-temporal) stores, which skip the read-for-ownership of the destination
+/// and do not evict the inputs it still reads.
+pub const NORM_FLAG_STREAM: u32 = 1;
+
+/// Output bytes from which a plan sets `NORM_FLAG_STREAM`: beyond a
+/// last-level cache share (server LLCs hold 1.5-3 MiB per core; an output of
+/// 8 MiB written by one call will not be read back from cache).
+pub const STREAM_MIN_BYTES: usize = 8 << 20;
+
 fn round_up(n: usize, m: usize) -> Option<usize> {
     n.checked_add(m - 1).map(|v| v / m * m)
 }
 
 impl NormTiling {
-    /// Plans `rows` x `cols` with `streams` input tiles; `partials` adds the
-    /// dgamma partials region.
+    /// Plans `rows` x `cols` elements of `elem_bytes` bytes with `streams`
+    /// input tiles; `partials` adds the dgamma partials region.
     pub fn new(
         rows: usize,
         cols: usize,
+        elem_bytes: usize,
         streams: usize,
         partials: bool,
         cfg: &UbConfig,
@@ -117,6 +129,14 @@ impl NormTiling {
         };
         if rows == 0 {
             return Ok(t);
+        }
+        // Bytes of one input tensor (saturating: only compared with limits).
+        let tensor_bytes = rows.saturating_mul(cols).saturating_mul(elem_bytes);
+        // 16-bit rows would stream a line per two groups; on the development
+        // machine holding a group back for its partner cost more than the
+        // saved read-for-ownership, so only 4-byte outputs stream.
+        if tensor_bytes >= STREAM_MIN_BYTES && elem_bytes >= 4 {
+            t.flags |= NORM_FLAG_STREAM;
         }
         let blocks0 = (cfg.blocks as usize).min(rows);
         let rows_per_block = rows.div_ceil(blocks0);
@@ -201,21 +221,35 @@ mod tests {
     #[test]
     fn merge_n_and_split_d() {
         let cfg = UbConfig::default();
-        let t = NormTiling::new(1000, 4096, 1, false, &cfg).unwrap();
+        let t = NormTiling::new(1000, 4096, 2, 1, false, &cfg).unwrap();
         assert_eq!(t.split_d, 0);
         assert_eq!(t.blocks, 63); // ceil(1000/64) = 16 rows per block -> 63 blocks
         assert!(t.rows_per_tile >= 2);
         assert!(t.arena_bytes as usize <= cfg.ub_bytes);
-        let t = NormTiling::new(4, 110_000, 3, true, &cfg).unwrap();
+        let t = NormTiling::new(4, 110_000, 2, 3, true, &cfg).unwrap();
+        assert_eq!(t.flags, 0); // 0.9 MB: stays in cache
         assert_eq!(t.split_d, 1);
         assert_eq!(t.chunk_cols % 16, 0);
         assert!(t.arena_bytes as usize <= cfg.ub_bytes);
     }
 
     #[test]
+    fn large_f32_outputs_stream() {
+        let cfg = UbConfig::default();
+        let t = NormTiling::new(2048, 4096, 4, 1, false, &cfg).unwrap();
+        assert_eq!((t.blocks, t.flags), (64, NORM_FLAG_STREAM));
+        assert_eq!(
+            NormTiling::new(2048, 4096, 2, 1, false, &cfg)
+                .unwrap()
+                .flags,
+            0
+        );
+    }
+
+    #[test]
     fn overflow_is_an_error() {
         let cfg = UbConfig::default();
-        assert!(NormTiling::new(usize::MAX / 2, usize::MAX / 2, 1, true, &cfg).is_err());
+        assert!(NormTiling::new(usize::MAX / 2, usize::MAX / 2, 2, 1, true, &cfg).is_err());
     }
 }
 

@@ -4,6 +4,7 @@
 use core::ffi::c_void;
 
 use crate::error::{Error, Result};
+use crate::lanes::GROUP;
 use crate::tiling::align_offset;
 
 /// A checked, aligned view of the caller's workspace (raw, so blocks running
@@ -124,6 +125,60 @@ impl<T> Src<T> {
         }
         // SAFETY: guaranteed by the caller.
         unsafe { core::slice::from_raw_parts(self.0.add(start), len) }
+    }
+}
+
+impl<T> Src<T> {
+    /// The 16 elements from `start`.
+    ///
+    /// # Safety
+    /// As for `get` with `len = GROUP`.
+    #[inline(always)]
+    pub unsafe fn group<'a>(&self, start: usize) -> &'a [T; GROUP] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { &*(self.0.add(start) as *const [T; GROUP]) }
+    }
+}
+
+impl<T> Dst<T> {
+    /// The 16 elements from `start`.
+    ///
+    /// # Safety
+    /// As for `get` with `len = GROUP`.
+    #[inline(always)]
+    pub unsafe fn group<'a>(&self, start: usize) -> &'a mut [T; GROUP] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { &mut *(self.0.add(start) as *mut [T; GROUP]) }
+    }
+
+    /// The 32 elements from `start`.
+    ///
+    /// # Safety
+    /// As for `get` with `len = 2 * GROUP`.
+    #[inline(always)]
+    pub unsafe fn pair<'a>(&self, start: usize) -> &'a mut [T; 2 * GROUP] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { &mut *(self.0.add(start) as *mut [T; 2 * GROUP]) }
+    }
+
+    /// Whether element `start` begins a 64-byte line.
+    #[inline(always)]
+    pub fn line_start(&self, start: usize) -> bool {
+        (self.0.wrapping_add(start) as usize).is_multiple_of(64)
+    }
+
+    /// Elements to write before `start` is aligned for a streaming store of
+    /// a group (16 elements' bytes), at most `len`.
+    #[inline(always)]
+    pub fn stream_head(&self, start: usize, len: usize) -> usize {
+        let size = core::mem::size_of::<T>().max(1);
+        let a = GROUP * size;
+        let mis = (self.0.wrapping_add(start) as usize) % a;
+        if mis == 0 {
+            0
+        } else {
+            ((a - mis) / size).min(len)
+        }
     }
 }
 

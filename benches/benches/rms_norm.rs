@@ -116,15 +116,22 @@ fn backward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
 }
 
 fn benches(c: &mut Criterion) {
-    // Rows of 4096 (the seed's hidden size) and long split-D rows, both at a
-    // size well beyond this machine's 32 MiB L3 so the copy is not cached.
-    for &(m, n) in &[(8192usize, 4096usize), (320, 110_000)] {
-        forward::<f32>(c, m, n);
+    // The seed shapes ([a, b, h] as a*b rows of h; gamma [h]) and a long
+    // split-D row, at sizes around or beyond this machine's L3.
+    let shapes = [
+        (1024usize, 12288usize),
+        (512 * 4, 4096),
+        (4 * 2048, 5120),
+        (2 * 2048, 4096),
+        (320, 110_000),
+    ];
+    for &(m, n) in &shapes {
         forward::<bf16>(c, m, n);
         forward::<f16>(c, m, n);
-        backward::<f32>(c, m, n);
+        forward::<f32>(c, m, n);
         backward::<bf16>(c, m, n);
         backward::<f16>(c, m, n);
+        backward::<f32>(c, m, n);
     }
 }
 

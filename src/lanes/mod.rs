@@ -54,6 +54,23 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn load_f16(src: &[f16; GROUP]) -> Self;
     /// Stores sixteen f16, rounded to nearest even (NaN kept, overflow to Inf).
     fn store_f16(self, dst: &mut [f16; GROUP]);
+    /// `store` with a non-temporal (streaming) store when `dst` is aligned
+    /// for it, else an ordinary one: the same bits either way. Streaming
+    /// stores skip the destination's read-for-ownership and do not displace
+    /// cached data; a kernel issues `stream_fence` after its last one.
+    fn stream(self, dst: &mut [f32; GROUP]);
+    /// `self` then `hi` as 32 bf16 (one 64-byte line), streaming when `dst`
+    /// is 64-byte aligned. Only whole lines are streamed: a partly written
+    /// write-combining line goes to memory as slow partial writes.
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]);
+    /// `stream2_bf16` for f16.
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]);
+    /// Orders this thread's streaming stores before its later stores
+    /// (`sfence`), so a block's outputs are complete when it returns.
+    fn stream_fence();
+    /// Hints that the cache line at `p` will be read soon (no effect on
+    /// results; `p` need not be dereferenceable).
+    fn prefetch(p: *const u8);
     /// Lane-wise `self + o`.
     fn add(self, o: Self) -> Self;
     /// Lane-wise `self - o`.
@@ -75,6 +92,12 @@ pub trait LaneElem: Sized {
     fn load<L: Lanes>(src: &[Self; GROUP]) -> L;
     /// Stores sixteen lanes rounded to this type.
     fn store<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
+    /// Whether one group fills a 64-byte line (f32) or two groups do (f16, bf16).
+    const LINE_GROUPS: usize;
+    /// Two groups, streamed as whole lines when `dst` is 64-byte aligned.
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]);
+    /// One group streamed when it is a whole aligned line (f32), else stored.
+    fn stream_line<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
 }
 
 impl LaneElem for f32 {
@@ -85,6 +108,19 @@ impl LaneElem for f32 {
     #[inline(always)]
     fn store<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
         v.store(dst)
+    }
+    const LINE_GROUPS: usize = 1;
+    #[inline(always)]
+    fn stream_line<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
+        v.stream(dst)
+    }
+    #[inline(always)]
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f32; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            lo.stream(a);
+            hi.stream(b);
+        }
     }
 }
 
@@ -97,6 +133,15 @@ impl LaneElem for bf16 {
     fn store<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
         v.store_bf16(dst)
     }
+    const LINE_GROUPS: usize = 2;
+    #[inline(always)]
+    fn stream_line<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
+        Self::store(v, dst)
+    }
+    #[inline(always)]
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
+        lo.stream2_bf16(hi, dst)
+    }
 }
 
 impl LaneElem for f16 {
@@ -107,6 +152,15 @@ impl LaneElem for f16 {
     #[inline(always)]
     fn store<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
         v.store_f16(dst)
+    }
+    const LINE_GROUPS: usize = 2;
+    #[inline(always)]
+    fn stream_line<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
+        Self::store(v, dst)
+    }
+    #[inline(always)]
+    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f16; 2 * GROUP]) {
+        lo.stream2_f16(hi, dst)
     }
 }
 
@@ -132,20 +186,6 @@ pub fn widen_into<L: Lanes, T: Float>(src: &[T], dst: &mut [f32]) {
         }
     }
     dt.fill(0.0);
-}
-
-/// Rounds `src[..dst.len()]` into `dst`.
-#[inline(always)]
-pub fn narrow_into<L: Lanes, T: Float>(src: &[f32], dst: &mut [T]) {
-    let (sg, _) = src.as_chunks::<GROUP>();
-    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
-    for (s, d) in sg.iter().zip(dg.iter_mut()) {
-        T::store(L::load(s), d);
-    }
-    let done = dg.len() * GROUP;
-    for (o, &v) in dt.iter_mut().zip(src.get(done..).unwrap_or(&[])) {
-        *o = T::from_f32(v);
-    }
 }
 
 /// The fixed row-sum pattern: each group of 16 is added lane-wise into a

@@ -92,6 +92,38 @@ impl Lanes for Portable {
         }
     }
     #[inline(always)]
+    fn stream(self, dst: &mut [f32; GROUP]) {
+        self.store(dst)
+    }
+    #[inline(always)]
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            self.store_bf16(a);
+            hi.store_bf16(b);
+        }
+    }
+    #[inline(always)]
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            self.store_f16(a);
+            hi.store_f16(b);
+        }
+    }
+    #[inline(always)]
+    fn stream_fence() {}
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: prefetch is SSE (baseline on x86_64) and never faults.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
+    #[inline(always)]
     fn add(self, o: Self) -> Self {
         Portable(self.0 + o.0, self.1 + o.1)
     }

@@ -39,6 +39,50 @@ fn fold8(s: [f32; 8]) -> f32 {
     u[0] + u[1]
 }
 
+/// Whether `p` is aligned to `a` bytes (what a streaming store needs).
+#[inline(always)]
+fn aligned<T>(p: &T, a: usize) -> bool {
+    (p as *const T as usize).is_multiple_of(a)
+}
+
+/// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming when aligned.
+#[inline(always)]
+unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
+    // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
+    unsafe {
+        let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        if (p as usize).is_multiple_of(64) {
+            _mm512_stream_si512(p, v);
+        } else {
+            _mm512_storeu_si512(p, v);
+        }
+    }
+}
+
+/// bf16 round-to-nearest-even of sixteen lanes, as `dtype::bf16_bits_rne`,
+/// packed in the low 256 bits.
+#[inline(always)]
+unsafe fn bf16_bits16(v: __m512) -> __m256i {
+    // SAFETY: called only inside an AVX-512F/BW context (see `Lanes::enter`).
+    unsafe {
+        // Round in place in the upper half of each 32-bit lane, then gather
+        // the upper halves with one word permute (a narrowing store, vpmovdw
+        // to memory, is slow on some cores).
+        let x = _mm512_castps_si512(v);
+        let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+        let rounded = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
+        let quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
+        let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        let odd = _mm512_set_epi16(
+            31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21, 19,
+            17, 15, 13, 11, 9, 7, 5, 3, 1,
+        );
+        _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r))
+    }
+}
+
 /// bf16 round-to-nearest-even of eight lanes, as `dtype::bf16_bits_rne`.
 #[inline(always)]
 unsafe fn bf16_bits8(v: __m256) -> __m128i {
@@ -110,6 +154,37 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
+    fn stream(self, dst: &mut [f32; GROUP]) {
+        if !aligned(dst, 32) {
+            return self.store(dst);
+        }
+        // SAFETY: 16 writable f32, 32-byte aligned; AVX present.
+        unsafe {
+            _mm256_stream_ps(dst.as_mut_ptr(), self.0);
+            _mm256_stream_ps(dst.as_mut_ptr().add(8), self.1);
+        }
+    }
+    #[inline(always)]
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; AVX2 present.
+        unsafe {
+            let p = dst.as_mut_ptr() as *mut __m128i;
+            let v = [
+                bf16_bits8(self.0),
+                bf16_bits8(self.1),
+                bf16_bits8(hi.0),
+                bf16_bits8(hi.1),
+            ];
+            for (i, w) in v.into_iter().enumerate() {
+                if aligned(dst, 64) {
+                    _mm_stream_si128(p.add(i), w);
+                } else {
+                    _mm_storeu_si128(p.add(i), w);
+                }
+            }
+        }
+    }
+    #[inline(always)]
     fn load_f16(src: &[f16; GROUP]) -> Self {
         // SAFETY: 32 readable bytes; F16C present.
         unsafe {
@@ -131,6 +206,36 @@ impl Lanes for Avx2 {
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.1),
             );
         }
+    }
+    #[inline(always)]
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; F16C present.
+        unsafe {
+            let p = dst.as_mut_ptr() as *mut __m128i;
+            let v = [
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.1),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0),
+                _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.1),
+            ];
+            for (i, w) in v.into_iter().enumerate() {
+                if aligned(dst, 64) {
+                    _mm_stream_si128(p.add(i), w);
+                } else {
+                    _mm_storeu_si128(p.add(i), w);
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    fn stream_fence() {
+        // SAFETY: sfence is SSE (baseline on x86_64).
+        unsafe { _mm_sfence() }
+    }
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {
@@ -202,27 +307,26 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
         // SAFETY: 32 writable bytes; AVX-512F/BW present.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bf16_bits16(self.0)) }
+    }
+    #[inline(always)]
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; AVX-512F/BW present.
         unsafe {
-            // Round in place in the upper half of each 32-bit lane, then
-            // gather the upper halves with one word permute (a narrowing
-            // store, vpmovdw to memory, is slow on some cores).
-            let x = _mm512_castps_si512(self.0);
-            let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
-            let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
-            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
-            let rounded = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
-            let quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
-            let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
-            let odd = _mm512_set_epi16(
-                31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21,
-                19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
-            );
-            let packed = _mm512_permutexvar_epi16(odd, r);
-            _mm256_storeu_si256(
-                dst.as_mut_ptr() as *mut __m256i,
-                _mm512_castsi512_si256(packed),
-            );
+            put_line(
+                dst.as_mut_ptr() as *mut __m512i,
+                bf16_bits16(self.0),
+                bf16_bits16(hi.0),
+            )
         }
+    }
+    #[inline(always)]
+    fn stream(self, dst: &mut [f32; GROUP]) {
+        if !aligned(dst, 64) {
+            return self.store(dst);
+        }
+        // SAFETY: 16 writable f32, 64-byte aligned; AVX-512F present.
+        unsafe { _mm512_stream_ps(dst.as_mut_ptr(), self.0) }
     }
     #[inline(always)]
     fn load_f16(src: &[f16; GROUP]) -> Self {
@@ -240,6 +344,25 @@ impl Lanes for Avx512 {
             let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
             _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, h)
         }
+    }
+    #[inline(always)]
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        // SAFETY: 64 writable bytes; AVX-512F present. Round to nearest even.
+        unsafe {
+            let lo = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
+            let hi = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0);
+            put_line(dst.as_mut_ptr() as *mut __m512i, lo, hi)
+        }
+    }
+    #[inline(always)]
+    fn stream_fence() {
+        // SAFETY: sfence is SSE (baseline on x86_64).
+        unsafe { _mm_sfence() }
+    }
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: prefetch never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {

@@ -5,13 +5,13 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    load_group, norm_dims, round_to, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding,
+    load_at, norm_dims, round_to, rstd_check, same_shape, RmsNormOptions, Rounding, RowOut,
 };
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::Result;
-use crate::lanes::{narrow_into, sqrt_f64, widen_into, Isa, Lanes, RowSum, GROUP};
+use crate::lanes::{sqrt_f64, Isa, Lanes};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, out_like, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
@@ -67,7 +67,7 @@ pub(crate) fn plan(
     let d = norm_dims(x1, &c1, gamma, &gc, "x1")?;
     same_shape(x2, &c2, &c1, x1.dtype, "x2")?;
     opts.eps_f32()?;
-    NormTiling::new(d.rows, d.cols, 1, false, ub)
+    NormTiling::new(d.rows, d.cols, x1.dtype.size_bytes(), 1, false, ub)
 }
 
 /// Validates everything and builds the call.
@@ -229,7 +229,8 @@ pub fn add_rms_norm_in_place<T: Float, G: Float>(
     )
 }
 
-/// AddRmsNorm's CopyIn: round(x1 + x2), written to x_sum on the first pass.
+/// AddRmsNorm's CopyIn: round(x1 + x2), written to x_sum by pass 2 (x_sum
+/// may be x1: each window of x1 is read before x_sum's is written).
 struct AddSource<T> {
     x1: Src<T>,
     x2: Src<T>,
@@ -238,36 +239,19 @@ struct AddSource<T> {
 
 impl<T: Float> FwdSource<T> for AddSource<T> {
     #[inline(always)]
-    fn copy_in<L: Lanes>(
-        &self,
-        off: usize,
-        len: usize,
-        dst: &mut [f32],
-        first: bool,
-        mut sum: Option<&mut RowSum<L>>,
-    ) {
-        if let (false, Some(xs)) = (first, &self.x_sum) {
-            // Split-D's second pass re-reads the sum it wrote (x1 may be gone).
-            // SAFETY: written by this block's first pass; in bounds.
-            widen_sum_sq::<L, T>(unsafe { Src(xs.0 as *const T).get(off, len) }, dst, sum);
-            return;
-        }
-        // SAFETY: x1 is read before this range of x_sum (possibly x1 itself) is written.
-        widen_into::<L, T>(unsafe { self.x1.get(off, len) }, dst);
-        // SAFETY: x2 is an input, never written.
-        let x2 = unsafe { self.x2.get(off, len) };
-        let (groups, _) = dst.as_chunks_mut::<GROUP>();
-        for (gi, g) in groups.iter_mut().enumerate() {
-            let v = round_to::<L, T>(L::load(g).add(load_group::<L, T>(x2, gi)));
-            v.store(g);
-            if let Some(s) = sum.as_deref_mut() {
-                s.push(v.mul(v));
-            }
-        }
-        if let Some(xs) = &self.x_sum {
-            // SAFETY: this row range belongs to the calling block; x1's range was consumed above.
-            narrow_into::<L, T>(dst, unsafe { xs.get(off, len) });
-        }
+    unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L {
+        // SAFETY: forwarded; the range of x1 is not written before this read.
+        let (a, b) = unsafe {
+            (
+                load_at::<L, T>(self.x1, at, len),
+                load_at::<L, T>(self.x2, at, len),
+            )
+        };
+        round_to::<L, T>(a.add(b))
+    }
+    #[inline(always)]
+    fn side_out<L: Lanes>(&self, stream: bool) -> Option<RowOut<L, T>> {
+        self.x_sum.map(|d| RowOut::new(d, stream))
     }
 }
 

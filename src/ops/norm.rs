@@ -3,8 +3,9 @@
 
 use crate::dtype::{gamma_dtype_ok, DType, Float};
 use crate::error::{dtype_err, invalid_fmt, Result};
-use crate::lanes::{Lanes, RowSum, GROUP};
+use crate::lanes::{Lanes, GROUP};
 use crate::tensor::{Checked, RawTensor};
+use crate::workspace::{Dst, Src};
 
 /// How the forward output is rounded. Values are the C ABI's `npk_rounding`.
 #[repr(u32)]
@@ -59,11 +60,6 @@ impl RmsNormOptions {
         Ok(e)
     }
 }
-
-/// Rows of one merge-N tile whose per-row scalars (rstd, or the backward's
-/// `c`) a kernel keeps on its stack; the plan may give more, the kernel then
-/// takes the tile in several passes (per-row results do not depend on it).
-pub(crate) const MAX_TILE_ROWS: usize = 256;
 
 /// Rows and row length of a normalization.
 #[derive(Clone, Copy, Debug)]
@@ -155,23 +151,6 @@ pub(crate) fn rstd_check(t: &RawTensor, tc: &Checked, rows: usize) -> Result<()>
     Ok(())
 }
 
-/// Widens `src` to f32, adds `offset`, and stores it in `dst` (padded with
-/// zeros to a multiple of 16).
-#[inline(always)]
-pub(crate) fn load_gamma<L: Lanes, G: Float>(src: &[G], dst: &mut [f32], offset: f32) {
-    crate::lanes::widen_into::<L, G>(src, dst);
-    let off = L::splat(offset);
-    let n = src.len();
-    let (groups, _) = dst.as_chunks_mut::<GROUP>();
-    for g in groups.iter_mut() {
-        L::load(g).add(off).store(g);
-    }
-    // Keep the padding exactly zero (0 + offset would leak into sums).
-    if let Some(pad) = dst.get_mut(n..) {
-        pad.fill(0.0);
-    }
-}
-
 /// Stores the first `dst.len()` (< 16) lanes of `v` into `dst`: the last,
 /// partial group of a row. (A value, not a closure: kernels run inside a
 /// `#[target_feature]` context and must not depend on closure inlining.)
@@ -215,6 +194,162 @@ pub(crate) fn first_lanes<L: Lanes>(v: L, n: usize) -> L {
     L::load(&t)
 }
 
+/// Elements `at..at + len` of `src` (`len <= 16`) widened, zero-padded to a
+/// group; a whole group is one load.
+///
+/// # Safety
+/// The range is inside `src`'s tensor and not being written.
+#[inline(always)]
+pub(crate) unsafe fn load_at<L: Lanes, T: Float>(src: Src<T>, at: usize, len: usize) -> L {
+    if len == GROUP {
+        // SAFETY: forwarded from the caller.
+        return T::load(unsafe { src.group(at) });
+    }
+    // SAFETY: forwarded from the caller.
+    load_group::<L, T>(unsafe { src.get(at, len) }, 0)
+}
+
+/// `gamma + offset` at columns `j..j + len` (`len <= 16`); the lanes past
+/// `len` are exactly +0.0, so sums over padding add nothing.
+///
+/// # Safety
+/// The columns are inside gamma.
+#[inline(always)]
+pub(crate) unsafe fn gamma_at<L: Lanes, G: Float>(
+    gamma: Src<G>,
+    j: usize,
+    len: usize,
+    off: L,
+) -> L {
+    if len == GROUP {
+        // SAFETY: forwarded from the caller.
+        return G::load::<L>(unsafe { gamma.group(j) }).add(off);
+    }
+    let mut tmp = [0f32; GROUP];
+    // SAFETY: forwarded from the caller.
+    load_group::<L, G>(unsafe { gamma.get(j, len) }, 0)
+        .add(off)
+        .store(&mut tmp);
+    tmp[len.min(GROUP)..].fill(0.0);
+    L::load(&tmp)
+}
+
+/// Stores `v` at `dst[at..at + len]` (`len <= 16`): a whole group with one
+/// store, a partial one through a temporary.
+///
+/// # Safety
+/// The range is inside `dst`'s tensor, and nothing else refers to it.
+#[inline(always)]
+pub(crate) unsafe fn store_at<L: Lanes, T: Float>(v: L, dst: Dst<T>, at: usize, len: usize) {
+    if len == GROUP {
+        // SAFETY: forwarded from the caller.
+        T::store(v, unsafe { dst.group(at) });
+    } else {
+        // SAFETY: forwarded from the caller.
+        store_tail::<L, T>(unsafe { dst.get(at, len) }, v);
+    }
+}
+
+/// One output row's writer: ordinary stores, or (`stream`) streaming stores
+/// of whole 64-byte lines. A 16-bit line holds two groups, so a group that
+/// starts a line waits for the next one; anything else is stored normally.
+/// Results never depend on the path taken.
+pub(crate) struct RowOut<L, T> {
+    dst: Dst<T>,
+    stream: bool,
+    pending: Option<(L, usize)>,
+}
+
+impl<L: Lanes, T: Float> RowOut<L, T> {
+    /// A writer into `dst`.
+    #[inline(always)]
+    pub fn new(dst: Dst<T>, stream: bool) -> Self {
+        RowOut {
+            dst,
+            stream,
+            pending: None,
+        }
+    }
+
+    /// Writes `v` at `at..at + len` (`len <= 16`; consecutive windows).
+    ///
+    /// # Safety
+    /// As for `store_at`; the writer is flushed before the range is read.
+    #[inline(always)]
+    pub unsafe fn put(&mut self, v: L, at: usize, len: usize) {
+        if !self.stream || len < GROUP {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                self.flush();
+                store_at(v, self.dst, at, len)
+            };
+            return;
+        }
+        if T::LINE_GROUPS == 1 {
+            // SAFETY: forwarded from the caller.
+            return T::stream_line(v, unsafe { self.dst.group(at) });
+        }
+        match self.pending.take() {
+            Some((lo, p)) if p + GROUP == at => {
+                // SAFETY: forwarded from the caller: groups p and at are ours.
+                T::stream2(lo, v, unsafe { self.dst.pair(p) })
+            }
+            other => {
+                if let Some((lo, p)) = other {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { store_at(lo, self.dst, p, GROUP) };
+                }
+                if self.dst.line_start(at) {
+                    self.pending = Some((v, at));
+                } else {
+                    // SAFETY: forwarded from the caller.
+                    unsafe { store_at(v, self.dst, at, len) };
+                }
+            }
+        }
+    }
+
+    /// Stores a group still waiting for its line partner.
+    ///
+    /// # Safety
+    /// As for `put`.
+    #[inline(always)]
+    pub unsafe fn flush(&mut self) {
+        if let Some((lo, p)) = self.pending.take() {
+            // SAFETY: forwarded from the caller.
+            unsafe { store_at(lo, self.dst, p, GROUP) };
+        }
+    }
+}
+
+/// Calls `$body` with `($j, $len)` for the windows of a row of `$n`
+/// elements: a head of `$head` elements (which aligns the output for
+/// streaming stores), whole groups, then the tail. Elementwise outputs may
+/// use any windows; reductions must not (their groups start at the row's
+/// start). A macro so the body inlines into the ISA context.
+macro_rules! for_windows {
+    ($n:expr, $head:expr, |$j:ident, $len:ident| $body:expr) => {{
+        let n: usize = $n;
+        let head: usize = $head;
+        let mut $j = 0usize;
+        if head > 0 {
+            let $len = head;
+            $body;
+            $j = head;
+        }
+        while $j + $crate::lanes::GROUP <= n {
+            let $len = $crate::lanes::GROUP;
+            $body;
+            $j += $crate::lanes::GROUP;
+        }
+        if $j < n {
+            let $len = n - $j;
+            $body;
+        }
+    }};
+}
+pub(crate) use for_windows;
+
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]
 pub(crate) fn round_to<L: Lanes, T: Float>(v: L) -> L {
@@ -233,35 +368,5 @@ pub(crate) fn arena_group<L: Lanes>(row: &[f32], i: usize) -> L {
     match g.get(i) {
         Some(a) => L::load(a),
         None => L::splat(0.0),
-    }
-}
-
-/// CopyIn with the optional fused reduction: widens `src` into `dst` (zero
-/// padded to a multiple of 16) and pushes each group's squares into `sum`.
-#[inline(always)]
-pub(crate) fn widen_sum_sq<L: Lanes, T: Float>(
-    src: &[T],
-    dst: &mut [f32],
-    sum: Option<&mut RowSum<L>>,
-) {
-    match sum {
-        None => crate::lanes::widen_into::<L, T>(src, dst),
-        Some(s) => {
-            let (sg, st) = src.as_chunks::<GROUP>();
-            let (dg, _) = dst.as_chunks_mut::<GROUP>();
-            let full = sg.len().min(dg.len());
-            crate::lanes::push_groups!(s, full, |k| {
-                let v = T::load::<L>(&sg[k]);
-                v.store(&mut dg[k]);
-                v.mul(v)
-            });
-            if !st.is_empty() {
-                let v = load_group::<L, T>(src, sg.len());
-                if let Some(d) = dg.get_mut(sg.len()) {
-                    v.store(d);
-                }
-                s.push(v.mul(v));
-            }
-        }
     }
 }

@@ -2,12 +2,12 @@
 
 use core::ffi::c_void;
 
-use super::norm::{norm_dims, rstd_check, same_shape, widen_sum_sq, RmsNormOptions, Rounding};
+use super::norm::{load_at, norm_dims, rstd_check, same_shape, RmsNormOptions, Rounding, RowOut};
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::Result;
-use crate::lanes::{sqrt_f64, Isa, Lanes, RowSum};
+use crate::lanes::{sqrt_f64, Isa, Lanes};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, out_like, RawTensor, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};
@@ -53,7 +53,7 @@ pub(crate) fn plan(
     let gc = gamma.check("gamma")?;
     let d = norm_dims(x, &xc, gamma, &gc, "x")?;
     opts.eps_f32()?;
-    NormTiling::new(d.rows, d.cols, 1, false, ub)
+    NormTiling::new(d.rows, d.cols, x.dtype.size_bytes(), 1, false, ub)
 }
 
 /// Validates everything and builds the call (workspace not yet attached).
@@ -138,21 +138,18 @@ pub fn rms_norm<T: Float, G: Float>(
     )
 }
 
-/// RmsNorm's CopyIn: widen x.
+/// RmsNorm's CopyIn: x itself.
 struct XSource<T>(Src<T>);
 
 impl<T: Float> FwdSource<T> for XSource<T> {
     #[inline(always)]
-    fn copy_in<L: Lanes>(
-        &self,
-        off: usize,
-        len: usize,
-        dst: &mut [f32],
-        _first: bool,
-        sum: Option<&mut RowSum<L>>,
-    ) {
-        // SAFETY: the kernel asks only for ranges inside x; x is never written.
-        widen_sum_sq::<L, T>(unsafe { self.0.get(off, len) }, dst, sum);
+    unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L {
+        // SAFETY: forwarded; x is never written.
+        unsafe { load_at::<L, T>(self.0, at, len) }
+    }
+    #[inline(always)]
+    fn side_out<L: Lanes>(&self, _stream: bool) -> Option<RowOut<L, T>> {
+        None
     }
 }
 

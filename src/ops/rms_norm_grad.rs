@@ -6,17 +6,17 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    arena_group, first_lanes, load_gamma, load_group, norm_dims, rstd_check, same_shape,
-    store_tail, MAX_TILE_ROWS,
+    arena_group, first_lanes, for_windows, gamma_at, load_at, load_group, norm_dims, rstd_check,
+    same_shape, store_at, store_tail, RowOut,
 };
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Result};
-use crate::lanes::{widen_into, Isa, Lanes, RowSum, GROUP};
+use crate::lanes::{push_groups, Isa, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
-use crate::tiling::{NormTiling, UbConfig};
-use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
+use crate::tiling::{NormTiling, UbConfig, NORM_FLAG_STREAM};
+use crate::workspace::{Dst, Src, Workspace};
 
 /// What happens to an existing dgamma (`accumulate_dgamma` in the C ABI).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -100,7 +100,7 @@ pub(crate) fn plan(
             opts.gamma_offset
         ));
     }
-    NormTiling::new(d.rows, d.cols, 2, true, ub)
+    NormTiling::new(d.rows, d.cols, x.dtype.size_bytes(), 2, true, ub)
 }
 
 /// Validates everything and builds the call.
@@ -377,7 +377,6 @@ struct Ctx<T, G> {
     off: f32,
     t: NormTiling,
     ws: Workspace,
-    slots: ArenaSlots,
 }
 
 /// Runs the plan on the CPU: the row pass per block, then the deterministic
@@ -413,7 +412,6 @@ unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormGradCall, runner: &dyn
         off: call.gamma_offset,
         t: call.tiling,
         ws,
-        slots: ArenaSlots::new(call.tiling.blocks as usize),
     };
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
@@ -487,254 +485,81 @@ fn reduce_dgamma<L: Lanes, G: Float>(
     }
 }
 
-/// Split-D CopyIn of one chunk: gamma (+ offset), dy and x at column `k` of row `r`.
+/// `rstd * (dy * g - (x * rstd) * c)`: dx's arithmetic (before dres).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn load_chunk<L: Lanes, T: Float, G: Float>(
-    c: &Ctx<T, G>,
-    r: usize,
-    k: usize,
-    len: usize,
-    dyt: &mut [f32],
-    xt: &mut [f32],
-    g: &mut [f32],
-) {
-    let n = c.t.cols as usize;
-    // SAFETY: columns k..k+len of row r (dx's chunk is written after).
-    unsafe {
-        load_gamma::<L, G>(c.gamma.get(k, len), g, c.off);
-        widen_into::<L, T>(c.dy.get(r * n + k, len), dyt);
-        widen_into::<L, T>(c.x.get(r * n + k, len), xt);
-    }
+fn dx_of<L: Lanes>(dy: L, xh: L, g: L, rs: L, cc: L) -> L {
+    rs.mul(dy.mul(g).sub(xh.mul(cc)))
 }
 
-/// Merge-N CopyIn fused with the reduction: widens one row of dy and x into
-/// the arena and pushes `(dy * g) * (x * rstd)` group by group (the same
-/// operations, in the same order, as `reduce_chunk` on the arena rows).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn widen_reduce<L: Lanes, T: Float>(
-    dy: &[T],
-    x: &[T],
-    dyt: &mut [f32],
-    xt: &mut [f32],
-    g: &[f32],
-    rs: L,
-    s: &mut RowSum<L>,
-) {
-    let (dys, dyr) = dy.as_chunks::<GROUP>();
-    let (xs, _) = x.as_chunks::<GROUP>();
-    let (dyg, _) = dyt.as_chunks_mut::<GROUP>();
-    let (xg, _) = xt.as_chunks_mut::<GROUP>();
-    let (gg, _) = g.as_chunks::<GROUP>();
-    let full = dys
-        .len()
-        .min(xs.len())
-        .min(dyg.len())
-        .min(xg.len())
-        .min(gg.len());
-    crate::lanes::push_groups!(s, full, |k| {
-        let a = T::load::<L>(&dys[k]);
-        let b = T::load::<L>(&xs[k]);
-        a.store(&mut dyg[k]);
-        b.store(&mut xg[k]);
-        a.mul(L::load(&gg[k])).mul(b.mul(rs))
-    });
-    if !dyr.is_empty() {
-        let a = load_group::<L, T>(dy, full);
-        let b = load_group::<L, T>(x, full);
-        if let (Some(d), Some(e), Some(gv)) = (dyg.get_mut(full), xg.get_mut(full), gg.get(full)) {
-            a.store(d);
-            b.store(e);
-            s.push(first_lanes(a.mul(L::load(gv)).mul(b.mul(rs)), dyr.len()));
-        }
-    }
-}
-
-/// Pushes `sum_j (dy * g) * (x * rstd)` of one chunk of `len` elements
-/// (f32 arena rows, zero-padded to 16; the padding lanes are masked).
-#[inline(always)]
-fn reduce_chunk<L: Lanes>(s: &mut RowSum<L>, dy: &[f32], x: &[f32], g: &[f32], rs: L, len: usize) {
-    let (dg, _) = dy.as_chunks::<GROUP>();
-    let (xg, _) = x.as_chunks::<GROUP>();
-    let (gg, _) = g.as_chunks::<GROUP>();
-    let n = dg.len().min(xg.len()).min(gg.len());
-    let full = n.min(len / GROUP);
-    crate::lanes::push_groups!(s, full, |k| grad_term(&dg[k], &xg[k], &gg[k], rs));
-    if full < n && !len.is_multiple_of(GROUP) {
-        s.push(first_lanes(
-            grad_term(&dg[full], &xg[full], &gg[full], rs),
-            len % GROUP,
-        ));
-    }
-}
-
-/// `(dy * g) * (x * rstd)` of one group (a function, not a closure: it must
-/// inline into the ISA context).
-#[inline(always)]
-fn grad_term<L: Lanes>(dy: &[f32; GROUP], x: &[f32; GROUP], g: &[f32; GROUP], rs: L) -> L {
-    L::load(dy).mul(L::load(g)).mul(L::load(x).mul(rs))
-}
-
-/// `rstd * (dy * g - (x * rstd) * c)` for group `gi`: dx's arithmetic.
-#[inline(always)]
-fn dx_group<L: Lanes>(dy: &[f32], x: &[f32], g: &[f32], gi: usize, rs: L, cc: L) -> L {
-    let gy = arena_group::<L>(dy, gi).mul(arena_group(g, gi));
-    let xh = arena_group::<L>(x, gi).mul(rs);
-    rs.mul(gy.sub(xh.mul(cc)))
-}
-
-/// dx for one chunk of row `r` at column `k` (`rows` = dy, x, gamma as f32),
-/// and the chunk's `dy * xh` added into the block's dgamma partial.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn emit_chunk<L: Lanes, T: Float, G: Float>(
-    c: &Ctx<T, G>,
-    r: usize,
-    k: usize,
-    len: usize,
-    rows: [&[f32]; 3],
-    rs: L,
-    cc: L,
-    part: &mut [f32],
-) {
-    let n = c.t.cols as usize;
-    let [dy, x, g] = rows;
-    let dres = c.dres.map(|d| {
-        // SAFETY: dres is an input; columns k..k+len of row r.
-        unsafe { d.get(r * n + k, len) }
-    });
-    // SAFETY: this chunk of dx's row r belongs to this block; dy's same
-    // range (if dx is dy) was copied into the arena before.
-    let dst = unsafe { c.dx.get(r * n + k, len) };
-    let (dg, dt) = dst.as_chunks_mut::<GROUP>();
-    let full = dg.len();
-    match dres {
-        Some(dr) => {
-            let (rg, _) = dr.as_chunks::<GROUP>();
-            for (gi, (d, rv)) in dg.iter_mut().zip(rg).enumerate() {
-                T::store(dx_group(dy, x, g, gi, rs, cc).add(T::load::<L>(rv)), d);
-            }
-        }
-        None => {
-            for (gi, d) in dg.iter_mut().enumerate() {
-                T::store(dx_group(dy, x, g, gi, rs, cc), d);
-            }
-        }
-    }
-    if !dt.is_empty() {
-        let mut v = dx_group(dy, x, g, full, rs, cc);
-        if let Some(dr) = dres {
-            v = v.add(load_group::<L, T>(dr, full));
-        }
-        store_tail::<L, T>(dt, v);
-    }
-    let (pg, _) = part.as_chunks_mut::<GROUP>();
-    let (dyg, _) = dy.as_chunks::<GROUP>();
-    let (xg, _) = x.as_chunks::<GROUP>();
-    for ((p, d), xv) in pg.iter_mut().zip(dyg).zip(xg).take(len.div_ceil(GROUP)) {
-        let xh = L::load(xv).mul(rs);
-        L::load(p).add(L::load(d).mul(xh)).store(p);
-    }
-}
-
-/// One block: dx for its rows, and its dgamma partial (rows in order).
+/// One block: per row, `c = sum_j (dy * g) * (x * rstd) / N` (pass 1, groups
+/// from the row start), then dx and the row's `dy * xh` added into the
+/// block's dgamma partial (pass 2, rows in order, dy and x again from L1/L2).
+/// The UB arena is not needed on a CPU (see `norm_fwd`); the bits are those
+/// of staging the rows in it.
 #[inline(always)]
 fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
     let t = &c.t;
     let n = t.cols as usize;
     let np = t.cols_padded as usize;
-    let chunk = t.chunk_cols as usize;
+    let stream = t.flags & NORM_FLAG_STREAM != 0;
     let (r0, r1) = t.block_rows(b);
-    let claim = c.slots.claim(b);
-    // SAFETY: the claimed arena is this block's until `claim` drops, the
-    // partials are block b's alone; both inside the checked workspace.
-    let (arena, part) = unsafe {
-        (
-            c.ws.region(
-                t.arena_offset as usize + claim.index * t.arena_bytes as usize,
-                t.arena_bytes as usize / 4,
-            ),
-            c.ws.region(t.partials_offset as usize + b * np * 4, np),
-        )
-    };
+    // SAFETY: the partials are block b's alone, inside the checked workspace.
+    let part = unsafe { c.ws.region(t.partials_offset as usize + b * np * 4, np) };
     part.fill(0.0);
-    let (gbuf, rest) = arena.split_at_mut(chunk);
-    let rpt = t.rows_per_tile as usize;
-    let (dyt, xt) = rest.split_at_mut(rpt * chunk);
-    let xt = &mut xt[..rpt * chunk];
-    // SAFETY: rstd has one element per row.
-    let rstd_of = |r: usize| unsafe { c.rstd.get(r, 1)[0] };
-    if t.split_d == 0 {
-        // SAFETY: gamma holds n elements.
-        load_gamma::<L, G>(unsafe { c.gamma.get(0, n) }, gbuf, c.off);
-        let gbuf = &*gbuf;
-        let mut r = r0;
-        while r < r1 {
-            let rows = rpt.min(r1 - r).min(MAX_TILE_ROWS);
-            // CopyIn of dy and x with each row's sum_j(g * xh) in the same pass...
-            let mut cs = [0f32; MAX_TILE_ROWS];
-            for (i, cv) in cs.iter_mut().enumerate().take(rows) {
-                let span = i * chunk..(i + 1) * chunk;
-                let rs = L::splat(rstd_of(r + i));
-                let mut s = RowSum::<L>::new();
-                // SAFETY: row r+i of dy and x (dx's row is written only below).
-                let (dy, x) = unsafe { (c.dy.get((r + i) * n, n), c.x.get((r + i) * n, n)) };
-                widen_reduce::<L, T>(
-                    dy,
-                    x,
-                    &mut dyt[span.clone()],
-                    &mut xt[span],
-                    gbuf,
-                    rs,
-                    &mut s,
-                );
-                *cv = s.finish() / n as f32;
+    let off = L::splat(c.off);
+    let (full, tail) = (n / GROUP, n % GROUP);
+    for r in r0..r1 {
+        let row = r * n;
+        // SAFETY: rstd has one element per row.
+        let rs = L::splat(unsafe { c.rstd.get(r, 1)[0] });
+        let mut s = RowSum::<L>::new();
+        push_groups!(s, full, |k| {
+            let j = k * GROUP;
+            // SAFETY: group k of row r of dy and x, and of gamma; dx's row
+            // (possibly dy's) is written only in pass 2.
+            unsafe {
+                let dy = load_at::<L, T>(c.dy, row + j, GROUP);
+                let x = load_at::<L, T>(c.x, row + j, GROUP);
+                dy.mul(gamma_at::<L, G>(c.gamma, j, GROUP, off))
+                    .mul(x.mul(rs))
             }
-            // ...then dx and the dgamma partial.
-            for (i, &cv) in cs.iter().enumerate().take(rows) {
-                let (dy, x) = (
-                    &dyt[i * chunk..(i + 1) * chunk],
-                    &xt[i * chunk..(i + 1) * chunk],
-                );
-                let rs = L::splat(rstd_of(r + i));
-                emit_chunk::<L, T, G>(
-                    c,
-                    r + i,
-                    0,
-                    n,
-                    [dy, x, gbuf],
-                    rs,
-                    L::splat(cv),
-                    &mut part[..],
-                );
-            }
-            r += rows;
+        });
+        if tail > 0 {
+            let j = full * GROUP;
+            // SAFETY: the row's last elements (gamma's padding lanes are +0.0).
+            let v = unsafe {
+                let dy = load_at::<L, T>(c.dy, row + j, tail);
+                let x = load_at::<L, T>(c.x, row + j, tail);
+                dy.mul(gamma_at::<L, G>(c.gamma, j, tail, off))
+                    .mul(x.mul(rs))
+            };
+            // Padding lanes masked: 0 * Inf would be NaN (see `first_lanes`).
+            s.push(first_lanes(v, tail));
         }
-    } else {
-        let (dyt, xt) = (&mut dyt[..chunk], &mut xt[..chunk]);
-        for r in r0..r1 {
-            let rs = L::splat(rstd_of(r));
-            let mut s = RowSum::<L>::new();
-            let mut k = 0;
-            while k < n {
-                let len = chunk.min(n - k);
-                let p = len.div_ceil(GROUP) * GROUP;
-                load_chunk::<L, T, G>(c, r, k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
-                reduce_chunk(&mut s, &dyt[..p], &xt[..p], &gbuf[..p], rs, len);
-                k += len;
+        let cc = L::splat(s.finish() / n as f32);
+        let head = if stream { c.dx.stream_head(row, n) } else { 0 };
+        let mut dx = RowOut::<L, T>::new(c.dx, stream);
+        let pp = Dst(part.as_mut_ptr());
+        for_windows!(n, head, |j, len| {
+            // SAFETY: columns j..j+len of row r, which belongs to this block;
+            // dy's window (dx may be dy) is read before dx's is written.
+            unsafe {
+                let dy = load_at::<L, T>(c.dy, row + j, len);
+                let xh = load_at::<L, T>(c.x, row + j, len).mul(rs);
+                let mut d = dx_of(dy, xh, gamma_at::<L, G>(c.gamma, j, len, off), rs, cc);
+                if let Some(dres) = c.dres {
+                    d = d.add(load_at::<L, T>(dres, row + j, len));
+                }
+                dx.put(d, row + j, len);
+                let p = load_at::<L, f32>(Src(pp.0 as *const f32), j, len);
+                store_at::<L, f32>(p.add(dy.mul(xh)), pp, j, len);
             }
-            let cc = L::splat(s.finish() / n as f32);
-            let mut k = 0;
-            while k < n {
-                let len = chunk.min(n - k);
-                let p = len.div_ceil(GROUP) * GROUP;
-                load_chunk::<L, T, G>(c, r, k, len, &mut dyt[..p], &mut xt[..p], &mut gbuf[..p]);
-                let rows = [&dyt[..p], &xt[..p], &gbuf[..p]];
-                emit_chunk::<L, T, G>(c, r, k, len, rows, rs, cc, &mut part[k..k + p]);
-                k += len;
-            }
-        }
+        });
+        // SAFETY: the row's last window, as above.
+        unsafe { dx.flush() };
+    }
+    if stream {
+        L::stream_fence();
     }
 }
 

@@ -1,0 +1,358 @@
+//! The quick ratio table: every operator x dtype x seed shape, kernel time
+//! against a same-bytes copy (`copy_from_slice`) in the same process, median
+//! of interleaved repetitions, single thread. Buffers rotate over enough sets
+//! that the working set exceeds twice the last-level cache (kernel and copy
+//! alike), so both run from DRAM.
+//!
+//! Run: `cargo run --release -p npukern-benches --bin quick` (add `--threads 2`
+//! for the pool, `--reps N` for more repetitions, `--filter STR` to select rows,
+//! `--cpu-clock` to time with the thread's CPU clock on a shared machine).
+
+use std::hint::black_box;
+
+use npukern::*;
+
+/// The seed shapes: `[a, b, h]`, gamma `[h]`.
+const SHAPES: [[usize; 3]; 4] = [
+    [1024, 1, 12288],
+    [512, 4, 4096],
+    [4, 2048, 5120],
+    [2, 2048, 4096],
+];
+
+struct Opts {
+    reps: usize,
+    /// Time with the thread's CPU clock (single thread only): on a machine
+    /// shared with other jobs it leaves out the time the thread was not
+    /// running; both columns use the same clock.
+    cpu_clock: bool,
+    threads: usize,
+    filter: Option<String>,
+    llc: usize,
+}
+
+fn llc_bytes() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index3/size")
+        .ok()
+        .and_then(|s| {
+            let s = s.trim();
+            let (num, mul) = match s.strip_suffix('K') {
+                Some(v) => (v, 1024),
+                None => match s.strip_suffix('M') {
+                    Some(v) => (v, 1 << 20),
+                    None => (s, 1),
+                },
+            };
+            num.parse::<usize>().ok().map(|v| v * mul)
+        })
+        .unwrap_or(32 << 20)
+}
+
+fn data<T: Float>(n: usize, seed: u64) -> Vec<T> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            T::from_f32(((s >> 40) % 4000) as f32 / 1000.0 - 2.0)
+        })
+        .collect()
+}
+
+/// Sets of buffers needed so `sets * footprint >= 2 * LLC`.
+fn sets_for(footprint: usize, llc: usize) -> usize {
+    (2 * llc).div_ceil(footprint.max(1)).max(1)
+}
+
+#[repr(C)]
+struct Timespec {
+    sec: i64,
+    nsec: i64,
+}
+
+extern "C" {
+    fn clock_gettime(clock: i32, t: *mut Timespec) -> i32;
+}
+
+/// Seconds on CLOCK_THREAD_CPUTIME_ID (3) or CLOCK_MONOTONIC (1).
+fn now(cpu: bool) -> f64 {
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: a valid clock id and a writable timespec.
+    unsafe { clock_gettime(if cpu { 3 } else { 1 }, &mut t) };
+    t.sec as f64 + t.nsec as f64 * 1e-9
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Times `kernel(set)` and a copy of `copy_bytes` bytes, interleaved, each
+/// rotating over `sets` buffer sets; returns the medians in ms.
+fn time_pair(
+    o: &Opts,
+    sets: usize,
+    copy_bytes: usize,
+    mut kernel: impl FnMut(usize),
+) -> (f64, f64) {
+    let src: Vec<Vec<u8>> = (0..sets).map(|i| vec![i as u8 + 1; copy_bytes]).collect();
+    let mut dst: Vec<Vec<u8>> = (0..sets).map(|_| vec![0u8; copy_bytes]).collect();
+    // Warm-up: touch everything once.
+    for s in 0..sets {
+        kernel(s);
+        dst[s].copy_from_slice(black_box(&src[s]));
+    }
+    let (mut tk, mut tc) = (Vec::new(), Vec::new());
+    for r in 0..o.reps {
+        let s = r % sets;
+        let t = now(o.cpu_clock);
+        kernel(s);
+        tk.push((now(o.cpu_clock) - t) * 1e3);
+        let t = now(o.cpu_clock);
+        dst[s].copy_from_slice(black_box(&src[s]));
+        tc.push((now(o.cpu_clock) - t) * 1e3);
+    }
+    (median(tk), median(tc))
+}
+
+fn row(op: &str, shape: &str, dt: &str, (k, c): (f64, f64)) {
+    println!("| {op} | {shape} | {dt} | {k:.2} | {c:.2} | {:.2} |", k / c);
+}
+
+fn exec_for<'a>(cpu: &'a Cpu<Threads>) -> Exec<'a> {
+    Exec::new(cpu)
+}
+
+fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
+    let n = shape[2];
+    let m = shape[0] * shape[1];
+    let dims = [shape[0], shape[1], n];
+    let sname = format!("{}x{}x{}", shape[0], shape[1], n);
+    let dt = format!("{:?}", T::DTYPE).to_lowercase();
+    let elem = core::mem::size_of::<T>();
+    let tb = m * n * elem;
+    let exec = exec_for(cpu);
+    let want = |op: &str| {
+        o.filter
+            .as_ref()
+            .is_none_or(|f| format!("{op} {sname} {dt}").contains(f.as_str()))
+    };
+    let gamma: Vec<T> = data(n, 2);
+    let gt = TensorRef::new(&gamma, &[n]).unwrap();
+    let ropts = RmsNormOptions::default();
+    if want("rms_norm") {
+        let sets = sets_for(2 * tb, o.llc);
+        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 10 + i as u64)).collect();
+        let mut ys: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let mut rstd = vec![0f32; m];
+        let xt0 = TensorRef::new(&xs[0], &dims).unwrap();
+        let mut ws = vec![0u8; rms_norm_workspace_size(&exec, xt0, gt, &ropts).unwrap()];
+        let r = time_pair(o, sets, tb, |s| {
+            let xt = TensorRef::new(&xs[s], &dims).unwrap();
+            rms_norm(&exec, xt, gt, &ropts, &mut ys[s], Some(&mut rstd), &mut ws).unwrap()
+        });
+        row("RmsNorm", &sname, &dt, r);
+    }
+    if want("add_rms_norm") {
+        let sets = sets_for(4 * tb, o.llc);
+        let x1s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 20 + i as u64)).collect();
+        let x2s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 40 + i as u64)).collect();
+        let mut ys: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let mut ss: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let mut rstd = vec![0f32; m];
+        let a = TensorRef::new(&x1s[0], &dims).unwrap();
+        let mut ws = vec![0u8; add_rms_norm_workspace_size(&exec, a, a, gt, &ropts).unwrap()];
+        let r = time_pair(o, sets, 2 * tb, |s| {
+            let a = TensorRef::new(&x1s[s], &dims).unwrap();
+            let b = TensorRef::new(&x2s[s], &dims).unwrap();
+            add_rms_norm(
+                &exec,
+                a,
+                b,
+                gt,
+                &ropts,
+                &mut ys[s],
+                Some(&mut rstd),
+                Some(&mut ss[s]),
+                &mut ws,
+            )
+            .unwrap()
+        });
+        row("AddRmsNorm", &sname, &dt, r);
+    }
+    if want("rms_norm_grad") {
+        let sets = sets_for(3 * tb, o.llc);
+        let dys: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 60 + i as u64)).collect();
+        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 80 + i as u64)).collect();
+        let mut dxs: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let rstd = vec![0.7f32; m];
+        let rt = TensorRef::new(&rstd, &[shape[0], shape[1]]).unwrap();
+        let gopts = RmsNormGradOptions::default();
+        let a = TensorRef::new(&xs[0], &dims).unwrap();
+        let mut ws =
+            vec![0u8; rms_norm_grad_workspace_size(&exec, a, a, rt, gt, None, &gopts).unwrap()];
+        let mut dg = vec![0f32; n];
+        let r = time_pair(o, sets, tb * 3 / 2, |s| {
+            let dyt = TensorRef::new(&dys[s], &dims).unwrap();
+            let xt = TensorRef::new(&xs[s], &dims).unwrap();
+            let dgamma = Some(&mut dg[..]);
+            rms_norm_grad(
+                &exec,
+                dyt,
+                xt,
+                rt,
+                gt,
+                None,
+                &gopts,
+                &mut dxs[s],
+                dgamma,
+                None,
+                &mut ws,
+            )
+            .unwrap()
+        });
+        row("RmsNormGrad", &sname, &dt, r);
+    }
+}
+
+/// 8192 x 4096 gradient rows into a `v`-row table (Zipf-like ids, or one id
+/// taking half the positions when `hot`), grad dtype `G`, table dtype `O`.
+fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bool) {
+    let (n, h) = (8192usize, 4096usize);
+    let name = format!("{n}x{h}->{v}{}", if hot { " hot" } else { "" });
+    let dt = format!("{:?}->{:?}", G::DTYPE, O::DTYPE).to_lowercase();
+    if o.filter
+        .as_ref()
+        .is_some_and(|f| !format!("embedding {name} {dt}").contains(f.as_str()))
+    {
+        return;
+    }
+    let exec = exec_for(cpu);
+    let mut s = 0x2545_f491u64;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let indices: Vec<i64> = (0..n)
+        .map(|i| {
+            if hot && i % 2 == 0 {
+                return 7;
+            }
+            let u = (next() % 1_000_000) as f64 / 1e6;
+            ((v as f64).powf(u) as i64 - 1).clamp(0, v as i64 - 1)
+        })
+        .collect();
+    let bytes = n * h * core::mem::size_of::<G>() + v * h * core::mem::size_of::<O>();
+    let sets = sets_for(bytes, o.llc);
+    let grads: Vec<Vec<G>> = (0..sets).map(|i| data(n * h, 100 + i as u64)).collect();
+    let mut tables: Vec<Vec<O>> = (0..sets).map(|_| vec![O::from_f32(0.0); v * h]).collect();
+    let it = TensorRef::new(&indices, &[n]).unwrap();
+    let eopts = EmbeddingGradOptions::default();
+    let gt0 = TensorRef::new(&grads[0], &[n, h]).unwrap();
+    let mut ws = vec![0u8; embedding_dense_grad_workspace_size(&exec, gt0, it, v, &eopts).unwrap()];
+    let r = time_pair(o, sets, bytes / 2, |s| {
+        let gt = TensorRef::new(&grads[s], &[n, h]).unwrap();
+        embedding_dense_grad(&exec, gt, it, v, &eopts, &mut tables[s], &mut ws).unwrap()
+    });
+    row("EmbeddingDenseGrad", &name, &dt, r);
+}
+
+/// The per-call cost of a parallel launch: `Threads::parallel_for` over 2
+/// empty blocks vs the serial loop, and a 1 x 4096 bf16 RmsNorm (which the
+/// plan keeps in one block, so it runs serially on any runner).
+fn overhead(o: &Opts) {
+    let reps = 2000;
+    let t2 = Threads::new(2);
+    let time = |f: &dyn Fn()| {
+        let mut v: Vec<f64> = (0..o.reps)
+            .map(|_| {
+                let t = now(false);
+                for _ in 0..reps {
+                    f();
+                }
+                (now(false) - t) / reps as f64 * 1e6
+            })
+            .collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let spawn = time(&|| {
+        t2.parallel_for(2, &|b| {
+            black_box(b);
+        })
+    });
+    let x: Vec<bf16> = data(4096, 1);
+    let gamma: Vec<bf16> = data(4096, 2);
+    let (xt, gt) = (
+        TensorRef::new(&x, &[1, 4096]).unwrap(),
+        TensorRef::new(&gamma, &[4096]).unwrap(),
+    );
+    let cpu2 = Cpu::new(t2);
+    let (e1, e2) = (Exec::cpu(), Exec::new(&cpu2));
+    let opts = RmsNormOptions::default();
+    let mut ws = vec![0u8; rms_norm_workspace_size(&e2, xt, gt, &opts).unwrap()];
+    let y = std::cell::RefCell::new(vec![bf16::ZERO; 4096]);
+    let ws = std::cell::RefCell::new(&mut ws);
+    let run = |e: &Exec<'_>| {
+        rms_norm(
+            e,
+            xt,
+            gt,
+            &opts,
+            &mut y.borrow_mut(),
+            None,
+            &mut ws.borrow_mut(),
+        )
+        .unwrap()
+    };
+    let serial = time(&|| run(&e1));
+    let pooled = time(&|| run(&e2));
+    println!("\nper-call overhead (us, median): Threads::new(2).parallel_for(2 empty blocks) {spawn:.2}; \
+         rms_norm 1x4096 bf16: serial {serial:.2}, on Threads(2) {pooled:.2} (the plan gives it 1 block)");
+}
+
+fn main() {
+    let mut o = Opts {
+        reps: 11,
+        cpu_clock: false,
+        threads: 1,
+        filter: None,
+        llc: llc_bytes(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--reps" => o.reps = args.next().and_then(|v| v.parse().ok()).unwrap_or(o.reps),
+            "--threads" => o.threads = args.next().and_then(|v| v.parse().ok()).unwrap_or(1),
+            "--filter" => o.filter = args.next(),
+            "--cpu-clock" => o.cpu_clock = true,
+            "--overhead" => return overhead(&o),
+            _ => {}
+        }
+    }
+    let cpu = Cpu::new(Threads::new(o.threads));
+    println!(
+        "npukern quick table: {} thread(s), LLC {} MiB, median of {} (kernel / same-bytes copy), {} clock\n",
+        o.threads,
+        o.llc >> 20,
+        o.reps,
+        if o.cpu_clock { "thread CPU" } else { "wall" }
+    );
+    println!("| op | shape | dtype | kernel ms | copy ms | ratio |");
+    println!("|---|---|---|---|---|---|");
+    for shape in SHAPES {
+        norms::<bf16>(&o, &cpu, shape);
+        norms::<f16>(&o, &cpu, shape);
+        norms::<f32>(&o, &cpu, shape);
+    }
+    for v in [32000usize, 152_064] {
+        embedding::<bf16, bf16>(&o, &cpu, v, false);
+        embedding::<f32, f32>(&o, &cpu, v, false);
+        embedding::<bf16, f32>(&o, &cpu, v, false);
+    }
+    embedding::<bf16, bf16>(&o, &cpu, 32000, true);
+    embedding::<f32, f32>(&o, &cpu, 32000, true);
+}
