@@ -167,3 +167,93 @@ pub fn dims(b: &mut Bytes<'_>, rank: usize, cap: usize) -> Vec<usize> {
     }
     out
 }
+
+/// Values of ordinary magnitude (1e-2 .. 15, random signs, zeros now and
+/// then; products of three stay inside f16's range): the inputs on which
+/// results are compared with the f64 reference within the documented
+/// tolerances.
+pub fn tame_values<T: npukern::Float>(b: &mut Bytes<'_>, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|_| {
+            if b.one_in(16) {
+                return T::from_f32(0.0);
+            }
+            let m = (b.u16() as f32 / 65536.0 + 0.5) * if b.bool() { -1.0 } else { 1.0 };
+            T::from_f32(m * 10f32.powi(b.below(4) as i32 - 2))
+        })
+        .collect()
+}
+
+/// `n` values, tame or not (`tame` picks).
+pub fn some_values<T: npukern::Float>(b: &mut Bytes<'_>, n: usize, tame: bool) -> Vec<T> {
+    if tame {
+        tame_values(b, n)
+    } else {
+        let v: Vec<f32> = values(b, n);
+        v.into_iter().map(T::from_f32).collect()
+    }
+}
+
+/// Every ISA this build and CPU run.
+pub fn isas() -> Vec<npukern::Isa> {
+    npukern::Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+}
+
+/// Bit-identical, except that any NaN matches any NaN (payload and sign of
+/// a NaN are not part of the promise).
+pub fn same_bits<T: npukern::Float>(a: &[T], b: &[T]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(0);
+    }
+    (0..a.len()).find(|&i| {
+        let (x, y) = (a[i].to_f32(), b[i].to_f32());
+        !(x.is_nan() && y.is_nan()) && x.to_bits() != y.to_bits()
+    })
+}
+
+/// Asserts `same_bits`, naming the first difference.
+#[track_caller]
+pub fn assert_same<T: npukern::Float>(a: &[T], b: &[T], what: &str) {
+    if let Some(i) = same_bits(a, b) {
+        panic!(
+            "{what}: differs at {i} of {}: {:e} vs {:e}",
+            a.len(),
+            a.get(i).map_or(f32::NAN, |v| v.to_f32()),
+            b.get(i).map_or(f32::NAN, |v| v.to_f32())
+        );
+    }
+}
+
+/// Distance in units in the last place between two values of one dtype
+/// (0 for two NaNs; large when exactly one is NaN).
+pub fn ulps<T: npukern::Float>(a: T, b: T) -> u64 {
+    let (x, y) = (a.to_f64(), b.to_f64());
+    if x.is_nan() || y.is_nan() {
+        return if x.is_nan() && y.is_nan() { 0 } else { u64::MAX };
+    }
+    // Ordered integer images of the bit patterns (sign-magnitude -> two's).
+    let ord = |v: T| -> i64 {
+        let bits: u64 = match core::mem::size_of::<T>() {
+            4 => bytemuck::cast::<T, u32>(v) as u64,
+            _ => bytemuck::cast::<T, u16>(v) as u64,
+        };
+        let sign = 1u64 << (core::mem::size_of::<T>() * 8 - 1);
+        if bits & sign != 0 {
+            -((bits & !sign) as i64)
+        } else {
+            bits as i64
+        }
+    };
+    ord(a).abs_diff(ord(b))
+}
+
+/// One unit in the last place of `T` at magnitude `v` (the gap above `v`
+/// rounded to `T`).
+pub fn ulp_at<T: npukern::Float>(v: f64) -> f64 {
+    let t = T::from_f64(v.abs());
+    let next: T = match core::mem::size_of::<T>() {
+        4 => bytemuck::cast::<u32, T>(bytemuck::cast::<T, u32>(t) + 1),
+        _ => bytemuck::cast::<u16, T>(bytemuck::cast::<T, u16>(t) + 1),
+    };
+    (next.to_f64() - t.to_f64()).abs()
+}
