@@ -20,7 +20,7 @@ cd "$root/fuzz"
 
 secs="${NPK_FUZZ_SECONDS:-20}"
 host="$(rustc -vV | sed -n 's/^host: //p')"
-target_dir="${NPK_FUZZ_TARGET_DIR:-$root/fuzz/target/sancov}"
+target_dir="${NPK_FUZZ_TARGET_DIR:-$root/fuzz/target/cov}"
 if [[ $# -gt 0 ]]; then
   targets=("$@")
 else

@@ -296,7 +296,10 @@ impl Arena {
         let room = ARENA - 2 * GUARD;
         // Every descriptor the library may accept must fit (a clamped range
         // would let it run past the arena).
-        assert!(len <= room, "harness: a {len}-byte buffer does not fit the arena");
+        assert!(
+            len <= room,
+            "harness: a {len}-byte buffer does not fit the arena"
+        );
         let mut off = match b.u8() % 16 {
             0 if !self.ranges.is_empty() => {
                 let r = self.ranges[b.below(self.ranges.len())];

@@ -196,7 +196,10 @@ pub fn some_values<T: npukern::Float>(b: &mut Bytes<'_>, n: usize, tame: bool) -
 
 /// Every ISA this build and CPU run.
 pub fn isas() -> Vec<npukern::Isa> {
-    npukern::Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+    npukern::Isa::ALL
+        .into_iter()
+        .filter(|i| i.is_available())
+        .collect()
 }
 
 /// Bit-identical, except that any NaN matches any NaN (payload and sign of
@@ -229,7 +232,11 @@ pub fn assert_same<T: npukern::Float>(a: &[T], b: &[T], what: &str) {
 pub fn ulps<T: npukern::Float>(a: T, b: T) -> u64 {
     let (x, y) = (a.to_f64(), b.to_f64());
     if x.is_nan() || y.is_nan() {
-        return if x.is_nan() && y.is_nan() { 0 } else { u64::MAX };
+        return if x.is_nan() && y.is_nan() {
+            0
+        } else {
+            u64::MAX
+        };
     }
     // Ordered integer images of the bit patterns (sign-magnitude -> two's).
     let ord = |v: T| -> i64 {
@@ -256,4 +263,37 @@ pub fn ulp_at<T: npukern::Float>(v: f64) -> f64 {
         _ => bytemuck::cast::<u16, T>(bytemuck::cast::<T, u16>(t) + 1),
     };
     (next.to_f64() - t.to_f64()).abs()
+}
+
+std::thread_local!(static CAPPED: core::cell::Cell<bool> = const { core::cell::Cell::new(false) });
+
+/// A workspace of `bytes`, or none at all when that is more than the fuzzer
+/// should allocate (64 MiB: a huge num_weights or tiling asks for more); the
+/// call must then fail (workspace too small), and `capped` says so.
+pub fn workspace(bytes: usize) -> Vec<u8> {
+    if bytes > 64 << 20 {
+        CAPPED.with(|c| c.set(true));
+        Vec::new()
+    } else {
+        vec![0u8; bytes]
+    }
+}
+
+/// True when `workspace` declined an allocation since the last call.
+pub fn capped() -> bool {
+    CAPPED.with(|c| c.replace(false))
+}
+
+/// Two runs' results agree: equal, or one of them failed only because
+/// `workspace` declined its allocation (`a_capped` / `b_capped`).
+pub fn same_outcome(
+    a: &npukern::Result<()>,
+    a_capped: bool,
+    b: &npukern::Result<()>,
+    b_capped: bool,
+) -> bool {
+    use npukern::Error::WorkspaceTooSmall;
+    let declined =
+        |r: &npukern::Result<()>, c: bool| c && matches!(r, Err(WorkspaceTooSmall { .. }));
+    a == b || declined(a, a_capped) || declined(b, b_capped)
 }
