@@ -94,6 +94,9 @@ impl<G: Float, I: Index, O: Float> Case<G, I, O> {
     /// The contract's exact bits, and (tame) the tolerance against the reference.
     fn check(&self, got: &[O], want: &[O]) {
         let h = self.h;
+        if h == 0 {
+            return; // an empty table (num_weights may then be huge)
+        }
         let positions = self.idx.len();
         let mut count = vec![0usize; self.nw];
         let mut first = vec![usize::MAX; self.nw];
