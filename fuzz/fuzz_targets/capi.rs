@@ -18,6 +18,9 @@
 //! Run: `cargo +nightly fuzz run capi`, or the stable recipe in
 //! `scripts/fuzz_smoke.sh`.
 #![no_main]
+// Descriptors and option structs are boxed so that their addresses (held by
+// the call closures as raw pointers) survive the Vec growing.
+#![allow(clippy::vec_box, clippy::needless_late_init)]
 
 use core::ffi::c_void;
 use libfuzzer_sys::fuzz_target;
@@ -531,7 +534,7 @@ impl ForeignCtx {
 }
 
 /// Which outputs a call carries.
-fn outs<'a>(list: [(&'a RawTensor, bool); 3]) -> Vec<&'a RawTensor> {
+fn outs(list: [(&RawTensor, bool); 3]) -> Vec<&RawTensor> {
     list.into_iter()
         .filter(|(_, on)| *on)
         .map(|(t, _)| t)
@@ -843,9 +846,8 @@ fn run_case(data: &[u8]) {
     let mut nopts = Vec::new();
     let s = &mut c.tensors;
     let a = &mut c.arena;
-    // The descriptors; the closure runs the size call (when `size` is
-    // non-NULL) or the run call.
-    let call: Box<dyn Fn(&Case, Phase) -> i32>;
+    // The descriptors; the closure runs the size call or the run call.
+    let call: CallFn;
     let (mut gopts, mut eopts, mut lists) = (Vec::new(), Vec::new(), Vec::new());
     match op {
         0 => {
@@ -1254,6 +1256,9 @@ fn run_case(data: &[u8]) {
         "run",
     );
 }
+
+/// A closure making one of a case's two calls.
+type CallFn = Box<dyn Fn(&Case, Phase) -> i32>;
 
 /// Which of the two calls a closure makes.
 #[derive(Clone, Copy)]

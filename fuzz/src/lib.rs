@@ -38,7 +38,7 @@ impl Bytes<'_> {
 
     /// True with probability about `1/n` (n >= 1).
     pub fn one_in(&mut self, n: u8) -> bool {
-        self.u8() % n == 0 && self.0.len() > 0
+        self.u8().is_multiple_of(n) && !self.0.is_empty()
     }
 
     /// A value below `n` (n >= 1).
