@@ -7,12 +7,17 @@
 #
 # Arguments: LIBDIR (holding libnpukern.a and libnpukern.so; default
 # target/release). Environment: CC (default gcc), CXX (default g++),
-# NPK_FFI_BUILD (output directory; default LIBDIR/ffi-tests).
+# NPK_FFI_BUILD (output directory; default LIBDIR/ffi-tests), NPK_SANITIZE=1
+# (build the C/C++ programs with -fsanitize=address,undefined
+# -fno-sanitize-recover=all, into LIBDIR/ffi-tests/sanitize, and run them
+# against the same, uninstrumented release libraries: any report fails).
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 libdir="$(cd "${1:-$root/target/release}" && pwd)"
 build="${NPK_FFI_BUILD:-$libdir/ffi-tests}"
+sanitize="${NPK_SANITIZE:-0}"
+[[ "$sanitize" == 1 ]] && build="$build/sanitize"
 cc="${CC:-gcc}"
 cxx="${CXX:-g++}"
 mkdir -p "$build"
@@ -24,6 +29,13 @@ done
 version="$(sed -n 's/^version *= *"\(.*\)"/\1/p' "$root/Cargo.toml" | head -n1)"
 flags=(-Wall -Wextra -Werror -pedantic -O1 -g -I"$root/include" -I"$root/ffi-tests"
        "-DNPK_EXPECTED_VERSION=\"$version\"")
+if [[ "$sanitize" == 1 ]]; then
+  flags+=(-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
+  # Leaks count too; a report of either sanitizer ends the program non-zero.
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+  echo "run.sh: sanitizers on (address, undefined)"
+fi
 # What the Rust standard library needs from the system when linked statically
 # (`cargo rustc --release --lib --crate-type staticlib -- --print native-static-libs`).
 static_libs=(-lgcc_s -lutil -lrt -lpthread -lm -ldl)
@@ -46,6 +58,8 @@ if command -v clang++ >/dev/null; then
   clang++ -std=c++17 "${flags[@]}" -Wnarrowing "$root/ffi-tests/test_cpp.cpp" "${shared_libs[@]}" \
     -o "$build/test_cpp_clang"
 fi
+"$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_fuzz_regressions.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
+  -o "$build/test_fuzz_regressions_static"
 set +x
 
 # Make sure each binary is linked the way its name says.
@@ -60,7 +74,8 @@ done
 
 # The pkg-config template, as an installed copy would be used: a staged
 # prefix whose include/ and lib/ point at this tree and its libraries.
-tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static test_regressions_static)
+tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static test_regressions_static
+       test_fuzz_regressions_static)
 if command -v pkg-config >/dev/null; then
   stage="$build/stage"
   mkdir -p "$stage/include" "$stage/lib/pkgconfig"

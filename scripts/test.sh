@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's one test command: formatting, lints, the no_std/no-alloc
 # library build, and every test (unit, integration, release-mode seed cases,
-# the header check, the C/C++ programs against the static and shared libraries).
+# property tests, the header check, the C/C++ programs against the static and
+# shared libraries, again under ASan/UBSan), then a short run of every fuzz
+# target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,3 +24,6 @@ cargo test --release --workspace
 
 echo "== the PyTorch adapter (scripts/torch_test.sh)"
 ./scripts/torch_test.sh
+
+echo "== scripts/fuzz_smoke.sh: every fuzz target ~20 s from its seeds (stable sancov build)"
+./scripts/fuzz_smoke.sh

@@ -8,12 +8,16 @@
 //! 2. runs `cargo build -p npukern-capi` for that profile into `<target>/ffi`
 //!    (`--release` for `release`), which writes `libnpukern.a` and
 //!    `libnpukern.so` to `<target>/ffi/<profile>`;
-//! 3. runs `ffi-tests/run.sh <that dir>`, which compiles both programs with
+//! 3. runs `ffi-tests/run.sh <that dir>`, which compiles the programs with
 //!    the system gcc/g++ (`-Wall -Wextra -Werror -pedantic`), links each once
-//!    statically and once dynamically, and runs the four binaries.
+//!    statically and once dynamically, and runs them; then once more with
+//!    `NPK_SANITIZE=1` (built with `-fsanitize=address,undefined`).
 //!
-//! Needs bash, gcc and g++ (`CC`/`CXX` override). Set `NPK_SKIP_FFI=1` to
-//! skip on a machine without a C toolchain (the test then only prints why).
+//! Needs bash, gcc and g++ (`CC`/`CXX` override) with the address and
+//! undefined-behaviour sanitizer runtimes (libasan, libubsan: gcc's own
+//! dependencies on Debian) for the second run. Set `NPK_SKIP_FFI=1` to skip
+//! on a machine without a C toolchain, `NPK_SKIP_SANITIZE=1` to skip only the
+//! sanitizer run (the test then only prints why).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -66,8 +70,10 @@ fn build_library(profile_dir: &Path) -> PathBuf {
     target_dir.join(profile)
 }
 
-#[test]
-fn c_and_cpp_programs_pass() {
+/// Builds the libraries and runs `ffi-tests/run.sh` on them (`NPK_SANITIZE`
+/// set as given); asserts that it passed and that every program reported
+/// a clean count.
+fn run_programs(sanitize: bool) {
     if std::env::var_os("NPK_SKIP_FFI").is_some_and(|v| v == "1") {
         eprintln!("NPK_SKIP_FFI=1: the C/C++ FFI tests were skipped");
         return;
@@ -77,6 +83,7 @@ fn c_and_cpp_programs_pass() {
     let out = Command::new("bash")
         .arg(&script)
         .arg(&dir)
+        .env("NPK_SANITIZE", if sanitize { "1" } else { "0" })
         .output()
         .expect("run ffi-tests/run.sh (needs bash, gcc, g++)");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -85,10 +92,29 @@ fn c_and_cpp_programs_pass() {
     eprintln!("{stderr}");
     assert!(
         out.status.success(),
-        "ffi-tests/run.sh failed ({}); see the output above",
+        "ffi-tests/run.sh (NPK_SANITIZE={}) failed ({}); see the output above",
+        sanitize as u8,
         out.status
     );
-    // C and C++, static and shared, the grad-stats program, plus the two runs under an ISA ceiling
-    // (and the pkg-config build where pkg-config exists) reported clean counts.
-    assert!(stdout.matches(" passed, 0 failed").count() >= 7, "{stdout}");
+    // C and C++, static and shared, the grad-stats and fuzz-regression
+    // programs, plus the two runs under an ISA ceiling (and the pkg-config
+    // build where pkg-config exists) reported clean counts.
+    assert!(stdout.matches(" passed, 0 failed").count() >= 8, "{stdout}");
+}
+
+#[test]
+fn c_and_cpp_programs_pass() {
+    run_programs(false);
+}
+
+/// The same programs built with `-fsanitize=address,undefined
+/// -fno-sanitize-recover=all` (against the same release libraries): any
+/// AddressSanitizer, LeakSanitizer or UBSan report fails the run.
+#[test]
+fn c_and_cpp_programs_pass_under_sanitizers() {
+    if std::env::var_os("NPK_SKIP_SANITIZE").is_some_and(|v| v == "1") {
+        eprintln!("NPK_SKIP_SANITIZE=1: the sanitizer run was skipped");
+        return;
+    }
+    run_programs(true);
 }
