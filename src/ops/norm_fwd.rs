@@ -5,7 +5,7 @@
 //! The CPU reads each row twice in its own dtype: pass 1 sums the squares
 //! (groups from the row start, the fixed `RowSum` pattern), pass 2 re-reads
 //! the row, now in L1/L2, and writes y. The plan's UB arena is not needed:
-//! a CPU with caches need not stage rows it can read twice (design.md), and
+//! a CPU with caches need not stage rows it can read twice (docs/dispatch.md), and
 //! the bits are the same as staging them. Large outputs (`NORM_FLAG_STREAM`)
 //! are written with streaming stores, their windows shifted so the stores
 //! are aligned (y is elementwise, so any window gives the same bits).
