@@ -11,6 +11,7 @@
 use std::hint::black_box;
 
 use npukern::*;
+use npukern_benches::data;
 
 /// The seed shapes: `[a, b, h]`, gamma `[h]`.
 const SHAPES: [[usize; 3]; 4] = [
@@ -46,18 +47,6 @@ fn llc_bytes() -> usize {
             num.parse::<usize>().ok().map(|v| v * mul)
         })
         .unwrap_or(32 << 20)
-}
-
-fn data<T: Float>(n: usize, seed: u64) -> Vec<T> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            T::from_f32(((s >> 40) % 4000) as f32 / 1000.0 - 2.0)
-        })
-        .collect()
 }
 
 /// Sets of buffers needed so `sets * footprint >= 2 * LLC`.
@@ -143,7 +132,7 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
     let ropts = RmsNormOptions::default();
     if want("rms_norm") {
         let sets = sets_for(2 * tb, o.llc);
-        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 10 + i as u64)).collect();
+        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 10 + i as u32)).collect();
         let mut ys: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
         let mut rstd = vec![0f32; m];
         let xt0 = TensorRef::new(&xs[0], &dims).unwrap();
@@ -156,8 +145,8 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
     }
     if want("add_rms_norm") {
         let sets = sets_for(4 * tb, o.llc);
-        let x1s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 20 + i as u64)).collect();
-        let x2s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 40 + i as u64)).collect();
+        let x1s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 20 + i as u32)).collect();
+        let x2s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 40 + i as u32)).collect();
         let mut ys: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
         let mut ss: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
         let mut rstd = vec![0f32; m];
@@ -183,8 +172,8 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
     }
     if want("rms_norm_grad") {
         let sets = sets_for(3 * tb, o.llc);
-        let dys: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 60 + i as u64)).collect();
-        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 80 + i as u64)).collect();
+        let dys: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 60 + i as u32)).collect();
+        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 80 + i as u32)).collect();
         let mut dxs: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
         let rstd = vec![0.7f32; m];
         let rt = TensorRef::new(&rstd, &[shape[0], shape[1]]).unwrap();
@@ -247,7 +236,7 @@ fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bo
         .collect();
     let bytes = n * h * core::mem::size_of::<G>() + v * h * core::mem::size_of::<O>();
     let sets = sets_for(bytes, o.llc);
-    let grads: Vec<Vec<G>> = (0..sets).map(|i| data(n * h, 100 + i as u64)).collect();
+    let grads: Vec<Vec<G>> = (0..sets).map(|i| data(n * h, 100 + i as u32)).collect();
     let mut tables: Vec<Vec<O>> = (0..sets).map(|_| vec![O::from_f32(0.0); v * h]).collect();
     let it = TensorRef::new(&indices, &[n]).unwrap();
     let eopts = EmbeddingGradOptions::default();

@@ -24,22 +24,11 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use npukern::*;
+use npukern_benches::data;
 
 const ELEMS: usize = 1 << 24;
 /// Eight tensors of unequal sizes (parts of ELEMS).
 const SPLIT: [usize; 8] = [1, 3, 2, 5, 1, 7, 4, 9];
-
-fn data<T: Float>(n: usize, seed: u32) -> Vec<T> {
-    let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            T::from_f32((s % 2000) as f32 / 500.0 - 2.0)
-        })
-        .collect()
-}
 
 /// The cheapest full read of the bytes: eight independent wrapping u64 sums
 /// (no dependency chain, vectorized), so memory is the only limit.

@@ -9,18 +9,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use npukern::*;
-
-fn data<T: Float>(n: usize, seed: u32) -> Vec<T> {
-    let mut s = seed.wrapping_mul(2_654_435_761).max(1);
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 17;
-            s ^= s << 5;
-            T::from_f32((s % 2000) as f32 / 500.0 - 2.0)
-        })
-        .collect()
-}
+use npukern_benches::data;
 
 /// Copies `bytes` bytes (read + write = the kernel's traffic).
 fn copy_baseline(
