@@ -5,13 +5,13 @@
 //! alike), so both run from DRAM.
 //!
 //! Run: `cargo run --release -p npukern-benches --bin quick` (add `--threads 2`
-//! for the pool, `--reps N` for more repetitions, `--filter STR` to select rows,
+//! for the pool, `--reps N` for more repetitions, `--filter STR` to select rows (`^STR`: rows starting with it),
 //! `--cpu-clock` to time with the thread's CPU clock on a shared machine).
 
 use std::hint::black_box;
 
 use npukern::*;
-use npukern_benches::data;
+use npukern_benches::{data, zeros, Aligned};
 
 /// The seed shapes: `[a, b, h]`, gamma `[h]`.
 const SHAPES: [[usize; 3]; 4] = [
@@ -85,8 +85,12 @@ fn time_pair(
     copy_bytes: usize,
     mut kernel: impl FnMut(usize),
 ) -> (f64, f64) {
-    let src: Vec<Vec<u8>> = (0..sets).map(|i| vec![i as u8 + 1; copy_bytes]).collect();
-    let mut dst: Vec<Vec<u8>> = (0..sets).map(|_| vec![0u8; copy_bytes]).collect();
+    let src: Vec<Aligned<u8>> = (0..sets)
+        .map(|i| Aligned::filled(i as u8 + 1, copy_bytes))
+        .collect();
+    let mut dst: Vec<Aligned<u8>> = (0..sets)
+        .map(|_| Aligned::filled(0u8, copy_bytes))
+        .collect();
     // Warm-up: touch everything once.
     for s in 0..sets {
         kernel(s);
@@ -103,6 +107,15 @@ fn time_pair(
         tc.push((now(o.cpu_clock) - t) * 1e3);
     }
     (median(tk), median(tc))
+}
+
+/// Whether a row's key (`op shape dtype`) is selected by `--filter`: a
+/// substring, or with a leading `^` a prefix.
+fn matches(key: &str, filter: &str) -> bool {
+    match filter.strip_prefix('^') {
+        Some(p) => key.starts_with(p),
+        None => key.contains(filter),
+    }
 }
 
 fn row(op: &str, shape: &str, dt: &str, (k, c): (f64, f64)) {
@@ -125,15 +138,15 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
     let want = |op: &str| {
         o.filter
             .as_ref()
-            .is_none_or(|f| format!("{op} {sname} {dt}").contains(f.as_str()))
+            .is_none_or(|f| matches(&format!("{op} {sname} {dt}"), f))
     };
-    let gamma: Vec<T> = data(n, 2);
+    let gamma = data::<T>(n, 2);
     let gt = TensorRef::new(&gamma, &[n]).unwrap();
     let ropts = RmsNormOptions::default();
     if want("rms_norm") {
         let sets = sets_for(2 * tb, o.llc);
-        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 10 + i as u32)).collect();
-        let mut ys: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let xs: Vec<Aligned<T>> = (0..sets).map(|i| data(m * n, 10 + i as u32)).collect();
+        let mut ys: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(m * n)).collect();
         let mut rstd = vec![0f32; m];
         let xt0 = TensorRef::new(&xs[0], &dims).unwrap();
         let mut ws = vec![0u8; rms_norm_workspace_size(&exec, xt0, gt, &ropts).unwrap()];
@@ -145,10 +158,10 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
     }
     if want("add_rms_norm") {
         let sets = sets_for(4 * tb, o.llc);
-        let x1s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 20 + i as u32)).collect();
-        let x2s: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 40 + i as u32)).collect();
-        let mut ys: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
-        let mut ss: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let x1s: Vec<Aligned<T>> = (0..sets).map(|i| data(m * n, 20 + i as u32)).collect();
+        let x2s: Vec<Aligned<T>> = (0..sets).map(|i| data(m * n, 40 + i as u32)).collect();
+        let mut ys: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(m * n)).collect();
+        let mut ss: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(m * n)).collect();
         let mut rstd = vec![0f32; m];
         let a = TensorRef::new(&x1s[0], &dims).unwrap();
         let mut ws = vec![0u8; add_rms_norm_workspace_size(&exec, a, a, gt, &ropts).unwrap()];
@@ -172,9 +185,9 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
     }
     if want("rms_norm_grad") {
         let sets = sets_for(3 * tb, o.llc);
-        let dys: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 60 + i as u32)).collect();
-        let xs: Vec<Vec<T>> = (0..sets).map(|i| data(m * n, 80 + i as u32)).collect();
-        let mut dxs: Vec<Vec<T>> = (0..sets).map(|_| vec![T::from_f32(0.0); m * n]).collect();
+        let dys: Vec<Aligned<T>> = (0..sets).map(|i| data(m * n, 60 + i as u32)).collect();
+        let xs: Vec<Aligned<T>> = (0..sets).map(|i| data(m * n, 80 + i as u32)).collect();
+        let mut dxs: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(m * n)).collect();
         let rstd = vec![0.7f32; m];
         let rt = TensorRef::new(&rstd, &[shape[0], shape[1]]).unwrap();
         let gopts = RmsNormGradOptions::default();
@@ -213,7 +226,7 @@ fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bo
     let dt = format!("{:?}->{:?}", G::DTYPE, O::DTYPE).to_lowercase();
     if o.filter
         .as_ref()
-        .is_some_and(|f| !format!("embedding {name} {dt}").contains(f.as_str()))
+        .is_some_and(|f| !matches(&format!("embedding {name} {dt}"), f))
     {
         return;
     }
@@ -236,8 +249,8 @@ fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bo
         .collect();
     let bytes = n * h * core::mem::size_of::<G>() + v * h * core::mem::size_of::<O>();
     let sets = sets_for(bytes, o.llc);
-    let grads: Vec<Vec<G>> = (0..sets).map(|i| data(n * h, 100 + i as u32)).collect();
-    let mut tables: Vec<Vec<O>> = (0..sets).map(|_| vec![O::from_f32(0.0); v * h]).collect();
+    let grads: Vec<Aligned<G>> = (0..sets).map(|i| data(n * h, 100 + i as u32)).collect();
+    let mut tables: Vec<Aligned<O>> = (0..sets).map(|_| zeros::<O>(v * h)).collect();
     let it = TensorRef::new(&indices, &[n]).unwrap();
     let eopts = EmbeddingGradOptions::default();
     let gt0 = TensorRef::new(&grads[0], &[n, h]).unwrap();
@@ -273,8 +286,8 @@ fn overhead(o: &Opts) {
             black_box(b);
         })
     });
-    let x: Vec<bf16> = data(4096, 1);
-    let gamma: Vec<bf16> = data(4096, 2);
+    let x = data::<bf16>(4096, 1);
+    let gamma = data::<bf16>(4096, 2);
     let (xt, gt) = (
         TensorRef::new(&x, &[1, 4096]).unwrap(),
         TensorRef::new(&gamma, &[4096]).unwrap(),

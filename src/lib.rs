@@ -84,7 +84,7 @@ pub use ops::Exec;
 pub use runner::Threads;
 pub use runner::{Runner, Serial};
 pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
-pub use tiling::{EmbeddingTiling, NormTiling, UbConfig};
+pub use tiling::{EmbeddingTiling, NormTiling, UbConfig, NORM_FLAG_STREAM, STREAM_MIN_BYTES};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

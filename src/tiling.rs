@@ -132,10 +132,9 @@ impl NormTiling {
         }
         // Bytes of one input tensor (saturating: only compared with limits).
         let tensor_bytes = rows.saturating_mul(cols).saturating_mul(elem_bytes);
-        // 16-bit rows would stream a line per two groups; on the development
-        // machine holding a group back for its partner cost more than the
-        // saved read-for-ownership, so only 4-byte outputs stream.
-        if tensor_bytes >= STREAM_MIN_BYTES && elem_bytes >= 4 {
+        // Every dtype streams (the CPU kernels store whole lines: two groups
+        // of a 16-bit row, one of f32).
+        if tensor_bytes >= STREAM_MIN_BYTES {
             t.flags |= NORM_FLAG_STREAM;
         }
         let blocks0 = (cfg.blocks as usize).min(rows);
@@ -234,12 +233,16 @@ mod tests {
     }
 
     #[test]
-    fn large_f32_outputs_stream() {
+    fn large_outputs_stream() {
         let cfg = UbConfig::default();
         let t = NormTiling::new(2048, 4096, 4, 1, false, &cfg).unwrap();
         assert_eq!((t.blocks, t.flags), (64, NORM_FLAG_STREAM));
+        let t = NormTiling::new(2048, 4096, 2, 1, false, &cfg).unwrap();
+        assert_eq!(t.flags, NORM_FLAG_STREAM); // 16 MiB of bf16
+        let t = NormTiling::new(1024, 4096, 2, 1, false, &cfg).unwrap();
+        assert_eq!(t.flags, NORM_FLAG_STREAM); // exactly 8 MiB
         assert_eq!(
-            NormTiling::new(2048, 4096, 2, 1, false, &cfg)
+            NormTiling::new(1024, 4095, 2, 1, false, &cfg)
                 .unwrap()
                 .flags,
             0

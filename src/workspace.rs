@@ -114,6 +114,12 @@ unsafe impl<T> Send for Dst<T> {}
 unsafe impl<T> Sync for Dst<T> {}
 
 impl<T> Src<T> {
+    /// Address of element `at` (may be past the tensor: only for prefetch hints).
+    #[inline(always)]
+    pub fn addr(&self, at: usize) -> *const u8 {
+        self.0.wrapping_add(at) as *const u8
+    }
+
     /// `len` elements from `start`.
     ///
     /// # Safety
@@ -161,23 +167,18 @@ impl<T> Dst<T> {
         unsafe { &mut *(self.0.add(start) as *mut [T; 2 * GROUP]) }
     }
 
-    /// Whether element `start` begins a 64-byte line.
+    /// Elements to write before element `start` begins a 64-byte line (the
+    /// unit of a streaming store), at most `len`; 0 when no element can
+    /// (a misaligned tensor: its stores are then ordinary ones).
     #[inline(always)]
-    pub fn line_start(&self, start: usize) -> bool {
-        (self.0.wrapping_add(start) as usize).is_multiple_of(64)
-    }
-
-    /// Elements to write before `start` is aligned for a streaming store of
-    /// a group (16 elements' bytes), at most `len`.
-    #[inline(always)]
-    pub fn stream_head(&self, start: usize, len: usize) -> usize {
+    pub fn line_head(&self, start: usize, len: usize) -> usize {
         let size = core::mem::size_of::<T>().max(1);
-        let a = GROUP * size;
-        let mis = (self.0.wrapping_add(start) as usize) % a;
-        if mis == 0 {
+        let addr = self.0.wrapping_add(start) as usize;
+        let mis = addr % 64;
+        if mis == 0 || !mis.is_multiple_of(size) {
             0
         } else {
-            ((a - mis) / size).min(len)
+            ((64 - mis) / size).min(len)
         }
     }
 }

@@ -7,6 +7,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use npukern::*;
+use npukern_benches::{zeros, Aligned};
 
 fn bench(c: &mut Criterion) {
     // The seed's case: 8192 tokens of H = 4096 into a 32000-row table, bf16,
@@ -33,8 +34,8 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(bytes as u64));
     // A copy reads and writes its length, so copying half of (grad + table)
     // bytes moves as many bytes as the kernel (grad read + table written).
-    let src = vec![1u8; bytes / 2];
-    let mut dst = vec![0u8; bytes / 2];
+    let src = Aligned::filled(1u8, bytes / 2);
+    let mut dst = Aligned::filled(0u8, bytes / 2);
     g.bench_function("memcpy", |b| {
         b.iter(|| dst.copy_from_slice(black_box(&src)))
     });
@@ -45,7 +46,7 @@ fn bench(c: &mut Criterion) {
     let exec = Exec::cpu();
     let opts = EmbeddingGradOptions::default();
     let mut ws = vec![0u8; embedding_dense_grad_workspace_size(&exec, gt, it, v, &opts).unwrap()];
-    let mut table = vec![bf16::ZERO; v * h];
+    let mut table = zeros::<bf16>(v * h);
     g.bench_function("embedding_dense_grad", |b| {
         b.iter(|| embedding_dense_grad(&exec, gt, it, v, &opts, &mut table, &mut ws).unwrap())
     });

@@ -24,7 +24,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use npukern::*;
-use npukern_benches::data;
+use npukern_benches::{data, Aligned};
 
 const ELEMS: usize = 1 << 24;
 /// Eight tensors of unequal sizes (parts of ELEMS).
@@ -63,14 +63,14 @@ fn group<T: Float>(
 
     let words = vec![1u64; bytes / 8];
     g.bench_function("read_floor", |b| b.iter(|| read_floor(black_box(&words))));
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
+    let src = Aligned::filled(1u8, bytes);
+    let mut dst = Aligned::filled(0u8, bytes);
     g.bench_function("copy_floor", |b| {
         b.iter(|| dst.copy_from_slice(black_box(&src)))
     });
     drop((words, src, dst));
 
-    let mut tensors: Vec<Vec<T>> = sizes()
+    let mut tensors: Vec<Aligned<T>> = sizes()
         .iter()
         .enumerate()
         .map(|(i, &n)| data(n, i as u32 + 1))

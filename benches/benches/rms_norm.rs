@@ -9,15 +9,15 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use npukern::*;
-use npukern_benches::data;
+use npukern_benches::{data, zeros, Aligned};
 
 /// Copies `bytes` bytes (read + write = the kernel's traffic).
 fn copy_baseline(
     c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     bytes: usize,
 ) {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
+    let src = Aligned::filled(1u8, bytes);
+    let mut dst = Aligned::filled(0u8, bytes);
     c.bench_function("memcpy", |b| {
         b.iter(|| dst.copy_from_slice(black_box(&src)))
     });
@@ -30,8 +30,8 @@ fn forward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let bytes = m * n * elem; // read x, write y: a copy of x's bytes
     g.throughput(Throughput::Bytes(2 * bytes as u64));
     copy_baseline(&mut g, bytes);
-    let x: Vec<T> = data(m * n, 1);
-    let gamma: Vec<T> = data(n, 2);
+    let x = data::<T>(m * n, 1);
+    let gamma = data::<T>(n, 2);
     let (xt, gt) = (
         TensorRef::new(&x, &[m, n]).unwrap(),
         TensorRef::new(&gamma, &[n]).unwrap(),
@@ -39,15 +39,15 @@ fn forward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let exec = Exec::cpu();
     let opts = RmsNormOptions::default();
     let mut ws = vec![0u8; rms_norm_workspace_size(&exec, xt, gt, &opts).unwrap()];
-    let mut y = vec![T::from_f32(0.0); m * n];
+    let mut y = zeros::<T>(m * n);
     let mut rstd = vec![0f32; m];
     g.bench_function("rms_norm", |b| {
         b.iter(|| rms_norm(&exec, xt, gt, &opts, &mut y, Some(&mut rstd), &mut ws).unwrap())
     });
     // AddRmsNorm reads two inputs and writes two outputs: twice the copy.
-    let x2: Vec<T> = data(m * n, 3);
+    let x2 = data::<T>(m * n, 3);
     let x2t = TensorRef::new(&x2, &[m, n]).unwrap();
-    let mut s = vec![T::from_f32(0.0); m * n];
+    let mut s = zeros::<T>(m * n);
     let mut ws2 = vec![0u8; add_rms_norm_workspace_size(&exec, xt, x2t, gt, &opts).unwrap()];
     g.bench_function(BenchmarkId::new("add_rms_norm_per_2x", ""), |b| {
         b.iter(|| {
@@ -76,9 +76,9 @@ fn backward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let bytes = m * n * elem * 3 / 2;
     g.throughput(Throughput::Bytes(2 * bytes as u64));
     copy_baseline(&mut g, bytes);
-    let x: Vec<T> = data(m * n, 1);
-    let dy: Vec<T> = data(m * n, 4);
-    let gamma: Vec<T> = data(n, 2);
+    let x = data::<T>(m * n, 1);
+    let dy = data::<T>(m * n, 4);
+    let gamma = data::<T>(n, 2);
     let rstd = vec![0.7f32; m];
     let (xt, dyt, gt) = (
         TensorRef::new(&x, &[m, n]).unwrap(),
@@ -90,7 +90,7 @@ fn backward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let opts = RmsNormGradOptions::default();
     let mut ws =
         vec![0u8; rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, None, &opts).unwrap()];
-    let mut dx = vec![T::from_f32(0.0); m * n];
+    let mut dx = zeros::<T>(m * n);
     let mut dg = vec![0f32; n];
     g.bench_function("rms_norm_grad", |b| {
         b.iter(|| {

@@ -66,11 +66,30 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// `stream2_bf16` for f16.
     fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]);
     /// Orders this thread's streaming stores before its later stores
-    /// (`sfence`), so a block's outputs are complete when it returns.
-    fn stream_fence();
-    /// Hints that the cache line at `p` will be read soon (no effect on
-    /// results; `p` need not be dereferenceable).
-    fn prefetch(p: *const u8);
+    /// (`sfence` on x86_64), so a block's outputs are complete when it
+    /// returns.
+    #[inline(always)]
+    fn stream_fence() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: sfence is SSE (baseline on x86_64).
+        unsafe {
+            core::arch::x86_64::_mm_sfence()
+        };
+    }
+    /// Hints that the cache line at `p` will be read soon, fetching it into
+    /// the core's L2 (no effect on results; `p` need not be dereferenceable).
+    /// L2, not L1: the kernels prefetch a whole row ahead, more than L1
+    /// holds beside the row being computed.
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: prefetch is SSE (baseline on x86_64) and never faults.
+        unsafe {
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
     /// Lane-wise `self + o`.
     fn add(self, o: Self) -> Self;
     /// Lane-wise `self - o`.
@@ -309,6 +328,43 @@ macro_rules! push_groups {
     }};
 }
 pub(crate) use push_groups;
+
+/// Walks a row of `$n` elements for a second pass while summing another
+/// row's terms into the `RowSum` `$s` (a row's pass 2 fused with the next
+/// row's pass 1). Per pair of groups from the row start, `$pair` (with `$p`,
+/// the pair's first column) does its pass-2 work and evaluates to the other
+/// row's two terms, `(group p, group p + 16)`; per remaining window
+/// (`$j`, `$len <= 16`), `$one` does the same with one term. The terms go in
+/// in order and in the segments `push` would use (segments hold an even
+/// number of groups, so a pair never straddles one): the sum has the bits of
+/// pushing them one by one. A macro so the bodies inline into the ISA context.
+macro_rules! fused_row {
+    ($s:ident, $n:expr, |$p:ident| $pair:expr, |$j:ident, $len:ident| $one:expr) => {{
+        const G: usize = $crate::lanes::GROUP;
+        let n: usize = $n;
+        let pairs = n / (2 * G);
+        let mut k = 0usize;
+        while k < pairs {
+            let take = ($s.room() / 2).min(pairs - k);
+            let mut acc = $s.acc();
+            for q in k..k + take {
+                let $p = q * 2 * G;
+                let (a, b) = $pair;
+                acc = $crate::lanes::Lanes::add($crate::lanes::Lanes::add(acc, a), b);
+            }
+            $s.commit(acc, 2 * take);
+            k += take;
+        }
+        let mut at = pairs * 2 * G;
+        while at < n {
+            let ($j, $len) = (at, (n - at).min(G));
+            let t = $one;
+            $s.push(t);
+            at += $len;
+        }
+    }};
+}
+pub(crate) use fused_row;
 
 /// IEEE single-precision square root without `std` (sqrtss on x86_64, the
 /// correctly rounded software root elsewhere: identical bits).

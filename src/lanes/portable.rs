@@ -112,18 +112,6 @@ impl Lanes for Portable {
         }
     }
     #[inline(always)]
-    fn stream_fence() {}
-    #[inline(always)]
-    fn prefetch(p: *const u8) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: prefetch is SSE (baseline on x86_64) and never faults.
-        unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
-    }
-    #[inline(always)]
     fn add(self, o: Self) -> Self {
         Portable(self.0 + o.0, self.1 + o.1)
     }

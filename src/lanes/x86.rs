@@ -228,16 +228,6 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
-    fn stream_fence() {
-        // SAFETY: sfence is SSE (baseline on x86_64).
-        unsafe { _mm_sfence() }
-    }
-    #[inline(always)]
-    fn prefetch(p: *const u8) {
-        // SAFETY: prefetch never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
-    }
-    #[inline(always)]
     fn add(self, o: Self) -> Self {
         // SAFETY: AVX present.
         unsafe { Avx2(_mm256_add_ps(self.0, o.0), _mm256_add_ps(self.1, o.1)) }
@@ -353,16 +343,6 @@ impl Lanes for Avx512 {
             let hi = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0);
             put_line(dst.as_mut_ptr() as *mut __m512i, lo, hi)
         }
-    }
-    #[inline(always)]
-    fn stream_fence() {
-        // SAFETY: sfence is SSE (baseline on x86_64).
-        unsafe { _mm_sfence() }
-    }
-    #[inline(always)]
-    fn prefetch(p: *const u8) {
-        // SAFETY: prefetch never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
     #[inline(always)]
     fn add(self, o: Self) -> Self {

@@ -5,7 +5,7 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    load_at, norm_dims, round_to, rstd_check, same_shape, RmsNormOptions, Rounding, RowOut,
+    load_at, norm_dims, prefetch_pair, round_to, rstd_check, same_shape, RmsNormOptions, Rounding,
 };
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
@@ -231,6 +231,7 @@ pub fn add_rms_norm_in_place<T: Float, G: Float>(
 
 /// AddRmsNorm's CopyIn: round(x1 + x2), written to x_sum by pass 2 (x_sum
 /// may be x1: each window of x1 is read before x_sum's is written).
+#[derive(Clone, Copy)]
 struct AddSource<T> {
     x1: Src<T>,
     x2: Src<T>,
@@ -250,8 +251,13 @@ impl<T: Float> FwdSource<T> for AddSource<T> {
         round_to::<L, T>(a.add(b))
     }
     #[inline(always)]
-    fn side_out<L: Lanes>(&self, stream: bool) -> Option<RowOut<L, T>> {
-        self.x_sum.map(|d| RowOut::new(d, stream))
+    fn side(&self) -> Option<Dst<T>> {
+        self.x_sum
+    }
+    #[inline(always)]
+    fn prefetch<L: Lanes>(&self, at: usize) {
+        prefetch_pair::<L, T>(self.x1, at);
+        prefetch_pair::<L, T>(self.x2, at);
     }
 }
 

@@ -250,105 +250,72 @@ pub(crate) unsafe fn store_at<L: Lanes, T: Float>(v: L, dst: Dst<T>, at: usize, 
     }
 }
 
-/// One output row's writer: ordinary stores, or (`stream`) streaming stores
-/// of whole 64-byte lines. A 16-bit line holds two groups, so a group that
-/// starts a line waits for the next one; anything else is stored normally.
-/// Results never depend on the path taken.
-pub(crate) struct RowOut<L, T> {
+/// Stores groups `lo` and `hi` at `at..at + 32` of `dst`: with `STREAM`,
+/// as streaming stores of whole 64-byte lines where `dst` is aligned for
+/// them (ordinary stores elsewhere); the same bits either way.
+///
+/// # Safety
+/// As for `store_at` with 32 elements.
+#[inline(always)]
+pub(crate) unsafe fn put_pair<L: Lanes, T: Float, const STREAM: bool>(
     dst: Dst<T>,
-    stream: bool,
-    pending: Option<(L, usize)>,
-}
-
-impl<L: Lanes, T: Float> RowOut<L, T> {
-    /// A writer into `dst`.
-    #[inline(always)]
-    pub fn new(dst: Dst<T>, stream: bool) -> Self {
-        RowOut {
-            dst,
-            stream,
-            pending: None,
-        }
-    }
-
-    /// Writes `v` at `at..at + len` (`len <= 16`; consecutive windows).
-    ///
-    /// # Safety
-    /// As for `store_at`; the writer is flushed before the range is read.
-    #[inline(always)]
-    pub unsafe fn put(&mut self, v: L, at: usize, len: usize) {
-        if !self.stream || len < GROUP {
-            // SAFETY: forwarded from the caller.
-            unsafe {
-                self.flush();
-                store_at(v, self.dst, at, len)
-            };
-            return;
-        }
-        if T::LINE_GROUPS == 1 {
-            // SAFETY: forwarded from the caller.
-            return T::stream_line(v, unsafe { self.dst.group(at) });
-        }
-        match self.pending.take() {
-            Some((lo, p)) if p + GROUP == at => {
-                // SAFETY: forwarded from the caller: groups p and at are ours.
-                T::stream2(lo, v, unsafe { self.dst.pair(p) })
-            }
-            other => {
-                if let Some((lo, p)) = other {
-                    // SAFETY: forwarded from the caller.
-                    unsafe { store_at(lo, self.dst, p, GROUP) };
-                }
-                if self.dst.line_start(at) {
-                    self.pending = Some((v, at));
-                } else {
-                    // SAFETY: forwarded from the caller.
-                    unsafe { store_at(v, self.dst, at, len) };
-                }
-            }
-        }
-    }
-
-    /// Stores a group still waiting for its line partner.
-    ///
-    /// # Safety
-    /// As for `put`.
-    #[inline(always)]
-    pub unsafe fn flush(&mut self) {
-        if let Some((lo, p)) = self.pending.take() {
-            // SAFETY: forwarded from the caller.
-            unsafe { store_at(lo, self.dst, p, GROUP) };
+    at: usize,
+    lo: L,
+    hi: L,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        if STREAM {
+            T::stream2(lo, hi, dst.pair(at));
+        } else {
+            T::store(lo, dst.group(at));
+            T::store(hi, dst.group(at + GROUP));
         }
     }
 }
 
-/// Calls `$body` with `($j, $len)` for the windows of a row of `$n`
-/// elements: a head of `$head` elements (which aligns the output for
-/// streaming stores), whole groups, then the tail. Elementwise outputs may
-/// use any windows; reductions must not (their groups start at the row's
-/// start). A macro so the body inlines into the ISA context.
-macro_rules! for_windows {
-    ($n:expr, $head:expr, |$j:ident, $len:ident| $body:expr) => {{
+/// Hints that elements `at..at + 32` of `src` will be read soon: the next
+/// row's, while this row is computed from cache (one 64-byte line of 16-bit
+/// elements, two of f32). `at` may be past the tensor.
+#[inline(always)]
+pub(crate) fn prefetch_pair<L: Lanes, T>(src: Src<T>, at: usize) {
+    L::prefetch(src.addr(at));
+    if core::mem::size_of::<T>() > 2 {
+        L::prefetch(src.addr(at + GROUP));
+    }
+}
+
+/// Walks the windows of an elementwise row pass over `$n` elements: a head
+/// of `$head` elements (which aligns the output to 64-byte lines for
+/// streaming stores) in windows of at most 16, then pairs of whole groups
+/// (`$pair` with `$p`, the pair's first column), then the rest in windows of
+/// at most 16 (`$one` with `($j, $len)`). Elementwise outputs may use any
+/// windows; reductions must not (their groups start at the row's start). A
+/// macro so the bodies inline into the ISA context.
+macro_rules! for_lines {
+    ($n:expr, $head:expr, |$j:ident, $len:ident| $one:expr, |$p:ident| $pair:expr) => {{
+        const G: usize = $crate::lanes::GROUP;
         let n: usize = $n;
         let head: usize = $head;
-        let mut $j = 0usize;
-        if head > 0 {
-            let $len = head;
-            $body;
-            $j = head;
+        let mut at = 0usize;
+        while at < head {
+            let ($j, $len) = (at, (head - at).min(G));
+            $one;
+            at += $len;
         }
-        while $j + $crate::lanes::GROUP <= n {
-            let $len = $crate::lanes::GROUP;
-            $body;
-            $j += $crate::lanes::GROUP;
+        while at + 2 * G <= n {
+            let $p = at;
+            $pair;
+            at += 2 * G;
         }
-        if $j < n {
-            let $len = n - $j;
-            $body;
+        while at < n {
+            let ($j, $len) = (at, (n - at).min(G));
+            $one;
+            at += $len;
         }
     }};
 }
-pub(crate) use for_windows;
+pub(crate) use for_lines;
 
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]

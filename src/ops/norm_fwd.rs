@@ -12,25 +12,28 @@
 
 use core::ffi::c_void;
 
-use super::norm::{for_windows, gamma_at, round_to, Rounding, RowOut};
+use super::norm::{for_lines, gamma_at, put_pair, round_to, store_at, Rounding};
 use crate::dtype::Float;
-use crate::lanes::{push_groups, rstd_f32, Lanes, RowSum, GROUP};
+use crate::lanes::{fused_row, push_groups, rstd_f32, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
 use crate::tensor::RawTensor;
 use crate::tiling::{NormTiling, NORM_FLAG_STREAM};
 use crate::workspace::{Dst, Src, Workspace};
 
 /// Produces the f32 row values the norm runs on.
-pub(crate) trait FwdSource<T>: Sync {
+pub(crate) trait FwdSource<T>: Sync + Copy {
     /// The values at flat elements `at..at + len` (`len <= 16`, zero-padded
     /// past `len`).
     ///
     /// # Safety
     /// The range lies in one row of the call's tensors.
     unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L;
-    /// A writer for the side output (x_sum) of the values, if any: each
-    /// window is put after `at` read it.
-    fn side_out<L: Lanes>(&self, stream: bool) -> Option<RowOut<L, T>>;
+    /// The side output (x_sum) of the values, if any: each window is
+    /// written after `at` read it.
+    fn side(&self) -> Option<Dst<T>>;
+    /// Hints that elements `at..at + 32` of the inputs will be read soon (no
+    /// effect on results; `at` may be past the end).
+    fn prefetch<L: Lanes>(&self, at: usize);
 }
 
 /// The forward's outputs and settings, common to RmsNorm and AddRmsNorm calls.
@@ -46,6 +49,7 @@ pub(crate) struct FwdOut<'a> {
     pub workspace_bytes: usize,
 }
 
+#[derive(Clone, Copy)]
 struct FwdCtx<T, G, S> {
     src: S,
     gamma: Src<G>,
@@ -92,12 +96,19 @@ pub(crate) unsafe fn run_forward<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
         cast_before: o.rounding == Rounding::CastBeforeGamma,
         t: o.tiling,
     };
+    let stream = c.t.flags & NORM_FLAG_STREAM != 0;
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: the caller picked L among the ISAs this CPU has.
         unsafe {
             L::enter(
                 #[inline(always)]
-                || forward_block::<L, T, G, S>(&c, b),
+                || {
+                    if stream {
+                        forward_block::<L, T, G, S, true>(&c, b)
+                    } else {
+                        forward_block::<L, T, G, S, false>(&c, b)
+                    }
+                },
             )
         }
     });
@@ -113,60 +124,185 @@ fn y_of<L: Lanes, T: Float>(v: L, rs: L, g: L, cast_before: bool) -> L {
     h.mul(g)
 }
 
-/// One block: per row, the sum of squares, rstd, then y.
+/// The row's sum of squares (pass 1): groups from the row start, the last
+/// one zero-padded, in the `RowSum` pattern.
+///
+/// # Safety
+/// Row `row..row + n` is inside the call's tensors.
 #[inline(always)]
-fn forward_block<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(c: &FwdCtx<T, G, S>, b: usize) {
-    let t = &c.t;
-    let n = t.cols as usize;
-    let stream = t.flags & NORM_FLAG_STREAM != 0;
-    let (r0, r1) = t.block_rows(b);
-    let off = L::splat(c.off);
+unsafe fn row_sum_sq<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
+    c: &FwdCtx<T, G, S>,
+    row: usize,
+    n: usize,
+) -> f32 {
     let (full, tail) = (n / GROUP, n % GROUP);
+    let mut s = RowSum::<L>::new();
+    push_groups!(s, full, |k| {
+        // SAFETY: group k of the row.
+        let v = unsafe { c.src.at::<L>(row + k * GROUP, GROUP) };
+        v.mul(v)
+    });
+    if tail > 0 {
+        // SAFETY: the row's last elements.
+        let v = unsafe { c.src.at::<L>(row + full * GROUP, tail) };
+        s.push(v.mul(v));
+    }
+    s.finish()
+}
+
+/// Pass 2 at columns `j..j + len` (`len <= 16`) of the row at `row`: y and
+/// the side output, with ordinary stores, each written after it was read.
+///
+/// # Safety
+/// The columns are inside the row, which belongs to the calling block.
+#[inline(always)]
+unsafe fn y_window<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
+    c: &FwdCtx<T, G, S>,
+    row: usize,
+    j: usize,
+    len: usize,
+    vr: L,
+    off: L,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let v = c.src.at::<L>(row + j, len);
+        let g = gamma_at::<L, G>(c.gamma, j, len, off);
+        if let Some(o) = c.src.side() {
+            store_at::<L, T>(v, o, row + j, len);
+        }
+        store_at::<L, T>(y_of::<L, T>(v, vr, g, c.cast_before), c.y, row + j, len);
+    }
+}
+
+/// Pass 2 at columns `p..p + 32` of the row at `row`: two groups, stored as
+/// whole lines (streamed with `STREAM`), each written after it was read.
+///
+/// # Safety
+/// As for `y_window`.
+#[inline(always)]
+unsafe fn y_pair<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bool>(
+    c: &FwdCtx<T, G, S>,
+    row: usize,
+    p: usize,
+    vr: L,
+    off: L,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let v0 = c.src.at::<L>(row + p, GROUP);
+        let v1 = c.src.at::<L>(row + p + GROUP, GROUP);
+        let g0 = gamma_at::<L, G>(c.gamma, p, GROUP, off);
+        let g1 = gamma_at::<L, G>(c.gamma, p + GROUP, GROUP, off);
+        if let Some(o) = c.src.side() {
+            put_pair::<L, T, STREAM>(o, row + p, v0, v1);
+        }
+        let y0 = y_of::<L, T>(v0, vr, g0, c.cast_before);
+        let y1 = y_of::<L, T>(v1, vr, g1, c.cast_before);
+        put_pair::<L, T, STREAM>(c.y, row + p, y0, y1);
+    }
+}
+
+/// Pass 2 of the row at `row` fused with pass 1 of the next row (at
+/// `row + n`): y is written from cache while the next row's squares are
+/// summed, so the sum's latency chain hides under pass 2's loads and stores.
+/// Returns the next row's sum, the same bits as `row_sum_sq` (its groups
+/// are pushed in order, in the same segments). The row's output must start
+/// on a line when streaming (pairs are aligned to the row start).
+///
+/// # Safety
+/// Both rows are inside the call's tensors and belong to the calling block.
+#[inline(always)]
+unsafe fn y_row_fused<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bool>(
+    c: &FwdCtx<T, G, S>,
+    row: usize,
+    n: usize,
+    vr: L,
+    off: L,
+) -> f32 {
+    let next = row + n;
+    let mut s = RowSum::<L>::new();
+    fused_row!(
+        s,
+        n,
+        |p| {
+            // 4 KiB ahead in the next row (and on into the one after).
+            c.src
+                .prefetch::<L>(next + p + 4096 / core::mem::size_of::<T>());
+            // SAFETY: columns p..p+32 of both rows. The next row is read
+            // before this row's stores: outputs and inputs often share their
+            // offsets within a page, and a load issued after a store to the
+            // same offset (4K aliasing) waits for it.
+            unsafe {
+                let a = c.src.at::<L>(next + p, GROUP);
+                let b = c.src.at::<L>(next + p + GROUP, GROUP);
+                y_pair::<L, T, G, S, STREAM>(c, row, p, vr, off);
+                (a.mul(a), b.mul(b))
+            }
+        },
+        |j, len| {
+            // SAFETY: the rows' last columns (the next row's last group is
+            // zero-padded, as in `row_sum_sq`).
+            unsafe {
+                let v = c.src.at::<L>(next + j, len);
+                y_window::<L, T, G, S>(c, row, j, len, vr, off);
+                v.mul(v)
+            }
+        }
+    );
+    s.finish()
+}
+
+/// One block: per row, the sum of squares, rstd, then y (with `STREAM`,
+/// in streaming stores of whole lines). A row's pass 2 carries the next
+/// row's pass 1 when its output starts on a line (any row when not
+/// streaming), and prefetches the row after, so neither pass waits on
+/// memory alone.
+#[inline(always)]
+fn forward_block<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bool>(
+    c: &FwdCtx<T, G, S>,
+    b: usize,
+) {
+    // A local copy: the kernel's stores through raw pointers cannot then
+    // alias the context, so its fields stay in registers.
+    let c = &{ *c };
+    let n = c.t.cols as usize;
+    let (r0, r1) = c.t.block_rows(b);
+    let off = L::splat(c.off);
+    let mut carried: Option<f32> = None;
     for r in r0..r1 {
         let row = r * n;
-        // Pass 1: groups from the row start, the last one zero-padded.
-        let mut s = RowSum::<L>::new();
-        push_groups!(s, full, |k| {
-            // SAFETY: group k of row r.
-            let v = unsafe { c.src.at::<L>(row + k * GROUP, GROUP) };
-            v.mul(v)
-        });
-        if tail > 0 {
-            // SAFETY: the row's last elements.
-            let v = unsafe { c.src.at::<L>(row + full * GROUP, tail) };
-            s.push(v.mul(v));
-        }
-        let rs = rstd_f32(s.finish(), n, c.eps);
+        // SAFETY: row r belongs to this block.
+        let sum = carried
+            .take()
+            .unwrap_or_else(|| unsafe { row_sum_sq::<L, T, G, S>(c, row, n) });
+        let rs = rstd_f32(sum, n, c.eps);
         if let Some(d) = &c.rstd {
             // SAFETY: rstd has one element per row; row r belongs to this block.
             unsafe { d.get(r, 1)[0] = rs };
         }
-        // Pass 2: y, in windows aligned for y's streaming stores.
         let vr = L::splat(rs);
-        let head = if stream { c.y.stream_head(row, n) } else { 0 };
-        let mut y = RowOut::<L, T>::new(c.y, stream);
-        let mut side = c.src.side_out::<L>(stream);
-        for_windows!(n, head, |j, len| {
-            // SAFETY: columns j..j+len of row r, which belongs to this block;
-            // x_sum's window is written after it was read.
-            unsafe {
-                let v = c.src.at::<L>(row + j, len);
-                if let Some(o) = side.as_mut() {
-                    o.put(v, row + j, len);
-                }
-                let g = gamma_at::<L, G>(c.gamma, j, len, off);
-                y.put(y_of::<L, T>(v, vr, g, c.cast_before), row + j, len);
-            }
-        });
-        // SAFETY: the row's last windows, as above.
-        unsafe {
-            y.flush();
-            if let Some(o) = side.as_mut() {
-                o.flush();
-            }
+        let head = if STREAM { c.y.line_head(row, n) } else { 0 };
+        if r + 1 < r1 && head == 0 {
+            // SAFETY: rows r and r + 1 belong to this block.
+            carried = Some(unsafe { y_row_fused::<L, T, G, S, STREAM>(c, row, n, vr, off) });
+            continue;
         }
+        for_lines!(
+            n,
+            head,
+            |j, len| {
+                // SAFETY: columns j..j+len of row r, which belongs to this block.
+                unsafe { y_window::<L, T, G, S>(c, row, j, len, vr, off) }
+            },
+            |p| {
+                c.src.prefetch::<L>(row + n + p);
+                // SAFETY: columns p..p+32 of row r, as above.
+                unsafe { y_pair::<L, T, G, S, STREAM>(c, row, p, vr, off) }
+            }
+        );
     }
-    if stream {
+    if STREAM {
         L::stream_fence();
     }
 }

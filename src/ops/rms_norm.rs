@@ -2,7 +2,9 @@
 
 use core::ffi::c_void;
 
-use super::norm::{load_at, norm_dims, rstd_check, same_shape, RmsNormOptions, Rounding, RowOut};
+use super::norm::{
+    load_at, norm_dims, prefetch_pair, rstd_check, same_shape, RmsNormOptions, Rounding,
+};
 use super::norm_fwd::{run_forward, FwdOut, FwdSource};
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
@@ -139,6 +141,7 @@ pub fn rms_norm<T: Float, G: Float>(
 }
 
 /// RmsNorm's CopyIn: x itself.
+#[derive(Clone, Copy)]
 struct XSource<T>(Src<T>);
 
 impl<T: Float> FwdSource<T> for XSource<T> {
@@ -148,8 +151,12 @@ impl<T: Float> FwdSource<T> for XSource<T> {
         unsafe { load_at::<L, T>(self.0, at, len) }
     }
     #[inline(always)]
-    fn side_out<L: Lanes>(&self, _stream: bool) -> Option<RowOut<L, T>> {
+    fn side(&self) -> Option<Dst<T>> {
         None
+    }
+    #[inline(always)]
+    fn prefetch<L: Lanes>(&self, at: usize) {
+        prefetch_pair::<L, T>(self.0, at);
     }
 }
 

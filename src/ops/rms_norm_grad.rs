@@ -6,13 +6,13 @@
 use core::ffi::c_void;
 
 use super::norm::{
-    arena_group, first_lanes, for_windows, gamma_at, load_at, load_group, norm_dims, rstd_check,
-    same_shape, store_at, store_tail, RowOut,
+    arena_group, first_lanes, for_lines, gamma_at, load_at, load_group, norm_dims, prefetch_pair,
+    put_pair, rstd_check, same_shape, store_at, store_tail,
 };
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Result};
-use crate::lanes::{push_groups, Isa, Lanes, RowSum, GROUP};
+use crate::lanes::{fused_row, push_groups, Isa, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig, NORM_FLAG_STREAM};
@@ -367,6 +367,7 @@ fn grad_with<T: Float, G: Float>(
     )
 }
 
+#[derive(Clone, Copy)]
 struct Ctx<T, G> {
     dy: Src<T>,
     x: Src<T>,
@@ -413,12 +414,19 @@ unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormGradCall, runner: &dyn
         t: call.tiling,
         ws,
     };
+    let stream = c.t.flags & NORM_FLAG_STREAM != 0;
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
         unsafe {
             L::enter(
                 #[inline(always)]
-                || block::<L, T, G>(&c, b),
+                || {
+                    if stream {
+                        block::<L, T, G, true>(&c, b)
+                    } else {
+                        block::<L, T, G, false>(&c, b)
+                    }
+                },
             )
         }
     });
@@ -491,74 +499,229 @@ fn dx_of<L: Lanes>(dy: L, xh: L, g: L, rs: L, cc: L) -> L {
     rs.mul(dy.mul(g).sub(xh.mul(cc)))
 }
 
+/// What pass 2 of one row needs besides the call's tensors.
+struct RowCtx<L> {
+    row: usize,
+    rs: L,
+    cc: L,
+    off: L,
+    /// The block's dgamma partial row (read and written through the two).
+    pr: Src<f32>,
+    pp: Dst<f32>,
+}
+
+/// dx at columns `j..j + len` of the row, with the row's `dy * xh` added to
+/// the block's dgamma partial.
+///
+/// # Safety
+/// The columns are inside the row, which belongs to the calling block; dy's
+/// window (dx may be dy) is read here, before the caller writes dx's.
+#[inline(always)]
+unsafe fn dx_window<L: Lanes, T: Float, G: Float>(
+    c: &Ctx<T, G>,
+    w: &RowCtx<L>,
+    j: usize,
+    len: usize,
+) -> L {
+    let at = w.row + j;
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        let dy = load_at::<L, T>(c.dy, at, len);
+        let xh = load_at::<L, T>(c.x, at, len).mul(w.rs);
+        let mut d = dx_of(dy, xh, gamma_at::<L, G>(c.gamma, j, len, w.off), w.rs, w.cc);
+        if let Some(dres) = c.dres {
+            d = d.add(load_at::<L, T>(dres, at, len));
+        }
+        let p = load_at::<L, f32>(w.pr, j, len);
+        store_at::<L, f32>(p.add(dy.mul(xh)), w.pp, j, len);
+        d
+    }
+}
+
+/// The pass-1 term of columns `j..j + len` (`len <= 16`) of the row at
+/// `row`: `(dy * g) * (x * rstd)`, padding lanes masked (0 * Inf would be
+/// NaN; see `first_lanes`).
+///
+/// # Safety
+/// The columns are inside the row; dx's row (possibly dy's) is not written
+/// before this read.
+#[inline(always)]
+unsafe fn dot_term<L: Lanes, T: Float, G: Float>(
+    c: &Ctx<T, G>,
+    row: usize,
+    j: usize,
+    len: usize,
+    rs: L,
+    off: L,
+) -> L {
+    // SAFETY: forwarded from the caller.
+    let v = unsafe {
+        let dy = load_at::<L, T>(c.dy, row + j, len);
+        let x = load_at::<L, T>(c.x, row + j, len);
+        dy.mul(gamma_at::<L, G>(c.gamma, j, len, off))
+            .mul(x.mul(rs))
+    };
+    if len < GROUP {
+        first_lanes(v, len)
+    } else {
+        v
+    }
+}
+
+/// Pass 1 of the row at `row`: `sum_j (dy * g) * (x * rstd)`, groups from
+/// the row start in the `RowSum` pattern.
+///
+/// # Safety
+/// As for `dot_term`, for the whole row.
+#[inline(always)]
+unsafe fn row_dot<L: Lanes, T: Float, G: Float>(
+    c: &Ctx<T, G>,
+    row: usize,
+    n: usize,
+    rs: L,
+    off: L,
+) -> f32 {
+    let (full, tail) = (n / GROUP, n % GROUP);
+    let mut s = RowSum::<L>::new();
+    push_groups!(s, full, |k| {
+        // SAFETY: group k of the row, forwarded from the caller.
+        unsafe { dot_term::<L, T, G>(c, row, k * GROUP, GROUP, rs, off) }
+    });
+    if tail > 0 {
+        // SAFETY: the row's last elements, forwarded from the caller.
+        s.push(unsafe { dot_term::<L, T, G>(c, row, full * GROUP, tail, rs, off) });
+    }
+    s.finish()
+}
+
+/// Pass 2 of the row `w.row` fused with pass 1 of the next row (rstd
+/// `rs_next`): dx is written from cache while the next row's sum runs, so
+/// the sum's latency chain hides under pass 2. Returns the next row's sum,
+/// the same bits as `row_dot` (same groups, same order, same segments). The
+/// row's dx must start on a line when streaming.
+///
+/// # Safety
+/// Both rows are inside the call's tensors and belong to the calling block.
+#[inline(always)]
+unsafe fn dx_row_fused<L: Lanes, T: Float, G: Float, const STREAM: bool>(
+    c: &Ctx<T, G>,
+    w: &RowCtx<L>,
+    n: usize,
+    rs_next: L,
+) -> f32 {
+    let (row, next) = (w.row, w.row + n);
+    let mut s = RowSum::<L>::new();
+    fused_row!(
+        s,
+        n,
+        |p| {
+            // 4 KiB ahead in the next row (and on into the one after).
+            let ahead = next + p + 4096 / core::mem::size_of::<T>();
+            prefetch_pair::<L, T>(c.dy, ahead);
+            prefetch_pair::<L, T>(c.x, ahead);
+            if let Some(dres) = c.dres {
+                prefetch_pair::<L, T>(dres, next + p);
+            }
+            // SAFETY: columns p..p+32 of both rows. The next row is read
+            // before this row's stores (4K aliasing: see `norm_fwd`).
+            unsafe {
+                let a = dot_term::<L, T, G>(c, next, p, GROUP, rs_next, w.off);
+                let b = dot_term::<L, T, G>(c, next, p + GROUP, GROUP, rs_next, w.off);
+                let d0 = dx_window(c, w, p, GROUP);
+                let d1 = dx_window(c, w, p + GROUP, GROUP);
+                put_pair::<L, T, STREAM>(c.dx, row + p, d0, d1);
+                (a, b)
+            }
+        },
+        |j, len| {
+            // SAFETY: the rows' last columns, as above.
+            unsafe {
+                let t = dot_term::<L, T, G>(c, next, j, len, rs_next, w.off);
+                let d = dx_window(c, w, j, len);
+                store_at::<L, T>(d, c.dx, row + j, len);
+                t
+            }
+        }
+    );
+    s.finish()
+}
+
 /// One block: per row, `c = sum_j (dy * g) * (x * rstd) / N` (pass 1, groups
 /// from the row start), then dx and the row's `dy * xh` added into the
 /// block's dgamma partial (pass 2, rows in order, dy and x again from L1/L2).
 /// The UB arena is not needed on a CPU (see `norm_fwd`); the bits are those
-/// of staging the rows in it.
+/// of staging the rows in it. dx goes out in streaming stores with `STREAM`;
+/// the next row is prefetched while this one's dx is computed from cache.
 #[inline(always)]
-fn block<L: Lanes, T: Float, G: Float>(c: &Ctx<T, G>, b: usize) {
+fn block<L: Lanes, T: Float, G: Float, const STREAM: bool>(c: &Ctx<T, G>, b: usize) {
+    // A local copy: the kernel's stores through raw pointers cannot then
+    // alias the context, so its fields stay in registers.
+    let c = &{ *c };
     let t = &c.t;
     let n = t.cols as usize;
     let np = t.cols_padded as usize;
-    let stream = t.flags & NORM_FLAG_STREAM != 0;
     let (r0, r1) = t.block_rows(b);
     // SAFETY: the partials are block b's alone, inside the checked workspace.
     let part = unsafe { c.ws.region(t.partials_offset as usize + b * np * 4, np) };
     part.fill(0.0);
     let off = L::splat(c.off);
-    let (full, tail) = (n / GROUP, n % GROUP);
+    let mut carried: Option<f32> = None;
     for r in r0..r1 {
         let row = r * n;
         // SAFETY: rstd has one element per row.
         let rs = L::splat(unsafe { c.rstd.get(r, 1)[0] });
-        let mut s = RowSum::<L>::new();
-        push_groups!(s, full, |k| {
-            let j = k * GROUP;
-            // SAFETY: group k of row r of dy and x, and of gamma; dx's row
-            // (possibly dy's) is written only in pass 2.
-            unsafe {
-                let dy = load_at::<L, T>(c.dy, row + j, GROUP);
-                let x = load_at::<L, T>(c.x, row + j, GROUP);
-                dy.mul(gamma_at::<L, G>(c.gamma, j, GROUP, off))
-                    .mul(x.mul(rs))
-            }
-        });
-        if tail > 0 {
-            let j = full * GROUP;
-            // SAFETY: the row's last elements (gamma's padding lanes are +0.0).
-            let v = unsafe {
-                let dy = load_at::<L, T>(c.dy, row + j, tail);
-                let x = load_at::<L, T>(c.x, row + j, tail);
-                dy.mul(gamma_at::<L, G>(c.gamma, j, tail, off))
-                    .mul(x.mul(rs))
-            };
-            // Padding lanes masked: 0 * Inf would be NaN (see `first_lanes`).
-            s.push(first_lanes(v, tail));
-        }
-        let cc = L::splat(s.finish() / n as f32);
-        let head = if stream { c.dx.stream_head(row, n) } else { 0 };
-        let mut dx = RowOut::<L, T>::new(c.dx, stream);
+        // SAFETY: row r belongs to this block.
+        let dot = carried
+            .take()
+            .unwrap_or_else(|| unsafe { row_dot::<L, T, G>(c, row, n, rs, off) });
+        let cc = L::splat(dot / n as f32);
+        let head = if STREAM { c.dx.line_head(row, n) } else { 0 };
         let pp = Dst(part.as_mut_ptr());
-        for_windows!(n, head, |j, len| {
-            // SAFETY: columns j..j+len of row r, which belongs to this block;
-            // dy's window (dx may be dy) is read before dx's is written.
-            unsafe {
-                let dy = load_at::<L, T>(c.dy, row + j, len);
-                let xh = load_at::<L, T>(c.x, row + j, len).mul(rs);
-                let mut d = dx_of(dy, xh, gamma_at::<L, G>(c.gamma, j, len, off), rs, cc);
+        let w = RowCtx {
+            row,
+            rs,
+            cc,
+            off,
+            pr: Src(part.as_ptr()),
+            pp,
+        };
+        if r + 1 < r1 && head == 0 {
+            // SAFETY: rstd has one element per row; rows r and r + 1 belong
+            // to this block.
+            carried = Some(unsafe {
+                let rs_next = L::splat(c.rstd.get(r + 1, 1)[0]);
+                dx_row_fused::<L, T, G, STREAM>(c, &w, n, rs_next)
+            });
+            continue;
+        }
+        for_lines!(
+            n,
+            head,
+            |j, len| {
+                // SAFETY: columns j..j+len of row r, which belongs to this block.
+                let d = unsafe { dx_window(c, &w, j, len) };
+                // SAFETY: as above.
+                unsafe { store_at::<L, T>(d, c.dx, row + j, len) };
+            },
+            |p| {
+                prefetch_pair::<L, T>(c.dy, row + n + p);
+                prefetch_pair::<L, T>(c.x, row + n + p);
                 if let Some(dres) = c.dres {
-                    d = d.add(load_at::<L, T>(dres, row + j, len));
+                    prefetch_pair::<L, T>(dres, row + n + p);
                 }
-                dx.put(d, row + j, len);
-                let p = load_at::<L, f32>(Src(pp.0 as *const f32), j, len);
-                store_at::<L, f32>(p.add(dy.mul(xh)), pp, j, len);
+                // SAFETY: columns p..p+32 of row r, as above.
+                let (d0, d1) = unsafe {
+                    (
+                        dx_window(c, &w, p, GROUP),
+                        dx_window(c, &w, p + GROUP, GROUP),
+                    )
+                };
+                // SAFETY: as above.
+                unsafe { put_pair::<L, T, STREAM>(c.dx, row + p, d0, d1) };
             }
-        });
-        // SAFETY: the row's last window, as above.
-        unsafe { dx.flush() };
+        );
     }
-    if stream {
+    if STREAM {
         L::stream_fence();
     }
 }
