@@ -6,7 +6,7 @@
 //!
 //! Run: `cargo run --release -p npukern-benches --bin quick` (add `--threads 2`
 //! for the pool, `--reps N` for more repetitions, `--filter STR` to select rows (`^STR`: rows starting with it),
-//! `--cpu-clock` to time with the thread's CPU clock on a shared machine).
+//! `--isa avx2` to force an ISA, `--cpu-clock` to time with the thread's CPU clock on a shared machine).
 
 use std::hint::black_box;
 
@@ -30,6 +30,8 @@ struct Opts {
     threads: usize,
     filter: Option<String>,
     llc: usize,
+    /// `--isa portable|avx2|avx512`: force one (default: the best available).
+    isa: Option<Isa>,
 }
 
 fn llc_bytes() -> usize {
@@ -323,6 +325,7 @@ fn main() {
         threads: 1,
         filter: None,
         llc: llc_bytes(),
+        isa: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -331,11 +334,20 @@ fn main() {
             "--threads" => o.threads = args.next().and_then(|v| v.parse().ok()).unwrap_or(1),
             "--filter" => o.filter = args.next(),
             "--cpu-clock" => o.cpu_clock = true,
+            "--isa" => {
+                let want = args.next().unwrap_or_default().to_lowercase();
+                o.isa = Isa::ALL
+                    .into_iter()
+                    .find(|i| format!("{i:?}").to_lowercase() == want && i.is_available());
+            }
             "--overhead" => return overhead(&o),
             _ => {}
         }
     }
-    let cpu = Cpu::new(Threads::new(o.threads));
+    let mut cpu = Cpu::new(Threads::new(o.threads));
+    if let Some(isa) = o.isa {
+        cpu = cpu.with_isa(isa);
+    }
     println!(
         "npukern quick table: {} thread(s), LLC {} MiB, median of {} (kernel / same-bytes copy), {} clock\n",
         o.threads,

@@ -52,6 +52,21 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn store_bf16(self, dst: &mut [bf16; GROUP]);
     /// Loads sixteen f16, widened exactly.
     fn load_f16(src: &[f16; GROUP]) -> Self;
+    /// Every lane rounded to bf16 (as `store_bf16`) and widened back, in
+    /// registers where the ISA can.
+    #[inline(always)]
+    fn round_bf16(self) -> Self {
+        let mut t = [bf16::ZERO; GROUP];
+        self.store_bf16(&mut t);
+        Self::load_bf16(&t)
+    }
+    /// Every lane rounded to f16 (as `store_f16`) and widened back.
+    #[inline(always)]
+    fn round_f16(self) -> Self {
+        let mut t = [f16::ZERO; GROUP];
+        self.store_f16(&mut t);
+        Self::load_f16(&t)
+    }
     /// Stores sixteen f16, rounded to nearest even (NaN kept, overflow to Inf).
     fn store_f16(self, dst: &mut [f16; GROUP]);
     /// `store` with a non-temporal (streaming) store when `dst` is aligned
@@ -117,6 +132,8 @@ pub trait LaneElem: Sized {
     fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]);
     /// One group streamed when it is a whole aligned line (f32), else stored.
     fn stream_line<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
+    /// Every lane rounded to this type and widened back (identity for f32).
+    fn round<L: Lanes>(v: L) -> L;
 }
 
 impl LaneElem for f32 {
@@ -132,6 +149,10 @@ impl LaneElem for f32 {
     #[inline(always)]
     fn stream_line<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
         v.stream(dst)
+    }
+    #[inline(always)]
+    fn round<L: Lanes>(v: L) -> L {
+        v
     }
     #[inline(always)]
     fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f32; 2 * GROUP]) {
@@ -158,6 +179,10 @@ impl LaneElem for bf16 {
         Self::store(v, dst)
     }
     #[inline(always)]
+    fn round<L: Lanes>(v: L) -> L {
+        v.round_bf16()
+    }
+    #[inline(always)]
     fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
         lo.stream2_bf16(hi, dst)
     }
@@ -176,6 +201,10 @@ impl LaneElem for f16 {
     #[inline(always)]
     fn stream_line<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
         Self::store(v, dst)
+    }
+    #[inline(always)]
+    fn round<L: Lanes>(v: L) -> L {
+        v.round_f16()
     }
     #[inline(always)]
     fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f16; 2 * GROUP]) {
@@ -457,6 +486,21 @@ mod tests {
                     "{:#x}",
                     chunk[i]
                 );
+            }
+            // In-register rounding: the same bits as a store and a load.
+            let mut r = [0f32; GROUP];
+            v.round_bf16().store(&mut r);
+            for i in 0..GROUP {
+                assert_eq!(
+                    r[i].to_bits(),
+                    (b[i].to_bits() as u32) << 16,
+                    "{:#x}",
+                    chunk[i]
+                );
+            }
+            v.round_f16().store(&mut r);
+            for i in 0..GROUP {
+                assert_eq!(r[i].to_bits(), h[i].to_f32().to_bits(), "{:#x}", chunk[i]);
             }
             let w = L::load_bf16(&b);
             let mut back = [0f32; GROUP];

@@ -60,32 +60,41 @@ unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
 }
 
 /// bf16 round-to-nearest-even of sixteen lanes, as `dtype::bf16_bits_rne`,
-/// packed in the low 256 bits.
+/// in the upper half of each 32-bit lane (the lower half is left over).
+#[inline(always)]
+unsafe fn bf16_round16(v: __m512) -> __m512i {
+    // SAFETY: called only inside an AVX-512F/BW context (see `Lanes::enter`).
+    unsafe {
+        let x = _mm512_castps_si512(v);
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        // Ties to even: add 0x7fff, plus 1 when the kept part is odd.
+        let odd = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x1_0000));
+        let t = _mm512_add_epi32(x, _mm512_set1_epi32(0x7fff));
+        let rounded = _mm512_mask_add_epi32(t, odd, t, _mm512_set1_epi32(1));
+        // NaN keeps its sign and payload, made quiet.
+        _mm512_mask_or_epi32(rounded, nan, x, _mm512_set1_epi32(0x0040_0000))
+    }
+}
+
+/// `bf16_round16`'s sixteen results packed in the low 256 bits.
 #[inline(always)]
 unsafe fn bf16_bits16(v: __m512) -> __m256i {
     // SAFETY: called only inside an AVX-512F/BW context (see `Lanes::enter`).
     unsafe {
-        // Round in place in the upper half of each 32-bit lane, then gather
-        // the upper halves with one word permute (a narrowing store, vpmovdw
-        // to memory, is slow on some cores).
-        let x = _mm512_castps_si512(v);
-        let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff));
-        let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
-        let rounded = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb);
-        let quiet = _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
-        let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
+        // One word permute gathers the upper halves (a narrowing store,
+        // vpmovdw to memory, is slow on some cores).
         let odd = _mm512_set_epi16(
             31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21, 19,
             17, 15, 13, 11, 9, 7, 5, 3, 1,
         );
-        _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r))
+        _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, bf16_round16(v)))
     }
 }
 
-/// bf16 round-to-nearest-even of eight lanes, as `dtype::bf16_bits_rne`.
+/// bf16 round-to-nearest-even of eight lanes, as `dtype::bf16_bits_rne`, in
+/// the low 16 bits of each 32-bit lane (the upper bits zero).
 #[inline(always)]
-unsafe fn bf16_bits8(v: __m256) -> __m128i {
+unsafe fn bf16_round8(v: __m256) -> __m256i {
     // SAFETY: called only inside an AVX2 context (see `Lanes::enter`).
     unsafe {
         let x = _mm256_castps_si256(v);
@@ -98,7 +107,16 @@ unsafe fn bf16_bits8(v: __m256) -> __m128i {
             lsb,
         ));
         let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
-        let r = _mm256_blendv_epi8(rounded, quiet, nan);
+        _mm256_blendv_epi8(rounded, quiet, nan)
+    }
+}
+
+/// `bf16_round8`'s eight results packed.
+#[inline(always)]
+unsafe fn bf16_bits8(v: __m256) -> __m128i {
+    // SAFETY: called only inside an AVX2 context (see `Lanes::enter`).
+    unsafe {
+        let r = bf16_round8(v);
         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
     }
 }
@@ -193,6 +211,22 @@ impl Lanes for Avx2 {
                 _mm256_cvtph_ps(_mm_loadu_si128(p)),
                 _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
             )
+        }
+    }
+    #[inline(always)]
+    fn round_bf16(self) -> Self {
+        // SAFETY: AVX2 present.
+        unsafe {
+            let w = |h: __m256| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bf16_round8(h)));
+            Avx2(w(self.0), w(self.1))
+        }
+    }
+    #[inline(always)]
+    fn round_f16(self) -> Self {
+        // SAFETY: F16C present. Round to nearest even.
+        unsafe {
+            let w = |h: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(h));
+            Avx2(w(self.0), w(self.1))
         }
     }
     #[inline(always)]
@@ -325,6 +359,23 @@ impl Lanes for Avx512 {
             Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(
                 src.as_ptr() as *const __m256i
             )))
+        }
+    }
+    #[inline(always)]
+    fn round_bf16(self) -> Self {
+        // SAFETY: AVX-512F/BW present.
+        unsafe {
+            let r = _mm512_and_si512(bf16_round16(self.0), _mm512_set1_epi32(-0x1_0000));
+            Avx512(_mm512_castsi512_ps(r))
+        }
+    }
+    #[inline(always)]
+    fn round_f16(self) -> Self {
+        // SAFETY: AVX-512F present. Round to nearest even.
+        unsafe {
+            Avx512(_mm512_cvtph_ps(
+                _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0),
+            ))
         }
     }
     #[inline(always)]

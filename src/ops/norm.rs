@@ -320,12 +320,7 @@ pub(crate) use for_lines;
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]
 pub(crate) fn round_to<L: Lanes, T: Float>(v: L) -> L {
-    if T::DTYPE == DType::F32 {
-        return v;
-    }
-    let mut tmp = [T::from_f32(0.0); GROUP];
-    T::store(v, &mut tmp);
-    T::load(&tmp)
+    T::round(v)
 }
 
 /// Group `i` of an f32 arena row (always a whole group: rows are padded).
