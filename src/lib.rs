@@ -84,7 +84,10 @@ pub use ops::Exec;
 pub use runner::Threads;
 pub use runner::{Runner, Serial};
 pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
-pub use tiling::{EmbeddingTiling, NormTiling, UbConfig, NORM_FLAG_STREAM, STREAM_MIN_BYTES};
+pub use tiling::{
+    EmbeddingTiling, NormTiling, UbConfig, NORM_FLAG_SERIAL, NORM_FLAG_STREAM, SERIAL_MAX_BYTES,
+    STREAM_MIN_BYTES,
+};
 
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]

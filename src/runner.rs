@@ -12,6 +12,15 @@
 pub unsafe trait Runner: Sync {
     /// Calls `task(b)` once for every `b` in `0..n_blocks`, possibly in parallel.
     fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync));
+
+    /// Whether a backend may run a call its plan marks small
+    /// (`NORM_FLAG_SERIAL`) on the calling thread instead of through this
+    /// runner: the same blocks, so the same bits. True for `Threads`, whose
+    /// launch costs more than such a call; runners that must see every
+    /// launch (schedulers, counters, foreign pools) keep the default, false.
+    fn runs_small_calls_inline(&self) -> bool {
+        false
+    }
 }
 
 /// Runs the blocks one after another on the calling thread (no_std default).
@@ -31,6 +40,19 @@ unsafe impl Runner for Serial {
 unsafe impl<R: Runner + ?Sized> Runner for &R {
     fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
         (**self).parallel_for(n_blocks, task)
+    }
+    fn runs_small_calls_inline(&self) -> bool {
+        (**self).runs_small_calls_inline()
+    }
+}
+
+/// The runner a backend uses for a plan with `flags`: the calling thread for
+/// a small call (`NORM_FLAG_SERIAL`) when `runner` allows it, else `runner`.
+pub(crate) fn for_plan(runner: &dyn Runner, flags: u32) -> &dyn Runner {
+    if flags & crate::tiling::NORM_FLAG_SERIAL != 0 && runner.runs_small_calls_inline() {
+        &Serial
+    } else {
+        runner
     }
 }
 
@@ -93,6 +115,11 @@ mod threads {
                 }
                 work();
             });
+        }
+        /// A launch spawns scoped threads (about 90 us on the development
+        /// machine): small calls are faster on the calling thread.
+        fn runs_small_calls_inline(&self) -> bool {
+            true
         }
     }
 }

@@ -97,6 +97,17 @@ pub struct NormTiling {
 /// and do not evict the inputs it still reads.
 pub const NORM_FLAG_STREAM: u32 = 1;
 
+/// `NormTiling::flags` bit: the call is small (under `SERIAL_MAX_BYTES` per
+/// tensor), so a CPU backend runs its blocks on the calling thread when the
+/// runner allows it (`Runner::runs_small_calls_inline`): launching a thread
+/// pool costs more than it saves. The blocks, and so the bits, are the same.
+pub const NORM_FLAG_SERIAL: u32 = 2;
+
+/// Bytes of one tensor under which a plan sets `NORM_FLAG_SERIAL`: 1 MiB
+/// takes about 0.2 ms on one core, where two threads would save about
+/// 0.1 ms and a `Threads` launch costs 0.09 ms (`quick --overhead`).
+pub const SERIAL_MAX_BYTES: usize = 1 << 20;
+
 /// Output bytes from which a plan sets `NORM_FLAG_STREAM`: beyond a
 /// last-level cache share (server LLCs hold 1.5-3 MiB per core; an output of
 /// 8 MiB written by one call will not be read back from cache).
@@ -136,6 +147,9 @@ impl NormTiling {
         // of a 16-bit row, one of f32).
         if tensor_bytes >= STREAM_MIN_BYTES {
             t.flags |= NORM_FLAG_STREAM;
+        }
+        if tensor_bytes < SERIAL_MAX_BYTES {
+            t.flags |= NORM_FLAG_SERIAL;
         }
         let blocks0 = (cfg.blocks as usize).min(rows);
         let rows_per_block = rows.div_ceil(blocks0);
@@ -226,7 +240,7 @@ mod tests {
         assert!(t.rows_per_tile >= 2);
         assert!(t.arena_bytes as usize <= cfg.ub_bytes);
         let t = NormTiling::new(4, 110_000, 2, 3, true, &cfg).unwrap();
-        assert_eq!(t.flags, 0); // 0.9 MB: stays in cache
+        assert_eq!(t.flags, NORM_FLAG_SERIAL); // 0.9 MB: one thread, cached stores
         assert_eq!(t.split_d, 1);
         assert_eq!(t.chunk_cols % 16, 0);
         assert!(t.arena_bytes as usize <= cfg.ub_bytes);
@@ -241,6 +255,10 @@ mod tests {
         assert_eq!(t.flags, NORM_FLAG_STREAM); // 16 MiB of bf16
         let t = NormTiling::new(1024, 4096, 2, 1, false, &cfg).unwrap();
         assert_eq!(t.flags, NORM_FLAG_STREAM); // exactly 8 MiB
+        let t = NormTiling::new(1, 4096, 2, 1, false, &cfg).unwrap();
+        assert_eq!(t.flags, NORM_FLAG_SERIAL); // 8 KiB: not worth a launch
+        let t = NormTiling::new(128, 4096, 2, 1, false, &cfg).unwrap();
+        assert_eq!(t.flags, 0); // exactly 1 MiB
         assert_eq!(
             NormTiling::new(1024, 4095, 2, 1, false, &cfg)
                 .unwrap()

@@ -15,7 +15,7 @@ use core::ffi::c_void;
 use super::norm::{for_lines, gamma_at, put_pair, round_to, store_at, Rounding};
 use crate::dtype::Float;
 use crate::lanes::{fused_row, push_groups, rstd_f32, Lanes, RowSum, GROUP};
-use crate::runner::Runner;
+use crate::runner::{for_plan, Runner};
 use crate::tensor::RawTensor;
 use crate::tiling::{NormTiling, NORM_FLAG_STREAM};
 use crate::workspace::{Dst, Src, Workspace};
@@ -97,7 +97,7 @@ pub(crate) unsafe fn run_forward<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
         t: o.tiling,
     };
     let stream = c.t.flags & NORM_FLAG_STREAM != 0;
-    runner.parallel_for(c.t.blocks as usize, &|b| {
+    for_plan(runner, c.t.flags).parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: the caller picked L among the ISAs this CPU has.
         unsafe {
             L::enter(

@@ -13,7 +13,7 @@ use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Result};
 use crate::lanes::{fused_row, push_groups, Isa, Lanes, RowSum, GROUP};
-use crate::runner::Runner;
+use crate::runner::{for_plan, Runner};
 use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig, NORM_FLAG_STREAM};
 use crate::workspace::{Dst, Src, Workspace};
@@ -415,6 +415,7 @@ unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormGradCall, runner: &dyn
         ws,
     };
     let stream = c.t.flags & NORM_FLAG_STREAM != 0;
+    let runner = for_plan(runner, c.t.flags);
     runner.parallel_for(c.t.blocks as usize, &|b| {
         // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
         unsafe {
