@@ -288,34 +288,39 @@ fn overhead(o: &Opts) {
             black_box(b);
         })
     });
-    let x = data::<bf16>(4096, 1);
     let gamma = data::<bf16>(4096, 2);
-    let (xt, gt) = (
-        TensorRef::new(&x, &[1, 4096]).unwrap(),
-        TensorRef::new(&gamma, &[4096]).unwrap(),
-    );
+    let gt = TensorRef::new(&gamma, &[4096]).unwrap();
     let cpu2 = Cpu::new(t2);
     let (e1, e2) = (Exec::cpu(), Exec::new(&cpu2));
     let opts = RmsNormOptions::default();
-    let mut ws = vec![0u8; rms_norm_workspace_size(&e2, xt, gt, &opts).unwrap()];
-    let y = std::cell::RefCell::new(vec![bf16::ZERO; 4096]);
-    let ws = std::cell::RefCell::new(&mut ws);
-    let run = |e: &Exec<'_>| {
-        rms_norm(
-            e,
-            xt,
-            gt,
-            &opts,
-            &mut y.borrow_mut(),
-            None,
-            &mut ws.borrow_mut(),
-        )
-        .unwrap()
-    };
-    let serial = time(&|| run(&e1));
-    let pooled = time(&|| run(&e2));
-    println!("\nper-call overhead (us, median): Threads::new(2).parallel_for(2 empty blocks) {spawn:.2}; \
-         rms_norm 1x4096 bf16: serial {serial:.2}, on Threads(2) {pooled:.2} (the plan gives it 1 block)");
+    print!(
+        "\nper-call overhead (us, median): Threads::new(2).parallel_for(2 empty blocks) {spawn:.2}"
+    );
+    // 1 row: one block. 64 rows (512 KiB): blocks, but under SERIAL_MAX_BYTES,
+    // so the plan runs them on the calling thread.
+    for rows in [1usize, 64] {
+        let x = data::<bf16>(rows * 4096, 1);
+        let xt = TensorRef::new(&x, &[rows, 4096]).unwrap();
+        let mut ws = vec![0u8; rms_norm_workspace_size(&e2, xt, gt, &opts).unwrap()];
+        let y = std::cell::RefCell::new(vec![bf16::ZERO; rows * 4096]);
+        let ws = std::cell::RefCell::new(&mut ws);
+        let run = |e: &Exec<'_>| {
+            rms_norm(
+                e,
+                xt,
+                gt,
+                &opts,
+                &mut y.borrow_mut(),
+                None,
+                &mut ws.borrow_mut(),
+            )
+            .unwrap()
+        };
+        let serial = time(&|| run(&e1));
+        let pooled = time(&|| run(&e2));
+        print!("; rms_norm {rows}x4096 bf16: serial {serial:.2}, on Threads(2) {pooled:.2}");
+    }
+    println!();
 }
 
 fn main() {

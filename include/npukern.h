@@ -533,9 +533,11 @@ typedef struct npk_embedding_tiling {
    */
   uint32_t blocks;
   /**
-   * Reserved, zero.
+   * `NORM_FLAG_STREAM` when the table is 8 MiB or more
+   * (`STREAM_MIN_BYTES`, counted at grad's element size): a CPU backend
+   * writes its zero fill and copied rows with streaming stores.
    */
-  uint32_t reserved;
+  uint32_t flags;
   /**
    * Columns per f32 tile, a multiple of 16: H rounded up to 16 when that
    * fits the UB, else the largest multiple of 16 that does (split-D).

@@ -294,8 +294,10 @@ pub struct EmbeddingTiling {
     /// Blocks the rows are split over (`min(blocks, num_weights)`); 0 when
     /// nothing is written (`cols == 0` or `num_weights == 0`).
     pub blocks: u32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// `NORM_FLAG_STREAM` when the table is 8 MiB or more
+    /// (`STREAM_MIN_BYTES`, counted at grad's element size): a CPU backend
+    /// writes its zero fill and copied rows with streaming stores.
+    pub flags: u32,
     /// Columns per f32 tile, a multiple of 16: H rounded up to 16 when that
     /// fits the UB, else the largest multiple of 16 that does (split-D).
     pub chunk_cols: u64,
@@ -314,13 +316,14 @@ pub struct EmbeddingTiling {
 }
 
 impl EmbeddingTiling {
-    /// Plans `positions` gradient rows of `cols` elements into a table of
-    /// `num_weights` rows. Positions are stored as u32, so more than
+    /// Plans `positions` gradient rows of `cols` elements (of `elem_bytes`
+    /// bytes) into a table of `num_weights` rows. Positions are stored as u32, so more than
     /// `u32::MAX` of them is a `SizeOverflow` (when anything is written).
     pub fn new(
         positions: usize,
         cols: usize,
         num_weights: usize,
+        elem_bytes: usize,
         cfg: &UbConfig,
     ) -> Result<EmbeddingTiling> {
         cfg.validate()?;
@@ -336,6 +339,9 @@ impl EmbeddingTiling {
         }
         if u32::try_from(positions).is_err() {
             return Err(Error::SizeOverflow { arg: "indices" });
+        }
+        if num_weights.saturating_mul(cols).saturating_mul(elem_bytes) >= STREAM_MIN_BYTES {
+            t.flags |= NORM_FLAG_STREAM;
         }
         let blocks = (cfg.blocks as usize).min(num_weights);
         let floats = cfg.ub_bytes / WORKSPACE_ALIGN * WORKSPACE_ALIGN / 4;

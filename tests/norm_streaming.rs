@@ -203,3 +203,67 @@ fn streamed_backward_equals_small_calls() {
         backward::<f32>(n, 6);
     }
 }
+
+/// EmbeddingDenseGrad into a table of 8 MiB or more streams its zero fill
+/// and copied rows: the table must equal the same rows computed as vocab
+/// shards small enough not to stream (untouched, single, repeated and
+/// padding rows alike), for a table that starts on a line and one that
+/// does not.
+fn embedding<G: Float, O: Float>(seed: u64) {
+    let (h, n) = (1000usize, 3000usize);
+    let v = STREAM_MIN_BYTES / (h * core::mem::size_of::<G>()) + 40;
+    let mut rng = Rng(seed);
+    let grad: Vec<G> = vec_of(n * h, || rng.uniform(-2.0, 2.0));
+    // Zipf-like ids: a few hot rows, many single ones, long untouched runs.
+    let idx: Vec<i64> = (0..n)
+        .map(|_| ((v as f64).powf(rng.unit()) as i64 - 1).clamp(0, v as i64 - 1))
+        .collect();
+    let (gt, it) = (
+        TensorRef::new(&grad, &[n, h]).unwrap(),
+        TensorRef::new(&idx, &[n]).unwrap(),
+    );
+    let small = Exec::cpu();
+    let shard = v / 9;
+    for scale in [false, true] {
+        let base = EmbeddingGradOptions {
+            padding_idx: idx[5],
+            scale_grad_by_freq: scale,
+            ..Default::default()
+        };
+        let mut want = vec![];
+        for start in (0..v).step_by(shard) {
+            let rows = shard.min(v - start);
+            let o = EmbeddingGradOptions {
+                vocab_start: start as i64,
+                out_of_range: IndexPolicy::Ignore,
+                ..base
+            };
+            let mut ws =
+                vec![0u8; embedding_dense_grad_workspace_size(&small, gt, it, rows, &o).unwrap()];
+            let mut out = vec![O::from_f64(7.0); rows * h];
+            embedding_dense_grad(&small, gt, it, rows, &o, &mut out, &mut ws).unwrap();
+            want.extend(out);
+        }
+        each_exec(&mut |exec, name| {
+            let mut ws =
+                vec![0u8; embedding_dense_grad_workspace_size(exec, gt, it, v, &base).unwrap()];
+            for shift in [0, 1] {
+                let (mut b, o) = out_buf::<O>(v * h, shift);
+                embedding_dense_grad(exec, gt, it, v, &base, &mut b[o..o + v * h], &mut ws)
+                    .unwrap();
+                assert_eq!(
+                    bits(&b[o..o + v * h]),
+                    bits(&want),
+                    "table: {name}, shift {shift}, scale {scale}"
+                );
+            }
+        });
+    }
+}
+
+#[test]
+fn streamed_embedding_equals_small_shards() {
+    embedding::<bf16, bf16>(7);
+    embedding::<f32, f32>(8);
+    embedding::<f16, f32>(9);
+}

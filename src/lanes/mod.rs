@@ -13,6 +13,7 @@ use crate::dtype::Float;
 
 pub mod detect;
 pub mod portable;
+pub mod stream;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 

@@ -296,7 +296,7 @@ pub(crate) fn plan(
             "vocab_start + num_weights exceeds i64",
         ));
     }
-    EmbeddingTiling::new(positions, h, v, ub)
+    EmbeddingTiling::new(positions, h, v, grad.dtype.size_bytes(), ub)
 }
 
 /// Validates everything (outputs, overlaps, and under `IndexPolicy::Error`

@@ -6,9 +6,11 @@ use core::ffi::c_void;
 
 use super::{dispatch_go, dispatch_index, EmbeddingDenseGradCall, IndexElem, RowMap};
 use crate::dtype::Float;
+use crate::lanes::stream::{stream_copy, stream_zero};
 use crate::lanes::{widen_into, Isa, Lanes, GROUP};
 use crate::ops::dispatch_isa;
 use crate::runner::Runner;
+use crate::tiling::NORM_FLAG_STREAM;
 use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 
 /// Runs the call on the CPU.
@@ -141,6 +143,8 @@ struct Ctx<'a, G, O> {
     blocks: usize,
     scale: bool,
     accumulate: bool,
+    /// Zero fill and copied rows in streaming stores (`NORM_FLAG_STREAM`).
+    stream: bool,
     arena_offset: usize,
     arena_bytes: usize,
     ws: Workspace,
@@ -165,6 +169,7 @@ unsafe fn run<L: Lanes, G: Float, O: Float>(
         blocks: t.blocks as usize,
         scale: call.scale_grad_by_freq != 0,
         accumulate: call.accumulate != 0,
+        stream: t.flags & NORM_FLAG_STREAM != 0,
         arena_offset: t.arena_offset as usize,
         arena_bytes: t.arena_bytes as usize,
         ws,
@@ -197,7 +202,12 @@ fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
         if !c.accumulate && to > from {
             // SAFETY: rows [from, to) are inside `out`, which overlaps no
             // input, and belong to this block alone.
-            unsafe { c.out.get(from * h, (to - from) * h) }.fill(O::zeroed());
+            let rows = unsafe { c.out.get(from * h, (to - from) * h) };
+            if c.stream {
+                stream_zero(bytemuck::cast_slice_mut(rows));
+            } else {
+                rows.fill(O::zeroed());
+            }
         }
     };
     // Same dtype in and out, nothing to scale or add: a single occurrence is
@@ -219,7 +229,11 @@ fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
         let g0 = unsafe { c.grad.get(p0 as usize * h, h) };
         if rest.is_empty() && copy_single {
             if let Ok(g0) = bytemuck::try_cast_slice::<G, O>(g0) {
-                row.copy_from_slice(g0);
+                if c.stream {
+                    stream_copy(bytemuck::cast_slice_mut(row), bytemuck::cast_slice(g0));
+                } else {
+                    row.copy_from_slice(g0);
+                }
                 continue;
             }
         }
@@ -244,6 +258,9 @@ fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
         }
     }
     zero_rows(zeros_from, r1);
+    if c.stream {
+        L::stream_fence();
+    }
 }
 
 /// Positions added per pass over a tile chunk: the running sums of a group
