@@ -15,9 +15,10 @@
 #   NPK_CROSS_CACHE   where the cross builds' target directories live
 #                     (default ~/.cache/npukern/cross; reused when present)
 #   NPK_BLESS=1       rewrite embedded/expected_hashes.txt from the host consumer
-#   NPK_CROSS_SEED_CASES=1  also run tests/seed_cases.rs on aarch64 (the seed's
-#                     full-size cases against the f64 reference: about 5 minutes
-#                     under qemu-user, so skipped by default; it passes)
+#   NPK_CROSS_SEED_CASES=1  also run tests/seed_cases.rs and the 8 MiB
+#                     streaming-output tests (tests/norm_streaming.rs) on
+#                     aarch64: full-size cases, minutes each under qemu-user, so
+#                     skipped by default
 #
 # Targets other than the host's are built with Debian's Rust (rustc-web,
 # cargo-web, rust-web-src: a compiler with its library source, so
@@ -169,7 +170,7 @@ if wants aarch64; then
     step_start aarch64
     debian_rust
     ensure gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
-    skip=(--skip seed_cases_match_reference)
+    skip=(--skip seed_cases_match_reference --skip streamed_)
     [ "${NPK_CROSS_SEED_CASES:-0}" = 1 ] && skip=()
     # The test harness unwinds: std is built once, for panic = "unwind"
     # (the release profile's "abort" would make cargo build a second core).
