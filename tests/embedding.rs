@@ -1090,3 +1090,55 @@ fn bad_input_gets_a_specific_error_and_writes_nothing() {
     assert_eq!(IndexPolicy::from_u32(1), Some(IndexPolicy::Ignore));
     assert_eq!(IndexPolicy::from_u32(2), None);
 }
+
+/// A row taking half the positions is split over blocks by column slices
+/// (rows of 1024 columns or more): every column's sum keeps its position
+/// order, so the table equals one block's, bit for bit, for every option
+/// and on 2 threads, including rows whose slices start mid-row.
+#[test]
+fn hot_row_split_over_blocks_keeps_the_bits() {
+    let (n, v, h) = (3000usize, 40usize, 4096 + 48);
+    let mut rng = Rng(11);
+    let grad: Vec<f32> = rng.vec(n * h, -2.0, 2.0);
+    let grad16: Vec<bf16> = grad.iter().map(|&x| bf16::from_f32(x)).collect();
+    let idx: Vec<i64> = (0..n)
+        .map(|i| if i % 2 == 0 { 7 } else { (i * 13 % v) as i64 })
+        .collect();
+    let one = Cpu::new(Serial);
+    let one = Exec::new(&one).with_ub(UbConfig {
+        blocks: 1,
+        ..Default::default()
+    });
+    let pool = Cpu::new(Threads::new(2));
+    let many: Vec<Exec<'_>> = [3u32, 8, 64]
+        .into_iter()
+        .flat_map(|blocks| {
+            let ub = UbConfig {
+                blocks,
+                ..Default::default()
+            };
+            [Exec::cpu().with_ub(ub), Exec::new(&pool).with_ub(ub)]
+        })
+        .collect();
+    for (scale, accumulate) in [(false, false), (true, false), (false, true)] {
+        let opts = EmbeddingGradOptions {
+            scale_grad_by_freq: scale,
+            accumulate,
+            padding_idx: 3,
+            ..Default::default()
+        };
+        let start: Vec<f32> = rng.vec(v * h, -1.0, 1.0);
+        let mut want = start.clone();
+        run(&one, &grad, &[n, h], &idx, &[n], v, &opts, &mut want).unwrap();
+        let mut want16 = vec![bf16::ZERO; v * h];
+        run(&one, &grad16, &[n, h], &idx, &[n], v, &opts, &mut want16).unwrap();
+        for exec in &many {
+            let mut got = start.clone();
+            run(exec, &grad, &[n, h], &idx, &[n], v, &opts, &mut got).unwrap();
+            assert_eq!(bits(&got), bits(&want), "f32 {:?} {opts:?}", exec.ub);
+            let mut got16 = vec![bf16::ZERO; v * h];
+            run(exec, &grad16, &[n, h], &idx, &[n], v, &opts, &mut got16).unwrap();
+            assert_eq!(bits(&got16), bits(&want16), "bf16 {:?} {opts:?}", exec.ub);
+        }
+    }
+}

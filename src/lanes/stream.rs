@@ -7,6 +7,7 @@
 //! after its last streaming store.
 
 /// Bytes before `p` is 16-byte aligned, at most `len`.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn head(p: *const u8, len: usize) -> usize {
     (p.align_offset(16)).min(len)

@@ -95,6 +95,11 @@ unsafe fn counting_sort<I: IndexElem>(
     }
 }
 
+/// Columns a split row's slices are a multiple of: each block then reads
+/// 4 KiB or more of every gradient row it adds (narrower slices of a hot
+/// row's thousands of rows cost more in page walks than they balance).
+const SPLIT_COLS: usize = 1024;
+
 /// The counting sort's result, shared read-only by the blocks.
 #[derive(Clone, Copy)]
 struct Sorted<'a> {
@@ -124,13 +129,25 @@ impl Sorted<'_> {
         lo
     }
 
-    /// Rows `[start, end)` of block `b` of `blocks`: block `b` starts at
-    /// work `floor(b * total / blocks)`. A function of the counts and
-    /// `blocks` alone.
-    fn block_rows(&self, blocks: usize, b: usize) -> (usize, usize) {
+    /// Where block `b` of `blocks` starts, as (row, column): at work
+    /// `floor(b * total / blocks)`. A boundary that falls inside a row's work
+    /// splits the row's `h` columns in proportion (rounded down to a multiple
+    /// of `SPLIT_COLS`), so a hot row is shared by the blocks its work spans;
+    /// each
+    /// column's sum is unchanged (positions in order), so the bits are too.
+    /// A function of the counts, `blocks` and `h` alone; block `b` covers
+    /// `[start(b), start(b + 1))` in (row, column) order.
+    fn block_start(&self, blocks: usize, b: usize, h: usize) -> (usize, usize) {
         let total = self.work(self.offs.len().saturating_sub(1)) as u128;
-        let at = |b: usize| (total * b as u128 / blocks.max(1) as u128) as u64;
-        (self.first_row_at(at(b)), self.first_row_at(at(b + 1)))
+        let at = (total * b as u128 / blocks.max(1) as u128) as u64;
+        let r = self.first_row_at(at);
+        if r == 0 || self.work(r) == at {
+            return (r, 0);
+        }
+        // `at` is inside row r - 1's work [work(r - 1), work(r)).
+        let (w0, w1) = (self.work(r - 1), self.work(r));
+        let col = (h as u128 * (at - w0) as u128 / (w1 - w0).max(1) as u128) as usize;
+        (r - 1, col / SPLIT_COLS * SPLIT_COLS)
     }
 }
 
@@ -188,45 +205,61 @@ unsafe fn run<L: Lanes, G: Float, O: Float>(
 
 #[inline(always)]
 fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
-    let (r0, r1) = c.sorted.block_rows(c.blocks, b);
     let h = c.cols;
+    let (s_row, s_col) = c.sorted.block_start(c.blocks, b, h);
+    let (e_row, e_col) = c.sorted.block_start(c.blocks, b + 1, h);
+    let r_end = if e_col > 0 { e_row + 1 } else { e_row };
     let claim = c.slots.claim(b);
     // SAFETY: the claimed arena lies inside the workspace and is this block's
     // until `claim` drops.
     let tile = unsafe {
         c.ws.region(c.arena_offset + claim.index * c.arena_bytes, c.chunk)
     };
-    // A run of untouched rows is contiguous in the table: one large fill
-    // streams faster than many row-sized ones.
-    let zero_rows = |from: usize, to: usize| {
-        if !c.accumulate && to > from {
-            // SAFETY: rows [from, to) are inside `out`, which overlaps no
-            // input, and belong to this block alone.
-            let rows = unsafe { c.out.get(from * h, (to - from) * h) };
+    // Zeros over `len` elements from `at` (whole untouched rows, or the
+    // columns of one this block shares).
+    let zero = |at: usize, len: usize| {
+        if !c.accumulate && len > 0 {
+            // SAFETY: the elements are inside `out`, which overlaps no input,
+            // and belong to this block alone.
+            let dst = unsafe { c.out.get(at, len) };
             if c.stream {
-                stream_zero(bytemuck::cast_slice_mut(rows));
+                stream_zero(bytemuck::cast_slice_mut(dst));
             } else {
-                rows.fill(O::zeroed());
+                dst.fill(O::zeroed());
             }
         }
     };
     // Same dtype in and out, nothing to scale or add: a single occurrence is
     // the gradient row itself (widening and rounding it back is the identity).
     let copy_single = !c.scale && !c.accumulate && G::DTYPE == O::DTYPE;
-    let mut zeros_from = r0;
-    for r in r0..r1 {
+    // A run of whole untouched rows is contiguous in the table: one large
+    // fill streams faster than many row-sized ones.
+    let mut run: Option<usize> = None;
+    for r in s_row..r_end {
+        let cb = if r == s_row { s_col } else { 0 };
+        let ce = if r == e_row { e_col } else { h };
+        if cb >= ce {
+            continue;
+        }
         let (s, e) = (c.sorted.offs[r] as usize, c.sorted.offs[r + 1] as usize);
-        let Some((&p0, rest)) = c.sorted.order.get(s..e).and_then(|p| p.split_first()) else {
+        let positions = c.sorted.order.get(s..e).unwrap_or(&[]);
+        if positions.is_empty() && cb == 0 && ce == h {
+            run.get_or_insert(r);
+            continue;
+        }
+        if let Some(f) = run.take() {
+            zero(f * h, (r - f) * h);
+        }
+        let Some((&p0, rest)) = positions.split_first() else {
+            zero(r * h + cb, ce - cb);
             continue;
         };
-        zero_rows(zeros_from, r);
-        zeros_from = r + 1;
         // SAFETY: row r < num_weights is inside `out`, which overlaps no
-        // input, and belongs to this block alone.
-        let row = unsafe { c.out.get(r * h, h) };
-        // SAFETY: positions are < N, so the range is grad's row p0; grad is
-        // never written.
-        let g0 = unsafe { c.grad.get(p0 as usize * h, h) };
+        // input; columns cb..ce of it belong to this block alone.
+        let row = unsafe { c.out.get(r * h + cb, ce - cb) };
+        // SAFETY: positions are < N, so the range is inside grad's row p0;
+        // grad is never written.
+        let g0 = unsafe { c.grad.get(p0 as usize * h + cb, ce - cb) };
         if rest.is_empty() && copy_single {
             if let Ok(g0) = bytemuck::try_cast_slice::<G, O>(g0) {
                 if c.stream {
@@ -239,8 +272,8 @@ fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
         }
         let count = e - s;
         let mut c0 = 0;
-        while c0 < h {
-            let w = c.chunk.min(h - c0);
+        while c0 < ce - cb {
+            let w = c.chunk.min(ce - cb - c0);
             let Some(t) = tile.get_mut(..w.next_multiple_of(GROUP)) else {
                 return;
             };
@@ -249,7 +282,7 @@ fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
                 let mut srcs: [&[G]; BATCH] = [&[]; BATCH];
                 for (d, &p) in srcs.iter_mut().zip(batch) {
                     // SAFETY: as for g0, for row p.
-                    *d = unsafe { c.grad.get(p as usize * h + c0, w) };
+                    *d = unsafe { c.grad.get(p as usize * h + cb + c0, w) };
                 }
                 add_rows::<L, G>(&srcs[..batch.len()], t);
             }
@@ -257,7 +290,9 @@ fn block<L: Lanes, G: Float, O: Float>(c: &Ctx<'_, G, O>, b: usize) {
             c0 += w;
         }
     }
-    zero_rows(zeros_from, r1);
+    if let Some(f) = run {
+        zero(f * h, (r_end - f) * h);
+    }
     if c.stream {
         L::stream_fence();
     }
@@ -334,12 +369,13 @@ fn finish<L: Lanes, O: Float>(
 
 #[cfg(test)]
 mod tests {
-    use super::Sorted;
+    use super::{Sorted, SPLIT_COLS};
 
     #[test]
-    fn block_split_follows_work_and_partitions_rows() {
+    fn blocks_partition_the_table_and_share_a_hot_row() {
         // Row 5 holds 100 000 positions; 999 other rows hold one each.
         let v = 1000usize;
+        let h = 4096usize;
         let mut offs = [0u32; 1001];
         let mut run = 0u32;
         for (r, o) in offs.iter_mut().enumerate().take(v) {
@@ -352,26 +388,25 @@ mod tests {
             offs: &offs,
             order: &order,
         };
-        let total = s.work(v);
-        for blocks in [1usize, 3, 4, 64] {
-            let mut next = 0;
-            let mut holder = None;
-            for b in 0..blocks {
-                let (r0, r1) = s.block_rows(blocks, b);
-                assert_eq!(r0, next, "blocks partition the rows in order");
-                next = r1;
-                if (r0..r1).contains(&5) {
-                    holder = Some((r0, r1));
-                }
-                // Each block's work is at most its share plus one row's cost.
-                let w = s.work(r1) - s.work(r0);
-                assert!(w <= total / blocks as u64 + 100_002, "{blocks} {b} {w}");
+        for blocks in [1usize, 2, 3, 4, 64] {
+            let starts: Vec<(usize, usize)> =
+                (0..=blocks).map(|b| s.block_start(blocks, b, h)).collect();
+            assert_eq!(starts[0], (0, 0));
+            assert_eq!(starts[blocks], (v, 0));
+            for w in starts.windows(2) {
+                assert!(w[0] <= w[1], "{blocks}: starts in order: {starts:?}");
+                assert!(w[1].1 < h && w[1].1 % SPLIT_COLS == 0);
             }
-            assert_eq!(next, v);
-            let (r0, r1) = holder.unwrap();
-            if blocks >= 3 {
-                // The hot row does not take the rest of the table with it.
-                assert!(r1 - r0 < v / 2, "{blocks}: {r0}..{r1}");
+            // The hot row (about 91% of the work) is split in as many
+            // slices as its width allows.
+            let mut cuts: Vec<_> = starts
+                .iter()
+                .filter(|&&(r, col)| r == 5 && col > 0)
+                .collect();
+            cuts.dedup();
+            let slices = cuts.len();
+            if blocks >= 4 {
+                assert_eq!(slices, h / SPLIT_COLS - 1, "{blocks}: {starts:?}");
             }
         }
     }
