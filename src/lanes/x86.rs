@@ -59,6 +59,23 @@ unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
     }
 }
 
+/// Stores four 16-byte parts (one 64-byte line) at `p`, streaming when the
+/// line is aligned.
+#[inline(always)]
+unsafe fn put_line4(p: *mut __m128i, v: [__m128i; 4]) {
+    // SAFETY: called with 64 writable bytes at p; SSE2 is baseline.
+    unsafe {
+        let stream = (p as usize).is_multiple_of(64);
+        for (i, w) in v.into_iter().enumerate() {
+            if stream {
+                _mm_stream_si128(p.add(i), w);
+            } else {
+                _mm_storeu_si128(p.add(i), w);
+            }
+        }
+    }
+}
+
 /// bf16 round-to-nearest-even of sixteen lanes, as `dtype::bf16_bits_rne`,
 /// in the upper half of each 32-bit lane (the lower half is left over).
 #[inline(always)]
@@ -193,13 +210,7 @@ impl Lanes for Avx2 {
                 bf16_bits8(hi.0),
                 bf16_bits8(hi.1),
             ];
-            for (i, w) in v.into_iter().enumerate() {
-                if aligned(dst, 64) {
-                    _mm_stream_si128(p.add(i), w);
-                } else {
-                    _mm_storeu_si128(p.add(i), w);
-                }
-            }
+            put_line4(p, v);
         }
     }
     #[inline(always)]
@@ -252,13 +263,7 @@ impl Lanes for Avx2 {
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0),
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.1),
             ];
-            for (i, w) in v.into_iter().enumerate() {
-                if aligned(dst, 64) {
-                    _mm_stream_si128(p.add(i), w);
-                } else {
-                    _mm_storeu_si128(p.add(i), w);
-                }
-            }
+            put_line4(p, v);
         }
     }
     #[inline(always)]
