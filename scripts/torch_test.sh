@@ -34,7 +34,7 @@ echo "== pytest adapters/torch/tests"
 # From the repository root, so the installed package (not the source tree) is imported.
 cd "$ROOT"
 set +e
-"$VENV/bin/pytest" adapters/torch/tests -q -p no:cacheprovider --durations=5
+"$PY" -m pytest adapters/torch/tests -q -p no:cacheprovider --durations=5
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
