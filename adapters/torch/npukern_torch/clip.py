@@ -8,10 +8,13 @@ import torch
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _grads(parameters):
+def as_list(parameters):
+    """`parameters` as a list, read once: torch passes generators
+    (``model.parameters()``), and a generator read twice is empty the second
+    time -- so every path (ours and torch's hand-off) works on this list."""
     if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    return [p.grad for p in parameters if p.grad is not None]
+        return [parameters]
+    return list(parameters)
 
 
 def total_norm_dtype(grads):
@@ -33,10 +36,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     Other norm types, and gradients the kernels do not take (float64, sparse,
     non-CPU), go to torch's own function. ``foreach`` is accepted for
     compatibility and otherwise ignored (npukern always does one pass)."""
-    grads = _grads(parameters)
+    params = as_list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if norm_type != 2.0 or any(g.device.type != "cpu" or g.is_sparse or g.dtype not in _KERNEL_DTYPES for g in grads):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)

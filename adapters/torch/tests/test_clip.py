@@ -136,3 +136,24 @@ def test_grad_stats(gen):
     assert s[1].item() == 1 and s[2].item() == 1
     assert s[3].item() == finite.min().item() and s[4].item() == finite.max().item()
     assert s[5].item() == finite.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "norm_type,dtype", [(1.0, torch.float32), (float("inf"), torch.float32), (2.0, torch.float64)],
+    ids=["l1", "linf", "float64"],
+)
+def test_generator_reaches_torch_hand_off(norm_type, dtype, gen):
+    """Review defect 1: `clip_grad_norm_(model.parameters(), ...)` on a path
+    handed to torch (norm_type != 2, float64 gradients) must clip: the
+    generator is read once, not once for the check and again for torch."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)).to(dtype)
+    model(rand((5, 8), torch.float32, -3, 3, gen=gen).to(dtype)).square().sum().mul(100).backward()
+    twin = [p.grad.clone() for p in model.parameters()]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p, g in zip(theirs, twin):
+        p.grad = g
+    total = npukern_torch.clip_grad_norm_(model.parameters(), 0.5, norm_type=norm_type)
+    total_torch = torch.nn.utils.clip_grad_norm_(theirs, 0.5, norm_type=norm_type)
+    assert total.item() > 0.5 and total.item() == total_torch.item()
+    for p, q in zip(model.parameters(), theirs):
+        assert torch.equal(p.grad, q.grad)
