@@ -42,7 +42,9 @@ void gather_rows(const I *idx, int64_t n, const char *weight, int64_t rows, int6
 at::Tensor lookup(const char *op, const at::Tensor &weight_in, const at::Tensor &indices_in,
                   int64_t num_embeddings, int64_t vocab_start) {
   at::Tensor weight = cpu_contiguous(weight_in, op, "weight");
-  at::Tensor indices = cpu_contiguous(indices_in, op, "indices");
+  TORCH_CHECK_VALUE(indices_in.defined(), op, ": indices is an undefined tensor");
+  // Positions, not shapes (any rank torch accepts): the output takes indices_in's shape.
+  at::Tensor indices = cpu_contiguous(indices_in.reshape({-1}), op, "indices");
   TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [rows, embedding_dim], got shape ",
                     weight.sizes());
   TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt, op,
@@ -61,7 +63,7 @@ at::Tensor lookup(const char *op, const at::Tensor &weight_in, const at::Tensor 
     TORCH_CHECK_INDEX(false, op, ": indices[", bad, "] = ", value, " is out of range for num_embeddings ",
                       num_embeddings, " (flat position ", bad, ", value ", value, ")");
   }
-  std::vector<int64_t> shape(indices.sizes().begin(), indices.sizes().end());
+  std::vector<int64_t> shape(indices_in.sizes().begin(), indices_in.sizes().end());
   shape.push_back(weight.size(1));
   at::Tensor out = at::empty(shape, weight.options());
   const size_t row_bytes = static_cast<size_t>(weight.size(1)) * weight.element_size();
@@ -75,10 +77,19 @@ at::Tensor lookup(const char *op, const at::Tensor &weight_in, const at::Tensor 
   return out;
 }
 
+// The kernel sees positions, not shapes: indices of any rank torch accepts
+// (0-dim included) and grad of shape [*indices.shape, H] are flattened to
+// [n] and [n, H], so a rank-0 or rank-8 lookup (grad of 9 dims) has a backward.
 at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tensor &indices_in, int64_t num_weights,
                       const npk_embedding_grad_options &opts) {
-  at::Tensor grad = cpu_contiguous(grad_in, op, "grad"), indices = cpu_contiguous(indices_in, op, "indices");
-  TORCH_CHECK_VALUE(grad.dim() >= 1, op, ": grad must have a last (embedding) dim, got a 0-dim tensor");
+  TORCH_CHECK_VALUE(grad_in.defined() && indices_in.defined(), op, ": grad and indices must be defined tensors");
+  TORCH_CHECK_VALUE(grad_in.dim() >= 1, op, ": grad must have a last (embedding) dim, got a 0-dim tensor");
+  TORCH_CHECK_VALUE(grad_in.dim() == indices_in.dim() + 1 &&
+                        grad_in.sizes().slice(0, indices_in.dim()) == indices_in.sizes(),
+                    op, ": grad of shape ", grad_in.sizes(), " is not [*indices.shape, embedding_dim] for indices of shape ",
+                    indices_in.sizes());
+  at::Tensor grad = cpu_contiguous(grad_in.reshape({indices_in.numel(), grad_in.size(-1)}), op, "grad");
+  at::Tensor indices = cpu_contiguous(indices_in.reshape({-1}), op, "indices");
   TORCH_CHECK_VALUE(num_weights >= 0, op, ": num_weights must be >= 0, got ", num_weights);
   at::Tensor out = at::empty({num_weights, grad.size(-1)}, grad.options());
   npk_tensor gt = describe(grad, op, "grad"), it = describe(indices, op, "indices"), ot = describe(out, op, "out");
@@ -94,16 +105,29 @@ at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tenso
 
 }  // namespace
 
-at::Tensor embedding(const at::Tensor &weight, const at::Tensor &indices, int64_t /*padding_idx*/,
+// The ops' padding_idx is aten::embedding's: -1 (none) or a row id; anything
+// else is refused here, in the op, with torch's words (the functional form
+// normalizes negative ids first, as torch.nn.functional.embedding does).
+static void check_padding_idx(const char *op, int64_t padding_idx, int64_t num_embeddings) {
+  TORCH_CHECK_VALUE(padding_idx == -1 || (padding_idx >= 0 && padding_idx < num_embeddings), op,
+                    ": Padding_idx must be within num_embeddings: padding_idx ", padding_idx,
+                    " is neither -1 (none) nor in [0, num_embeddings = ", num_embeddings, ")");
+}
+
+at::Tensor embedding(const at::Tensor &weight, const at::Tensor &indices, int64_t padding_idx,
                      bool /*scale_grad_by_freq*/) {
-  TORCH_CHECK_VALUE(weight.dim() == 2, "npukern::embedding: weight must be 2-D [num_embeddings, embedding_dim], ",
-                    "got shape ", weight.sizes());
-  return lookup("npukern::embedding", weight, indices, weight.size(0), 0);
+  const char *op = "npukern::embedding";
+  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be 2-D [num_embeddings, embedding_dim], got shape ",
+                    weight.sizes());
+  check_padding_idx(op, padding_idx, weight.size(0));
+  return lookup(op, weight, indices, weight.size(0), 0);
 }
 
 at::Tensor embedding_shard(const at::Tensor &weight, const at::Tensor &indices, int64_t num_embeddings,
-                           int64_t vocab_start, int64_t /*padding_idx*/, bool /*scale_grad_by_freq*/) {
-  return lookup("npukern::embedding_shard", weight, indices, num_embeddings, vocab_start);
+                           int64_t vocab_start, int64_t padding_idx, bool /*scale_grad_by_freq*/) {
+  const char *op = "npukern::embedding_shard";
+  check_padding_idx(op, padding_idx, num_embeddings);
+  return lookup(op, weight, indices, num_embeddings, vocab_start);
 }
 
 at::Tensor embedding_dense_backward(const at::Tensor &grad, const at::Tensor &indices, int64_t num_weights,

@@ -40,6 +40,15 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
 }
 
+// The list ops also serve an empty list (the dispatcher finds no tensor to
+// pick a backend by, and then runs the CompositeExplicitAutograd kernel): the
+// same functions give the defined result -- zero sums and counts, a norm of 0.
+// A non-empty list of non-CPU tensors reaches them too and gets their error.
+TORCH_LIBRARY_IMPL(npukern, CompositeExplicitAutograd, m) {
+  m.impl("grad_stats", &npk_torch::grad_stats);
+  m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
+}
+
 namespace {
 
 PyObject *version(PyObject *, PyObject *) { return PyUnicode_FromString(npk_version()); }

@@ -2,11 +2,24 @@
 autograd (and AOTAutograd under torch.compile) works on the ops themselves:
 each forward saves what its backward op needs (x or x_sum, gamma, rstd;
 the indices), and the backward calls npukern's backward op. rstd is an
-auxiliary output and not differentiable (as in torch_npu)."""
+auxiliary output and not differentiable (as in torch_npu).
+
+Double backward: with ``create_graph=True`` the norms' backward runs a
+differentiable float32 torch composite (``_composite.py``); the embedding's
+backward op is linear in its gradient and has its own derivative (a lookup).
+The norm backward ops called directly have no derivative and say so."""
 
 import torch
 
+from . import _composite
+
 ops = torch.ops.npukern
+
+
+def _building_graph(*tensors):
+    """True inside a ``create_graph=True`` backward that must record how the
+    gradients depend on their inputs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _cast_dgamma(dgamma, gamma):
@@ -15,27 +28,35 @@ def _cast_dgamma(dgamma, gamma):
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, gamma, _eps = inputs
+    x, gamma, eps = inputs
     _y, rstd = output
     ctx.save_for_backward(x, gamma, rstd)
     ctx.mark_non_differentiable(rstd)
+    ctx.eps = eps
 
 
 def _rms_norm_backward(ctx, dy, _drstd):
     x, gamma, rstd = ctx.saved_tensors
+    if _building_graph(dy, x, gamma):
+        dx, dgamma = _composite.rms_norm_grads(dy, x, gamma, ctx.eps)
+        return dx, dgamma, None
     dx, dgamma = ops.rms_norm_backward(dy, x, gamma, rstd)
     return dx, _cast_dgamma(dgamma, gamma), None
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
-    _x1, _x2, gamma, _eps = inputs
+    _x1, _x2, gamma, eps = inputs
     _y, rstd, x_sum = output
     ctx.save_for_backward(x_sum, gamma, rstd)
     ctx.mark_non_differentiable(rstd)
+    ctx.eps = eps
 
 
 def _add_rms_norm_backward(ctx, dy, _drstd, dx_sum):
     x_sum, gamma, rstd = ctx.saved_tensors
+    if _building_graph(dy, x_sum, gamma, dx_sum):
+        dx, dgamma = _composite.rms_norm_grads(dy, x_sum, gamma, ctx.eps, dx_sum)
+        return dx, dx, dgamma, None
     dx, dgamma = ops.add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum)
     # x_sum = x1 + x2: both addends get the same gradient.
     return dx, dx, _cast_dgamma(dgamma, gamma), None
@@ -72,9 +93,54 @@ def _embedding_shard_backward(ctx, grad):
     return dw, None, None, None, None, None
 
 
+def _dense_grad_setup(ctx, inputs, output):
+    grad, indices, _num_weights, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(indices)
+    ctx.args = (0, padding_idx, scale_grad_by_freq, grad.dtype)
+    ctx.n_inputs = len(inputs)
+
+
+def _dense_grad_shard_setup(ctx, inputs, output):
+    grad, indices, _num_weights, vocab_start, padding_idx, scale_grad_by_freq = inputs
+    ctx.save_for_backward(indices)
+    ctx.args = (vocab_start, padding_idx, scale_grad_by_freq, grad.dtype)
+    ctx.n_inputs = len(inputs)
+
+
+def _dense_grad_backward(ctx, ggw):
+    (indices,) = ctx.saved_tensors
+    gg = _composite.embedding_grad_of_grad(ggw, indices, *ctx.args)
+    return (gg,) + (None,) * (ctx.n_inputs - 1)
+
+
+def _no_derivative(op):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"npukern::{op} has no derivative of its own (its rstd input hides how it depends on x); to "
+            "differentiate a norm twice, call backward with create_graph=True through npukern.rms_norm / "
+            "add_rms_norm (or the modules), which then run a differentiable composite"
+        )
+
+    return backward
+
+
+def _keep(ctx, inputs, output):
+    pass
+
+
 torch.library.register_autograd("npukern::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
 torch.library.register_autograd("npukern::add_rms_norm", _add_rms_norm_backward, setup_context=_add_rms_norm_setup)
 torch.library.register_autograd("npukern::embedding", _embedding_backward, setup_context=_embedding_setup)
 torch.library.register_autograd(
     "npukern::embedding_shard", _embedding_shard_backward, setup_context=_embedding_shard_setup
+)
+torch.library.register_autograd(
+    "npukern::embedding_dense_backward", _dense_grad_backward, setup_context=_dense_grad_setup
+)
+torch.library.register_autograd(
+    "npukern::embedding_dense_backward_shard", _dense_grad_backward, setup_context=_dense_grad_shard_setup
+)
+torch.library.register_autograd("npukern::rms_norm_backward", _no_derivative("rms_norm_backward"), setup_context=_keep)
+torch.library.register_autograd(
+    "npukern::add_rms_norm_backward", _no_derivative("add_rms_norm_backward"), setup_context=_keep
 )

@@ -52,11 +52,16 @@ class AddRMSNorm(RMSNorm):
     stream (torch_npu's npu_add_rms_norm as a module)."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor):
-        if not _on_kernels(x):
-            s = x + residual
-            return super().forward(s), s
-        y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x))
-        return y, s
+        """``(rms_norm(x + residual), x + residual)``, the sum with torch's
+        broadcasting and type promotion. The fused kernel runs when x and
+        residual have one shape and one dtype the kernels take; any other
+        pair is added by torch first, then normalized by the RMSNorm kernel
+        (or torch's own rms_norm for dtypes the kernels do not take)."""
+        if x.shape == residual.shape and x.dtype == residual.dtype and _on_kernels(x) and _on_kernels(residual):
+            y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x))
+            return y, s
+        s = x + residual
+        return super().forward(s), s
 
 
 class Embedding(torch.nn.Embedding):

@@ -143,12 +143,76 @@ def shard_semantics(rank, world):
     return out
 
 
+def _raised(call):
+    """The exception type name `call` raised ("" if none) and its message."""
+    try:
+        call()
+        return "", ""
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+
+
+def rank_local_failures(rank, world):
+    """Review defect 6: a failure on one rank only (a bad id, different
+    indices, a bad max_norm, an unsupported gradient) raises the same type on
+    every rank together -- no rank blocks -- and the next, correct step still
+    pairs its collectives and gives the single-process result. Defect 4:
+    float64 works in both layers."""
+    out = {}
+    v, h = 23, 8
+    full = torch.randn(v, h, generator=torch.Generator().manual_seed(5))
+    emb = parallel.VocabParallelEmbedding(v, h).load_full_weight_(full)
+    good = torch.tensor([[1, 2], [22, 3]])
+    bad = good.clone()
+    if rank == world - 1:
+        bad[1, 0] = v  # out of range on the last rank only
+    out["bad_id_one_rank"] = _raised(lambda: emb(bad))
+    other = good.clone()
+    if rank == 0:
+        other[0, 0] = 7  # valid, but not what the other ranks pass
+    out["different_indices"] = _raised(lambda: emb(other))
+    out["next_step_ok"] = bits_equal(emb(good).detach(), full[good])
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 3.0)
+    before = p.grad.clone()
+    out["bad_max_norm_one_rank"] = _raised(
+        lambda: parallel.clip_grad_norm_([p], float("nan") if rank == 0 else 1.0))
+    out["untouched_after_failure"] = bool(torch.equal(p.grad, before))
+    q = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    q.grad = torch.ones(2, dtype=torch.complex64)
+    out["complex_grad_one_rank"] = _raised(
+        lambda: parallel.clip_grad_norm_([p, q] if rank == world - 1 else [p], 1.0))
+    total = parallel.clip_grad_norm_([p], 1e9).item()
+    out["next_clip_ok"] = abs(total - 6.0 * math.sqrt(world)) <= 1e-12 * total
+    # float64: the layer and the clip take it, like the single-process ones.
+    g = torch.Generator().manual_seed(9)
+    idx = torch.randint(0, v, (6, 5), generator=g)
+    up = torch.randn(6, 5, h, generator=g, dtype=torch.float64)
+    for padding_idx, scale in ((None, False), (4, True)):
+        e64 = parallel.VocabParallelEmbedding(v, h, padding_idx=padding_idx, scale_grad_by_freq=scale,
+                                              dtype=torch.float64).load_full_weight_(full.double())
+        ref = torch.nn.Embedding(v, h, padding_idx=padding_idx, scale_grad_by_freq=scale, dtype=torch.float64)
+        with torch.no_grad():
+            ref.weight.copy_(full.double())
+        y, y1 = e64(idx), ref(idx)
+        (y * up).sum().backward()
+        (y1 * up).sum().backward()
+        rows = ref.weight.grad[e64.vocab_start : e64.vocab_end]
+        out[f"f64_lookup_equal_{padding_idx}"] = bool(torch.equal(y.detach(), y1.detach()))
+        out[f"f64_grad_diff_{padding_idx}"] = (e64.weight.grad - rows).abs().max().item() if rows.numel() else 0.0
+        total64 = parallel.clip_grad_norm_([e64.weight], 1e9).item()
+        exact = ref.weight.grad.norm().item()
+        out[f"f64_clip_rel_{padding_idx}"] = abs(total64 - exact) / exact
+    return out
+
+
 def main():
     mode, path = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)  # the same GEMM summation order in every process
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     result = shard_semantics(rank, world)
+    result["failures"] = rank_local_failures(rank, world)
     if mode == "all":
         result.update(inactive=train(1e9, 50, rank, world), active=train(0.5, 50, rank, world))
     result["rank"], result["world"] = rank, world

@@ -90,6 +90,32 @@ def test_shard_semantics(ranks):
         assert r["nan_seen"] and r["nonfinite_raised"] and r["replicated_once"], r
 
 
+def test_rank_local_failures_raise_on_every_rank(ranks):
+    """Review defect 6: one rank's failure raises the same type on every rank
+    (nobody waits for the timeout), and the next step is not mixed up."""
+    world, results = ranks
+    for r in results:
+        f = r["failures"]
+        assert f["bad_id_one_rank"][0] == "IndexError", f
+        assert f["different_indices"][0] == "ValueError" and "same indices" in f["different_indices"][1], f
+        assert f["bad_max_norm_one_rank"][0] == "ValueError", f
+        assert f["complex_grad_one_rank"][0] == "TypeError", f
+        assert f["next_step_ok"] and f["next_clip_ok"] and f["untouched_after_failure"], f
+    assert "value 23" in results[-1]["failures"]["bad_id_one_rank"][1]
+    assert "rank(s) of the process group failed" in results[0]["failures"]["bad_id_one_rank"][1]
+
+
+def test_float64_in_both_layers(ranks):
+    """Review defect 4: VocabParallelEmbedding and parallel.clip_grad_norm_
+    take float64 as the single-process layer does (torch's arithmetic)."""
+    for r in ranks[1]:
+        f = r["failures"]
+        for pad in ("None", "4"):
+            assert f[f"f64_lookup_equal_{pad}"], f
+            assert f[f"f64_grad_diff_{pad}"] <= 1e-12, f
+            assert f[f"f64_clip_rel_{pad}"] <= 1e-12, f
+
+
 def test_vocab_range_partition():
     from npukern_torch.parallel import vocab_range
 

@@ -5,6 +5,57 @@ import torch
 import torch.distributed as dist
 
 from ..functional import normalize_padding_idx
+from . import _agree
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Indices checksum modulus: c < 2^24, so c^2 summed over up to 2^5 ranks is exact in f64.
+_CHECK_MOD = 1 << 24
+
+
+def _indices_check(indices):
+    """A position-weighted checksum of the ids (with their count): equal on
+    ranks with equal indices. Ranks compare it with two sums, sum(c) and
+    sum(c^2): ``world * sum(c^2) == sum(c)^2`` exactly when every rank's c is
+    the same (Cauchy-Schwarz), with no extra collective."""
+    flat = indices.reshape(-1).long()
+    weights = torch.arange(flat.numel(), dtype=torch.long, device=flat.device) % 251 + 1
+    c = (int(((flat % 65521) * weights).sum()) + 7919 * flat.numel()) % _CHECK_MOD
+    return float(c)
+
+
+class _ShardLookupTorch(torch.autograd.Function):
+    """The shard's lookup and its weight gradient in torch ops, for weights
+    the kernels do not take (float64, non-CPU): the same rule as the
+    single-process Embedding, which runs torch's embedding for them. Rows out
+    of the shard are zero; the gradient skips them and the padding id, and
+    divides by each id's count over all positions when scale_grad_by_freq."""
+
+    @staticmethod
+    def forward(ctx, weight, indices, vocab_start, padding_idx, scale_grad_by_freq):
+        flat = indices.reshape(-1).long()
+        local = flat - vocab_start
+        inside = (local >= 0) & (local < weight.shape[0])
+        shape = (*indices.shape, weight.shape[1])
+        rows = weight.index_select(0, torch.where(inside, local, torch.zeros_like(local))).reshape(shape)
+        ctx.save_for_backward(indices)
+        ctx.args = (weight.shape[0], vocab_start, padding_idx, scale_grad_by_freq)
+        # A fresh tensor, not a view: the all-reduce writes into it in place.
+        return torch.where(inside.reshape(*indices.shape, 1), rows, torch.zeros_like(rows))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (indices,) = ctx.saved_tensors
+        rows, vocab_start, padding_idx, scale_grad_by_freq = ctx.args
+        flat = indices.reshape(-1).long()
+        g = grad.reshape(flat.numel(), -1)
+        if scale_grad_by_freq:
+            _, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+            g = g / counts[inverse].unsqueeze(-1).to(g.dtype)
+        local = flat - vocab_start
+        keep = (local >= 0) & (local < rows) & (flat != padding_idx)
+        dw = g.new_zeros((rows, g.shape[1]))
+        dw.index_add_(0, local[keep], g[keep])
+        return dw, None, None, None, None
 
 
 def vocab_range(num_embeddings: int, rank: int, world_size: int):
@@ -76,13 +127,50 @@ class VocabParallelEmbedding(torch.nn.Module):
             with torch.no_grad():
                 self.weight[self.padding_idx - self.vocab_start].fill_(0)
 
-    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+    def _partial(self, indices):
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        partial = torch.ops.npukern.embedding_shard(
-            self.weight, indices, self.num_embeddings, self.vocab_start, padding_idx, self.scale_grad_by_freq
-        )
+        w = self.weight
+        if w.device.type == "cpu" and w.dtype in _KERNEL_DTYPES:
+            return torch.ops.npukern.embedding_shard(
+                w, indices, self.num_embeddings, self.vocab_start, padding_idx, self.scale_grad_by_freq
+            )
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"VocabParallelEmbedding: indices must be int64 or int32, got {indices.dtype}")
+        bad = (indices < 0) | (indices >= self.num_embeddings)
+        if bool(bad.any()):
+            pos = int(bad.reshape(-1).nonzero()[0])
+            value = int(indices.reshape(-1)[pos])
+            raise IndexError(f"VocabParallelEmbedding: indices[{pos}] = {value} is out of range for "
+                             f"num_embeddings {self.num_embeddings} (flat position {pos}, value {value})")
+        return _ShardLookupTorch.apply(w, indices, self.vocab_start, padding_idx, self.scale_grad_by_freq)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        """The full lookup on every rank. Precondition (Megatron-LM's): every
+        rank of the group passes the same indices. Each rank validates and
+        looks up its shard first; then one small all-reduce tells every rank
+        whether any rank failed (all raise the same exception type together,
+        none is left blocked) and whether the indices differ across ranks (a
+        checksum; ValueError on every rank), before the activation's own
+        all-reduce."""
+        error, partial, check = None, None, 0.0
+        try:
+            check = _indices_check(indices)
+            partial = self._partial(indices)
+        except Exception as e:  # noqa: BLE001  (reported on every rank below)
+            error = e
         if self.world_size == 1:
+            if error is not None:
+                raise error
             return partial
+        flags = torch.tensor([*_agree.encode(error), check, check * check], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.process_group)
+        _agree.raise_if_any(flags[: _agree.SLOTS], error, "VocabParallelEmbedding")
+        total, squares = flags[_agree.SLOTS].item(), flags[_agree.SLOTS + 1].item()
+        if self.world_size * squares != total * total:
+            raise ValueError(
+                "VocabParallelEmbedding: the ranks passed different indices; every rank of the group must "
+                "pass the same indices (the vocab-parallel layout's precondition, as in Megatron-LM)"
+            )
         return _SumOverGroup.apply(partial, self.process_group)
 
     @torch.no_grad()
