@@ -132,7 +132,9 @@ pub extern "C" fn npk_status_string(status: RawStatus) -> *const c_char {
             c"NPK_ERR_ISA_UNAVAILABLE: the forced ISA is not available on this CPU"
         }
         Some(NPK_ERR_NONFINITE) => c"NPK_ERR_NONFINITE: a tensor holds NaN or Inf",
-        Some(NPK_ERR_BACKEND) => c"NPK_ERR_BACKEND: the foreign backend reported failure",
+        Some(NPK_ERR_BACKEND) => {
+            c"NPK_ERR_BACKEND: a foreign backend's entry or the host parallel_for failed"
+        }
         None => c"unknown status",
     };
     s.as_ptr()

@@ -70,7 +70,10 @@ pub enum npk_status {
     NPK_ERR_ISA_UNAVAILABLE = 161007,
     /// `npk_clip_grad_norm` met NaN/Inf with `error_if_nonfinite`.
     NPK_ERR_NONFINITE = 161008,
-    /// A foreign backend reported failure (its own code is in the detail's `value`).
+    /// A backend failed while running: a foreign backend's entry returned
+    /// non-zero (its own code is in the detail's `value`), or the host
+    /// `parallel_for` broke its contract (the detail's `argument` is
+    /// "parallel_for").
     NPK_ERR_BACKEND = 361001,
 }
 
@@ -160,8 +163,17 @@ pub type RawIndexPolicy = u32;
 /// Filled by every call that has an `exec` with a non-NULL `detail`: on
 /// error with the status, the offending argument, the index position/value
 /// (`-1` for other errors; for `NPK_ERR_BACKEND`, `value` holds the status
-/// the foreign backend returned) and a message; on success it is reset
-/// (`NPK_OK`, empty strings, `-1`).
+/// the foreign backend returned, or -1 when the host `parallel_for` broke
+/// its contract, with `argument` "parallel_for") and a message; on success
+/// it is reset (`NPK_OK`, empty strings, `-1`).
+///
+/// Threads: a call writes its detail without synchronization, so calls that
+/// may run at the same time must not share one `npk_error_detail` (one
+/// `npk_exec` pointing at one detail, used from two threads, can show one
+/// thread's error overwritten by the other's success). Give each thread, or
+/// each call, its own detail (an `npk_exec` is cheap to copy); the PyTorch
+/// adapter makes one per call. Everything else an `npk_exec` points at is
+/// only read, and may be shared.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct npk_error_detail {
@@ -184,8 +196,9 @@ pub type npk_task_fn = Option<unsafe extern "C" fn(task_ctx: *mut c_void, block:
 /// `[0, n_blocks)`, on any threads, and return after all ran. `task` never
 /// unwinds; the runner must not throw through it. A runner caught breaking
 /// this (a block number out of range, or a call count other than `n_blocks`)
-/// makes the operator return `NPK_ERR_PARAM_INVALID` naming "parallel_for";
-/// the outputs may then be partly written.
+/// makes the operator return `NPK_ERR_BACKEND` with `detail.argument`
+/// "parallel_for" (and `detail.value` -1); the outputs may then be partly
+/// written.
 pub type npk_parallel_for_fn = Option<
     unsafe extern "C" fn(
         runner_ctx: *mut c_void,

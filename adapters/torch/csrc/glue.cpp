@@ -13,7 +13,8 @@ namespace {
 // requires every block to run exactly once and nothing to unwind into it;
 // at::parallel_for runs each index of [0, n) once, and should it throw (it
 // does not for a non-throwing body), the library sees the missing blocks and
-// reports NPK_ERR_PARAM_INVALID naming "parallel_for".
+// reports NPK_ERR_BACKEND naming "parallel_for". Each Call has its own
+// npk_exec and detail, so concurrent calls never share an error detail.
 extern "C" void aten_parallel_for(void * /*runner_ctx*/, size_t n_blocks, npk_task_fn task,
                                   void *task_ctx) {
   try {
