@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The PyTorch adapter's tests: a virtual environment outside the clone
 # (reused when present; NPK_VENV overrides where), torch from PyPI if
-# missing (first time: a ~5 GB CUDA build, 2-3 minutes), the static library
+# missing (first time: a ~5 GB CUDA build, 2-3 minutes), transformers and
+# kernels pinned (the drop-in tests), the static library
 # rebuilt so the extension links the current code, the adapter reinstalled,
 # then pytest on adapters/torch/tests.
 set -euo pipefail
@@ -22,6 +23,15 @@ if ! "$PY" -c "import torch, pytest, numpy, ninja" 2>/dev/null; then
   echo "== installing torch, pytest, numpy, ninja into $VENV (first time only)"
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet torch pytest numpy ninja setuptools
+fi
+# Hugging Face's transformers and kernels for the drop-in tests (tiny configs,
+# no download). Pinned as a pair: transformers 5.23+ enables its kernels hub
+# decorators only with kernels >= 0.18.2, which PyPI does not have; 5.22.2
+# takes kernels 0.17.2, the newest there.
+HF_PINS="transformers==5.22.2 kernels==0.17.2"
+if ! "$PY" -c "import transformers, kernels, sys; sys.exit(transformers.__version__ != '5.22.2' or kernels.__version__ != '0.17.2')" 2>/dev/null; then
+  echo "== installing $HF_PINS into $VENV"
+  "$PY" -m pip install --quiet $HF_PINS
 fi
 
 echo "== cargo build --release (the static library the extension links)"

@@ -7,14 +7,17 @@
 
 namespace npk_torch {
 
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x, const at::Tensor &gamma, double epsilon);
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x, const at::Tensor &gamma, double epsilon,
+                                            double gamma_offset, bool cast_before_gamma);
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor &dy, const at::Tensor &x,
-                                                     const at::Tensor &gamma, const at::Tensor &rstd);
+                                                     const at::Tensor &gamma, const at::Tensor &rstd,
+                                                     double gamma_offset);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1, const at::Tensor &x2,
-                                                            const at::Tensor &gamma, double epsilon);
+                                                            const at::Tensor &gamma, double epsilon,
+                                                            double gamma_offset, bool cast_before_gamma);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward(const at::Tensor &dy, const at::Tensor &x_sum,
                                                          const at::Tensor &gamma, const at::Tensor &rstd,
-                                                         const at::Tensor &dx_sum);
+                                                         const at::Tensor &dx_sum, double gamma_offset);
 
 at::Tensor embedding(const at::Tensor &weight, const at::Tensor &indices, int64_t padding_idx,
                      bool scale_grad_by_freq);

@@ -9,13 +9,19 @@
 #include "ops.h"
 
 TORCH_LIBRARY(npukern, m) {
-  m.def("rms_norm(Tensor x, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
-  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)");
-  m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
+  // torch_npu's schemas, extended with defaulted arguments: gamma_offset
+  // (y = x * rstd * (gamma + offset): 1.0 is Gemma's) and cast_before_gamma
+  // (y = round(round(x * rstd) * gamma): Hugging Face Llama's bits).
+  m.def("rms_norm(Tensor x, Tensor gamma, float epsilon=1e-06, float gamma_offset=0.0, "
+        "bool cast_before_gamma=False) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor gamma, Tensor rstd, float gamma_offset=0.0) -> "
+        "(Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06, float gamma_offset=0.0, "
+        "bool cast_before_gamma=False) -> (Tensor, Tensor, Tensor)");
   // AddRmsNorm's backward: RmsNormGrad of x_sum with the residual gradient
   // dx_sum added to dx in the same pass (dx is the gradient of x1 and x2).
-  m.def("add_rms_norm_backward(Tensor dy, Tensor x_sum, Tensor gamma, Tensor rstd, Tensor dx_sum) -> "
-        "(Tensor, Tensor)");
+  m.def("add_rms_norm_backward(Tensor dy, Tensor x_sum, Tensor gamma, Tensor rstd, Tensor dx_sum, "
+        "float gamma_offset=0.0) -> (Tensor, Tensor)");
   m.def("embedding(Tensor weight, Tensor indices, SymInt padding_idx=-1, bool scale_grad_by_freq=False) -> Tensor");
   m.def("embedding_shard(Tensor weight, Tensor indices, SymInt num_embeddings, SymInt vocab_start, "
         "SymInt padding_idx=-1, bool scale_grad_by_freq=False) -> Tensor");

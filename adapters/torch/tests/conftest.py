@@ -1,8 +1,13 @@
 """Shared helpers: units of error against float64, and a record of the
 largest measured differences, printed at the end of the run."""
 
-import pytest
-import torch
+import os
+
+# The Hugging Face tests build their models from configs: nothing may download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import npukern_torch  # noqa: F401  (registers torch.ops.npukern)
 

@@ -3,10 +3,10 @@
 Importing it registers the ``torch.ops.npukern`` ops with CPU kernels, fake
 implementations (torch.compile) and autograd formulas:
 
-- ``rms_norm(x, gamma, epsilon=1e-6) -> (y, rstd)``
-- ``rms_norm_backward(dy, x, gamma, rstd) -> (dx, dgamma)``
-- ``add_rms_norm(x1, x2, gamma, epsilon=1e-6) -> (y, rstd, x_sum)``
-- ``add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum) -> (dx, dgamma)``
+- ``rms_norm(x, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False) -> (y, rstd)``
+- ``rms_norm_backward(dy, x, gamma, rstd, gamma_offset=0.0) -> (dx, dgamma)``
+- ``add_rms_norm(x1, x2, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False) -> (y, rstd, x_sum)``
+- ``add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum, gamma_offset=0.0) -> (dx, dgamma)``
 - ``embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False)``
   and ``embedding_shard(...)`` (lookups whose backward is npukern's)
 - ``embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)``
@@ -15,9 +15,15 @@ implementations (torch.compile) and autograd formulas:
 - ``clip_grad_norm_(grads, max_norm, error_if_nonfinite=False) -> total_norm`` (in place)
 
 and exports drop-in modules (:class:`RMSNorm`, :class:`AddRMSNorm`,
-:class:`Embedding`), :func:`clip_grad_norm_`, and the functional forms.
-``npukern_torch.parallel`` has the torch.distributed pieces.
+:class:`Embedding`; ``casting="torch" | "llama" | "gemma"`` and ``offset``
+choose a model family's numerics), :func:`clip_grad_norm_`, and the
+functional forms. ``npukern_torch.parallel`` has the torch.distributed
+pieces, ``npukern_torch.hf`` patches Hugging Face models
+(``patch(model)``), and ``npukern_torch.npu`` offers torch_npu's
+``npu_rms_norm`` / ``npu_add_rms_norm``.
 """
+
+import torch  # noqa: F401  (first: loads libtorch / libc10, which the extension _C links against)
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.npukern)
 from . import _autograd, _meta  # noqa: F401  (registrations)

@@ -15,12 +15,12 @@ def _norm_dims(x, gamma):
     return tuple(range(x.dim() - gamma.dim(), x.dim()))
 
 
-def rms_norm_grads(dy, x, gamma, eps, dx_extra=None):
-    """``(dx, dgamma)`` of ``y = x * rsqrt(mean(x^2) + eps) * gamma`` over the
+def rms_norm_grads(dy, x, gamma, eps, offset=0.0, dx_extra=None):
+    """``(dx, dgamma)`` of ``y = x * rsqrt(mean(x^2) + eps) * (offset + gamma)`` over the
     trailing dims gamma covers, as differentiable torch ops in float32;
     `dx_extra` (AddRmsNorm's residual gradient) is added before rounding."""
     dims = _norm_dims(x, gamma)
-    xf, g, dyf = x.float(), gamma.float(), dy.float()
+    xf, g, dyf = x.float(), gamma.float() + offset, dy.float()
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + eps)
     xh = xf * rstd
     dxh = dyf * g

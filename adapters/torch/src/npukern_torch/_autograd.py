@@ -28,38 +28,38 @@ def _cast_dgamma(dgamma, gamma):
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, gamma, eps = inputs
+    x, gamma, eps, offset, _cast_before_gamma = inputs
     _y, rstd = output
     ctx.save_for_backward(x, gamma, rstd)
     ctx.mark_non_differentiable(rstd)
-    ctx.eps = eps
+    ctx.eps, ctx.offset = eps, offset
 
 
 def _rms_norm_backward(ctx, dy, _drstd):
     x, gamma, rstd = ctx.saved_tensors
     if _building_graph(dy, x, gamma):
-        dx, dgamma = _composite.rms_norm_grads(dy, x, gamma, ctx.eps)
-        return dx, dgamma, None
-    dx, dgamma = ops.rms_norm_backward(dy, x, gamma, rstd)
-    return dx, _cast_dgamma(dgamma, gamma), None
+        dx, dgamma = _composite.rms_norm_grads(dy, x, gamma, ctx.eps, ctx.offset)
+        return dx, dgamma, None, None, None
+    dx, dgamma = ops.rms_norm_backward(dy, x, gamma, rstd, ctx.offset)
+    return dx, _cast_dgamma(dgamma, gamma), None, None, None
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
-    _x1, _x2, gamma, eps = inputs
+    _x1, _x2, gamma, eps, offset, _cast_before_gamma = inputs
     _y, rstd, x_sum = output
     ctx.save_for_backward(x_sum, gamma, rstd)
     ctx.mark_non_differentiable(rstd)
-    ctx.eps = eps
+    ctx.eps, ctx.offset = eps, offset
 
 
 def _add_rms_norm_backward(ctx, dy, _drstd, dx_sum):
     x_sum, gamma, rstd = ctx.saved_tensors
     if _building_graph(dy, x_sum, gamma, dx_sum):
-        dx, dgamma = _composite.rms_norm_grads(dy, x_sum, gamma, ctx.eps, dx_sum)
-        return dx, dx, dgamma, None
-    dx, dgamma = ops.add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum)
+        dx, dgamma = _composite.rms_norm_grads(dy, x_sum, gamma, ctx.eps, ctx.offset, dx_sum)
+        return dx, dx, dgamma, None, None, None
+    dx, dgamma = ops.add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum, ctx.offset)
     # x_sum = x1 + x2: both addends get the same gradient.
-    return dx, dx, _cast_dgamma(dgamma, gamma), None
+    return dx, dx, _cast_dgamma(dgamma, gamma), None, None, None
 
 
 def _embedding_setup(ctx, inputs, output):

@@ -18,23 +18,23 @@ def _contiguous_like(t):
 
 
 @torch.library.register_fake("npukern::rms_norm")
-def _rms_norm(x, gamma, epsilon=1e-6):
+def _rms_norm(x, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False):
     return _contiguous_like(x), x.new_empty(_rstd_shape(x, gamma), dtype=torch.float32)
 
 
 @torch.library.register_fake("npukern::add_rms_norm")
-def _add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+def _add_rms_norm(x1, x2, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False):
     rstd = x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
     return _contiguous_like(x1), rstd, _contiguous_like(x1)
 
 
 @torch.library.register_fake("npukern::rms_norm_backward")
-def _rms_norm_backward(dy, x, gamma, rstd):
+def _rms_norm_backward(dy, x, gamma, rstd, gamma_offset=0.0):
     return _contiguous_like(x), gamma.new_empty(gamma.shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("npukern::add_rms_norm_backward")
-def _add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum):
+def _add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum, gamma_offset=0.0):
     return _contiguous_like(x_sum), gamma.new_empty(gamma.shape, dtype=torch.float32)
 
 

@@ -4,6 +4,7 @@ forward and backward run npukern's kernels."""
 
 import torch
 
+from . import _casting
 from . import functional as F
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -16,49 +17,82 @@ def _on_kernels(t: torch.Tensor) -> bool:
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm on npukern's RmsNorm / RmsNormGrad.
 
+    ``casting`` chooses a model family's numerics, forward and backward:
+    ``"torch"`` (default: fp32 inside, one rounding, as torch.nn.RMSNorm),
+    ``"llama"`` (the normalized x rounded to x's dtype, then times the weight
+    with torch's type promotion: Hugging Face Llama / Mistral / Qwen), or
+    ``"gemma"`` (``(1 + weight)`` in fp32, one rounding). ``offset`` sets any
+    other ``(offset + weight)``. The backward is the gradient of that mode's
+    composite.
+
     ``eps=None`` means what it means in torch: the machine epsilon of the
     computation type, ``torch.finfo(torch.float32).eps`` for float32, float16
     and bfloat16 inputs. With ``elementwise_affine=False`` the kernel is given
     a float32 gamma of ones (a non-persistent buffer, not in the state_dict).
-    A weight whose dtype is neither x's nor float32 is used as float32.
-    Inputs the kernels do not take (float64, non-CPU tensors) run torch's own
-    ``torch.nn.functional.rms_norm``.
+    Outside "llama", a weight whose dtype is neither x's nor float32 is used
+    as float32. Inputs the kernels do not take (float64, non-CPU tensors)
+    run the same numerics in torch ops.
     """
 
-    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None, *,
+                 casting="torch", offset=None):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.offset, self.cast_before_gamma = _casting.resolve(casting, offset)
+        self.casting = casting
         if not elementwise_affine:
             ones = torch.ones(self.normalized_shape, device=device, dtype=torch.float32)
             self.register_buffer("_ones", ones, persistent=False)
 
     def _gamma(self, x):
         gamma = self.weight if self.weight is not None else self._ones
-        if gamma.dtype != x.dtype and gamma.dtype != torch.float32:
+        if not self.cast_before_gamma and gamma.dtype != x.dtype and gamma.dtype != torch.float32:
             gamma = gamma.float()
         return gamma
 
     def _eps(self, x):
         return self.eps if self.eps is not None else torch.finfo(torch.float32).eps
 
+    def _torch_norm(self, x):
+        """The same numerics in torch ops, for inputs the kernels do not take."""
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        xf = x.float() if x.dtype in _KERNEL_DTYPES else x
+        normalized = xf * torch.rsqrt(xf.square().mean(dims, keepdim=True) + self._eps(x))
+        gamma = self._gamma(x) + self.offset if self.offset else self._gamma(x)
+        if self.cast_before_gamma:
+            return normalized.to(x.dtype) * gamma
+        return (normalized * gamma.to(normalized.dtype)).to(x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _on_kernels(x):
-            return super().forward(x)
-        return F.rms_norm(x, self._gamma(x), self._eps(x))[0]
+            if self.casting == "torch" and not self.offset:
+                return super().forward(x)
+            return self._torch_norm(x)
+        return F.rms_norm(x, self._gamma(x), self._eps(x), casting=self.casting, offset=self.offset)[0]
+
+    def extra_repr(self):
+        s = super().extra_repr()
+        if self.casting != "torch":
+            s += f", casting={self.casting!r}"
+        if self.offset != (1.0 if self.casting == "gemma" else 0.0):
+            s += f", offset={self.offset}"
+        return s
 
 
 class AddRMSNorm(RMSNorm):
     """RMSNorm of ``x + residual`` fused with the add: ``forward(x, residual)``
     returns ``(y, x + residual)``, the normalized output and the new residual
-    stream (torch_npu's npu_add_rms_norm as a module)."""
+    stream (torch_npu's npu_add_rms_norm as a module); ``casting`` and
+    ``offset`` as in :class:`RMSNorm`."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor):
         """``(rms_norm(x + residual), x + residual)``, the sum with torch's
         broadcasting and type promotion. The fused kernel runs when x and
         residual have one shape and one dtype the kernels take; any other
         pair is added by torch first, then normalized by the RMSNorm kernel
-        (or torch's own rms_norm for dtypes the kernels do not take)."""
+        (or torch ops for dtypes the kernels do not take)."""
         if x.shape == residual.shape and x.dtype == residual.dtype and _on_kernels(x) and _on_kernels(residual):
-            y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x))
+            y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x), casting=self.casting,
+                                         offset=self.offset)
             return y, s
         s = x + residual
         return super().forward(s), s

@@ -1,0 +1,30 @@
+"""torch_npu's fused norm calls on npukern, so code written for an Ascend NPU
+runs unchanged on a CPU: ``import npukern_torch.npu as torch_npu``.
+
+- ``npu_rms_norm(x, gamma, epsilon=1e-06) -> (y, rstd)``
+- ``npu_add_rms_norm(x1, x2, gamma, epsilon=1e-06) -> (y, rstd, x_sum)``
+
+with torch_npu's signatures and outputs: fp32 inside, one rounding of y to
+x's dtype, rstd float32 with x's shape and the normalized dims set to 1,
+differentiable in x (x1, x2) and gamma. A gamma whose dtype is neither x's
+nor float32 is used as float32."""
+
+import torch
+
+from . import functional as _F
+
+__all__ = ["npu_add_rms_norm", "npu_rms_norm"]
+
+
+def _gamma(x, gamma):
+    return gamma if gamma.dtype in (x.dtype, torch.float32) else gamma.float()
+
+
+def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
+    """torch_npu.npu_rms_norm: ``(y, rstd)``."""
+    return _F.rms_norm(x, _gamma(x, gamma), epsilon)
+
+
+def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
+    """torch_npu.npu_add_rms_norm: ``(y, rstd, x1 + x2)``."""
+    return _F.add_rms_norm(x1, x2, _gamma(x1, gamma), epsilon)

@@ -1,0 +1,198 @@
+"""npukern_torch.hf against transformers itself: every supported family in
+float32 and bfloat16, tiny configs built here (hf_models.py), no download.
+
+Tolerances and why:
+- Norm outputs: bit-identical to the stock module on the same input in
+  bfloat16 except where the float32 mean of squares, summed in npukern's fixed
+  16-lane order instead of torch's, lands 1 ulp apart in rstd; such a row can
+  round one element differently. Bar: at most 1 bfloat16 ulp anywhere and at
+  most 1e-3 of the elements differing (measured: see the suite's summary).
+  In float32 that rstd ulp shows in many elements: bar 8 float32 ulps
+  (measured 4: rstd's ulp, then x * rstd and the product each round).
+- Logits: float32 within 1e-5 of max|logit| (the norms' 1-ulp differences,
+  carried through two layers); bfloat16 within 2^-6 of max|logit| (a few
+  bfloat16 roundings flipped by those ulps).
+- Training, 20 AdamW steps with clip_grad_norm_(1.0): float32 losses within
+  1e-4 relative of stock at every step (float32 rounding noise grows over
+  steps); bfloat16 within 3e-2 relative (bfloat16's 2^-8 steps, flipped
+  roundings compound through the updates)."""
+
+import pytest
+import torch
+
+import npukern_torch
+from conftest import record
+from hf_models import FAMILIES, NORMS, build, tokens, twin
+from npukern_torch import hf
+
+DTYPES = [torch.float32, torch.bfloat16]
+IDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _ulps(a, b, dtype):
+    """|a - b| in units of dtype's spacing at b."""
+    mant = {torch.float32: 23, torch.bfloat16: 7}[dtype]
+    _, e = torch.frexp(b.double().abs())
+    spacing = torch.ldexp(torch.ones_like(e, dtype=torch.float64), torch.clamp(e - 1, min=-126) - mant)
+    return ((a.double() - b.double()).abs() / spacing).max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_patch_keeps_the_stock_bits(family, dtype):
+    stock = build(family, dtype)
+    patched = twin(stock)
+    before = {k: v.clone() for k, v in patched.state_dict().items()}
+    tied = stock.lm_head.weight is stock.get_input_embeddings().weight
+    counts = hf.patch(patched)
+    assert counts == {"rms_norm": NORMS[family], "embedding": 1}
+    assert hf.patch(patched) == {"rms_norm": 0, "embedding": 0}  # a second call patches nothing
+    # The same Parameters: state_dict keys and values, tying.
+    after = patched.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert (patched.lm_head.weight is patched.get_input_embeddings().weight) == tied
+    # Every norm, fed the same inputs as the stock one.
+    x = tokens()
+    inputs = {}
+    hooks = [m.register_forward_hook(lambda m, a, o, n=n: inputs.__setitem__(n, a[0]))
+             for n, m in stock.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    with torch.no_grad():
+        ref_logits = stock(x).logits
+        logits = patched(x).logits
+    for h in hooks:
+        h.remove()
+    ours = dict(patched.named_modules())
+    worst, differing, total = 0.0, 0, 0
+    for name, inp in inputs.items():
+        assert isinstance(ours[name], hf.HFRMSNorm), name
+        with torch.no_grad():
+            want = dict(stock.named_modules())[name](inp)
+            got = ours[name](inp)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        worst = max(worst, _ulps(got, want, dtype))
+        differing += int((got != want).sum())
+        total += want.numel()
+    record(f"hf {IDS[dtype]} norm ulps vs stock ({family})", worst)
+    record(f"hf {IDS[dtype]} norm elements differing from stock ({family})", differing / total)
+    if dtype == torch.bfloat16:
+        assert worst <= 1 and differing <= 1e-3 * total, (worst, differing, total)
+    else:
+        assert worst <= 8, worst
+    rel = ((logits.double() - ref_logits.double()).abs().max() / ref_logits.double().abs().max()).item()
+    record(f"hf {IDS[dtype]} logits rel diff ({family})", rel)
+    assert rel <= (1e-5 if dtype == torch.float32 else 2**-6), rel
+    # unpatch puts the originals back, same Parameters.
+    assert hf.unpatch(patched) == {"rms_norm": NORMS[family], "embedding": 1}
+    assert all(not isinstance(m, (npukern_torch.RMSNorm, npukern_torch.Embedding)) for m in patched.modules())
+    assert all(torch.equal(patched.state_dict()[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_training_matches_stock(family, dtype):
+    stock = build(family, dtype, seed=3)
+    patched = twin(stock)
+    hf.patch(patched)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (stock, patched)]
+    worst = 0.0
+    for step in range(20):
+        x = tokens(seed=100 + step)
+        losses = []
+        for model, opt in zip((stock, patched), opts):
+            opt.zero_grad()
+            loss = model(x, labels=x).loss
+            loss.backward()
+            clip = torch.nn.utils.clip_grad_norm_ if model is stock else npukern_torch.clip_grad_norm_
+            clip(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[1] - losses[0]) / abs(losses[0]))
+    record(f"hf {IDS[dtype]} 20-step training loss rel diff ({family})", worst)
+    assert worst <= (1e-4 if dtype == torch.float32 else 3e-2), worst
+
+
+def test_gemma_scaled_embedding_keeps_its_scale():
+    stock = build("gemma3", torch.float32)
+    patched = twin(stock)
+    hf.patch(patched)
+    emb = patched.get_input_embeddings()
+    assert isinstance(emb, hf.HFScaledEmbedding) and emb.embed_scale.item() == 8.0  # sqrt(hidden 64)
+    x = tokens()
+    assert torch.equal(emb(x), stock.get_input_embeddings()(x))
+
+
+def test_unknown_rmsnorm_class_is_named_and_left_alone():
+    class MyRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * self.weight
+
+    model = torch.nn.Sequential(MyRMSNorm(), torch.nn.Linear(8, 8))
+    with pytest.warns(UserWarning, match="MyRMSNorm"):
+        assert hf.patch(model) == {"rms_norm": 0, "embedding": 0}
+    assert type(model[0]).__name__ == "MyRMSNorm"
+
+
+def test_class_level_form():
+    import transformers.models.llama.modeling_llama as modeling
+
+    original = modeling.LlamaRMSNorm
+    try:
+        assert hf.apply_to_transformers(["llama", "qwen3"]) == ["llama", "qwen3"]
+        model = build("llama", torch.bfloat16)
+        norms = [m for m in model.modules() if isinstance(m, npukern_torch.RMSNorm)]
+        assert len(norms) == NORMS["llama"] and all(m.casting == "llama" for m in norms)
+        stock_norm = original(64, eps=1e-6).to(torch.bfloat16)
+        with torch.no_grad():
+            stock_norm.weight.copy_(norms[0].weight)
+        x = torch.randn(4, 64).to(torch.bfloat16)
+        assert torch.equal(norms[0](x), stock_norm(x))
+        assert hf.patch(model) == {"rms_norm": 0, "embedding": 1}
+    finally:
+        hf.revert_transformers()
+    assert modeling.LlamaRMSNorm is original
+
+
+def _runs_npukern_layer(model):
+    """Every decorated RMSNorm of `model` has npukern's forward bound to it."""
+    from npukern_torch import hf_layers
+
+    norms = [m for m in model.modules() if getattr(type(m), "kernel_layer_name", None) == "RMSNorm"]
+    return bool(norms) and all(m.forward.__func__ is hf_layers.LlamaRMSNorm.forward for m in norms)
+
+
+def test_kernels_package_route():
+    """transformers decorates its Llama-family RMSNorm classes for the
+    `kernels` package; kernelize with npukern's local repository for the
+    "cpu" device binds npukern's layer (which reads the module's own weight
+    and eps), with the stock bits."""
+    from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
+
+    stock = build("qwen3", torch.bfloat16)
+    model = twin(stock)
+    repo = LocalLayerRepository(repo_path=hf.KERNEL_REPO, layer_name="LlamaRMSNorm")
+    with use_kernel_mapping({"RMSNorm": {"cpu": {Mode.TRAINING: repo, Mode.INFERENCE: repo}}}, inherit_mapping=False):
+        kernelize(model, mode=Mode.TRAINING, device="cpu")
+    assert _runs_npukern_layer(model)
+    x = tokens()
+    with torch.no_grad():
+        rel = ((model(x).logits.double() - stock(x).logits.double()).abs().max()
+               / stock(x).logits.double().abs().max()).item()
+    assert rel <= 2**-6, rel
+    model(x, labels=x).loss.backward()  # Mode.TRAINING: differentiable
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_compile_has_no_graph_break_in_npukern_ops():
+    model = build("llama", torch.float32)
+    hf.patch(model)
+    x = tokens()
+    explanation = torch._dynamo.explain(model)(x)
+    reasons = [str(r.reason) for r in explanation.break_reasons]
+    assert not any("npukern" in r for r in reasons), reasons
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
