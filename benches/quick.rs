@@ -30,7 +30,7 @@ struct Opts {
     threads: usize,
     filter: Option<String>,
     llc: usize,
-    /// `--isa portable|avx2|avx512`: force one (default: the best available).
+    /// `--isa portable|avx2|avx512|avx512bf16`: force one (default: the best available).
     isa: Option<Isa>,
 }
 

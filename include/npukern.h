@@ -105,6 +105,11 @@ typedef enum npk_isa {
    * AVX-512F/BW.
    */
   NPK_ISA_AVX512 = 3,
+  /**
+   * AVX-512F/BW with AVX512-BF16 (and DQ, VL): bf16 rounding in hardware,
+   * the same bits.
+   */
+  NPK_ISA_AVX512_BF16 = 4,
 } npk_isa;
 
 /**

@@ -946,7 +946,7 @@ fn bit_identical_across_threads_blocks_ub_and_isa() {
         ..Default::default()
     };
     let mut first: Option<(Vec<u8>, Vec<u8>)> = None;
-    let isas = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    let isas = Isa::ALL;
     for threads in [1, 2, 4] {
         for blocks in [1, 3, 64] {
             for ub_bytes in [1024, 196_608] {

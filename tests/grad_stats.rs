@@ -685,7 +685,7 @@ fn errors() {
 #[test]
 fn unavailable_isa_is_an_error() {
     use npukern::Isa;
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+    for isa in Isa::ALL {
         let cpu = Cpu::new(npukern::Serial).with_isa(isa);
         let exec = Exec::new(&cpu);
         let r = grad_stats(&exec, &[GradTensor::F32(&[1.0; 3])], &mut [0u8; 4096]);
@@ -766,7 +766,7 @@ fn bit_identical_across_isas() {
     let mut poisoned = ts.clone();
     poison(&mut poisoned, 4321, f32::NAN);
     let mut first: Option<(GradSummary, GradSummary, Vec<Vec<u32>>)> = None;
-    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
+    for isa in Isa::ALL {
         if !isa.is_available() {
             continue;
         }

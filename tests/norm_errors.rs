@@ -218,7 +218,7 @@ fn isa_unavailable() {
         TensorRef::new(&d.x, &[4, 8]).unwrap(),
         TensorRef::new(&d.g, &[8]).unwrap(),
     );
-    for isa in [Isa::Avx2, Isa::Avx512] {
+    for isa in [Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
         if isa.is_available() {
             continue;
         }

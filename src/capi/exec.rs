@@ -75,10 +75,7 @@ impl ExecConfig {
         };
         let forced = match e.isa {
             0 => None,
-            1 => Some(Isa::Portable),
-            2 => Some(Isa::Avx2),
-            3 => Some(Isa::Avx512),
-            _ => return Err(invalid("isa", "not an npk_isa value")),
+            raw => Some(Isa::from_raw(raw).ok_or_else(|| invalid("isa", "not an npk_isa value"))?),
         };
         // A forced ISA is checked whichever backend runs, so the same exec
         // fails the same way everywhere.
@@ -131,7 +128,8 @@ impl ExecConfig {
 }
 
 /// The ISA ceiling of the C ABI: the environment variable `NPK_MAX_CPU_ISA`
-/// (`portable`, `avx2` or `avx512`, case-insensitive; read once), like
+/// (an ISA name: `portable`, `avx2`, `avx512` or `avx512bf16`,
+/// case-insensitive; read once), like
 /// oneDNN's `ONEDNN_MAX_CPU_ISA`. `NPK_ISA_AUTO` then picks the best ISA at or
 /// below it, `npk_detected_isa` reports that, and forcing an ISA above it is
 /// `NPK_ERR_ISA_UNAVAILABLE`. Unset or unrecognized: no ceiling. It lets a
@@ -141,19 +139,16 @@ fn isa_cap() -> Isa {
     static CAP: OnceLock<Isa> = OnceLock::new();
     *CAP.get_or_init(|| {
         let v = std::env::var("NPK_MAX_CPU_ISA").unwrap_or_default();
-        match v.to_ascii_lowercase().as_str() {
-            "portable" => Isa::Portable,
-            "avx2" => Isa::Avx2,
-            _ => Isa::Avx512,
-        }
+        Isa::parse(&v).unwrap_or(Isa::ALL[Isa::ALL.len() - 1])
     })
 }
 
 /// What `NPK_ISA_AUTO` runs: the best available ISA at or below the ceiling.
 pub(crate) fn auto_isa() -> Isa {
     let cap = isa_cap() as u32;
-    [Isa::Avx512, Isa::Avx2]
+    Isa::ALL
         .into_iter()
+        .rev()
         .find(|&i| i as u32 <= cap && detect::available(i))
         .unwrap_or(Isa::Portable)
 }

@@ -154,6 +154,7 @@ pub extern "C" fn npk_detected_isa() -> npk_isa {
         Isa::Portable => npk_isa::NPK_ISA_PORTABLE,
         Isa::Avx2 => npk_isa::NPK_ISA_AVX2,
         Isa::Avx512 => npk_isa::NPK_ISA_AVX512,
+        Isa::Avx512Bf16 => npk_isa::NPK_ISA_AVX512_BF16,
     }
 }
 

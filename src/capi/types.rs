@@ -89,6 +89,9 @@ pub enum npk_isa {
     NPK_ISA_AVX2 = 2,
     /// AVX-512F/BW.
     NPK_ISA_AVX512 = 3,
+    /// AVX-512F/BW with AVX512-BF16 (and DQ, VL): bf16 rounding in hardware,
+    /// the same bits.
+    NPK_ISA_AVX512_BF16 = 4,
 }
 
 /// Who runs the validated, planned call.
@@ -139,6 +142,7 @@ const _: () = {
     assert!(npk_isa::NPK_ISA_PORTABLE as u32 == crate::lanes::Isa::Portable as u32);
     assert!(npk_isa::NPK_ISA_AVX2 as u32 == crate::lanes::Isa::Avx2 as u32);
     assert!(npk_isa::NPK_ISA_AVX512 as u32 == crate::lanes::Isa::Avx512 as u32);
+    assert!(npk_isa::NPK_ISA_AVX512_BF16 as u32 == crate::lanes::Isa::Avx512Bf16 as u32);
     // A C enum is int-sized; the raw aliases below must be too.
     assert!(core::mem::size_of::<npk_status>() == core::mem::size_of::<RawStatus>());
     assert!(core::mem::size_of::<DType>() == core::mem::size_of::<RawDtype>());

@@ -17,6 +17,9 @@ pub enum Isa {
     Avx2 = 2,
     /// AVX-512F and BW (with AVX2, FMA, F16C) on x86_64.
     Avx512 = 3,
+    /// `Avx512` with AVX512-BF16 (and DQ, VL): bf16 rounding in hardware
+    /// (Zen 4, Sapphire Rapids and later), the same bits.
+    Avx512Bf16 = 4,
 }
 
 impl Isa {
@@ -26,11 +29,24 @@ impl Isa {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
     }
 
-    /// Every ISA, best last.
-    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    /// Every ISA, best last (automatic selection picks the last available).
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+
+    /// The ISA of a C `npk_isa` value (1..=4).
+    pub fn from_raw(raw: u32) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|&i| i as u32 == raw)
+    }
+
+    /// The ISA named `name` (as `name()`, any case).
+    pub fn parse(name: &str) -> Option<Isa> {
+        Isa::ALL
+            .into_iter()
+            .find(|i| i.name().eq_ignore_ascii_case(name))
+    }
 
     /// True when this build has kernels for this ISA and this CPU runs them.
     pub fn is_available(self) -> bool {
@@ -45,6 +61,7 @@ impl Isa {
 
 const AVX2: u8 = 1;
 const AVX512: u8 = 2;
+const AVX512BF16: u8 = 4;
 const KNOWN: u8 = 0x80;
 static CACHE: AtomicU8 = AtomicU8::new(0);
 
@@ -71,11 +88,17 @@ fn probe() -> u8 {
         l7.ebx & (1 << 16) != 0,
         l7.ebx & (1 << 30) != 0,
     );
+    let (avx512dq, avx512vl) = (l7.ebx & (1 << 17) != 0, l7.ebx & (1 << 31) != 0);
+    // AVX512_BF16 is leaf 7, sub-leaf 1, EAX bit 5 (when that sub-leaf exists).
+    let avx512bf16 = l7.eax >= 1 && __cpuid_count(7, 1).eax & (1 << 5) != 0;
     let mut f = 0;
     if ymm_saved && avx && fma && f16c && avx2 {
         f |= AVX2;
         if zmm_saved && avx512f && avx512bw {
             f |= AVX512;
+            if avx512dq && avx512vl && avx512bf16 {
+                f |= AVX512BF16;
+            }
         }
     }
     f
@@ -102,18 +125,17 @@ pub fn available(isa: Isa) -> bool {
         Isa::Portable => true,
         Isa::Avx2 => cfg!(target_arch = "x86_64") && features() & AVX2 != 0,
         Isa::Avx512 => cfg!(target_arch = "x86_64") && features() & AVX512 != 0,
+        Isa::Avx512Bf16 => cfg!(target_arch = "x86_64") && features() & AVX512BF16 != 0,
     }
 }
 
-/// What automatic selection picks on this machine: the widest available.
+/// What automatic selection picks on this machine: the best available.
 pub fn detected() -> Isa {
-    if available(Isa::Avx512) {
-        Isa::Avx512
-    } else if available(Isa::Avx2) {
-        Isa::Avx2
-    } else {
-        Isa::Portable
-    }
+    Isa::ALL
+        .into_iter()
+        .rev()
+        .find(|&i| available(i))
+        .unwrap_or(Isa::Portable)
 }
 
 /// Resolves an optional forced ISA.

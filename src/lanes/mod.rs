@@ -16,11 +16,13 @@ pub mod portable;
 pub mod stream;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_bf16;
 
 pub use detect::Isa;
 pub use portable::Portable;
 #[cfg(target_arch = "x86_64")]
-pub use x86::{Avx2, Avx512};
+pub use x86::{Avx2, Avx512, Avx512Bf16};
 
 /// The logical vector width and the reduction pattern's lane count.
 pub const GROUP: usize = 16;
@@ -443,6 +445,10 @@ mod tests {
             if Isa::Avx512.is_available() {
                 // SAFETY: AVX-512 is available.
                 unsafe { x86::Avx512::enter(conversions_match_scalar::<x86::Avx512>) };
+            }
+            if Isa::Avx512Bf16.is_available() {
+                // SAFETY: the AVX512-BF16 level is available.
+                unsafe { x86::Avx512Bf16::enter(conversions_match_scalar::<x86::Avx512Bf16>) };
             }
         }
     }

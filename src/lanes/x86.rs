@@ -1,7 +1,8 @@
 //! x86_64 lanes: AVX2 (two ymm, with FMA and F16C enabled in the context but
-//! no FMA used) and AVX-512F/BW (one zmm). Same logical 16 lanes, same IEEE
-//! operations and the same fold tree as the portable lanes, so every output
-//! bit is the same; only the speed differs.
+//! no FMA used) and AVX-512F/BW (one zmm), the latter also with hardware
+//! bf16 rounding (AVX512-BF16, `x86_bf16.rs`). Same logical 16 lanes, same
+//! IEEE operations and the same fold tree as the portable lanes, so every
+//! output bit is the same; only the speed differs.
 //!
 //! These types are only instantiated by `dispatch_isa!` after run-time
 //! detection, and kernels enter a `#[target_feature]` context through
@@ -11,15 +12,23 @@ use core::arch::x86_64::*;
 
 use half::{bf16, f16};
 
+use super::x86_bf16 as hw;
 use super::{Isa, Lanes, GROUP};
 
 /// Lanes 0..8 in `.0`, lanes 8..16 in `.1`.
 #[derive(Clone, Copy, Debug)]
 pub struct Avx2(__m256, __m256);
 
-/// All 16 lanes in one zmm.
+/// All 16 lanes in one zmm; `HW_BF16` rounds to bf16 with AVX512-BF16's
+/// `vcvtne(2)ps2bf16` (with the subnormal fix-up) instead of integer ops.
+/// The two levels share every other operation.
 #[derive(Clone, Copy, Debug)]
-pub struct Avx512(__m512);
+pub struct Avx512Lanes<const HW_BF16: bool>(__m512);
+
+/// AVX-512F/BW lanes.
+pub type Avx512 = Avx512Lanes<false>;
+/// AVX-512F/BW lanes with AVX512-BF16 (and DQ, VL) for the bf16 rounding.
+pub type Avx512Bf16 = Avx512Lanes<true>;
 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn in_avx2<R>(f: impl FnOnce() -> R) -> R {
@@ -29,6 +38,19 @@ fn in_avx2<R>(f: impl FnOnce() -> R) -> R {
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 fn in_avx512<R>(f: impl FnOnce() -> R) -> R {
     f()
+}
+
+/// `bf16_bits16`, by hardware on the BF16 level.
+#[inline(always)]
+unsafe fn bits16<const HW_BF16: bool>(v: __m512) -> __m256i {
+    // SAFETY: called only inside the level's context (see `Lanes::enter`).
+    unsafe {
+        if HW_BF16 {
+            hw::bits16(v)
+        } else {
+            bf16_bits16(v)
+        }
+    }
 }
 
 /// The fold tree of `Portable::fold`, on the sum of the two 8-lane halves.
@@ -49,8 +71,14 @@ fn aligned<T>(p: &T, a: usize) -> bool {
 #[inline(always)]
 unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
     // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
+    unsafe { put_zmm(p, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)) }
+}
+
+/// Stores one 64-byte line at `p`, streaming when aligned.
+#[inline(always)]
+unsafe fn put_zmm(p: *mut __m512i, v: __m512i) {
+    // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
     unsafe {
-        let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
         if (p as usize).is_multiple_of(64) {
             _mm512_stream_si512(p, v);
         } else {
@@ -95,7 +123,7 @@ unsafe fn bf16_round16(v: __m512) -> __m512i {
 
 /// `bf16_round16`'s sixteen results packed in the low 256 bits.
 #[inline(always)]
-unsafe fn bf16_bits16(v: __m512) -> __m256i {
+pub(super) unsafe fn bf16_bits16(v: __m512) -> __m256i {
     // SAFETY: called only inside an AVX-512F/BW context (see `Lanes::enter`).
     unsafe {
         // One word permute gathers the upper halves (a narrowing store,
@@ -300,23 +328,34 @@ impl Lanes for Avx2 {
     }
 }
 
-impl Lanes for Avx512 {
-    const ISA: Isa = Isa::Avx512;
+impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
+    const ISA: Isa = if HW_BF16 {
+        Isa::Avx512Bf16
+    } else {
+        Isa::Avx512
+    };
 
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
-        // SAFETY: the caller guarantees the CPU has AVX-512F/BW, AVX2, FMA, F16C.
-        unsafe { in_avx512(f) }
+        // SAFETY: the caller guarantees the CPU has AVX-512F/BW, AVX2, FMA,
+        // F16C (and AVX512-BF16, DQ, VL for the BF16 level).
+        unsafe {
+            if HW_BF16 {
+                hw::in_avx512bf16(f)
+            } else {
+                in_avx512(f)
+            }
+        }
     }
     #[inline(always)]
     fn splat(x: f32) -> Self {
-        // SAFETY: Avx512 values exist only on CPUs with AVX-512F (dispatch_isa!).
-        unsafe { Avx512(_mm512_set1_ps(x)) }
+        // SAFETY: Avx512Lanes values exist only on CPUs with AVX-512F (dispatch_isa!).
+        unsafe { Self(_mm512_set1_ps(x)) }
     }
     #[inline(always)]
     fn load(src: &[f32; GROUP]) -> Self {
         // SAFETY: 16 readable f32; AVX-512F present.
-        unsafe { Avx512(_mm512_loadu_ps(src.as_ptr())) }
+        unsafe { Self(_mm512_loadu_ps(src.as_ptr())) }
     }
     #[inline(always)]
     fn store(self, dst: &mut [f32; GROUP]) {
@@ -328,7 +367,7 @@ impl Lanes for Avx512 {
         // SAFETY: 32 readable bytes; AVX-512F present.
         unsafe {
             let h = _mm256_loadu_si256(src.as_ptr() as *const __m256i);
-            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(
+            Self(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(
                 _mm512_cvtepu16_epi32(h),
             )))
         }
@@ -336,17 +375,18 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
         // SAFETY: 32 writable bytes; AVX-512F/BW present.
-        unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bf16_bits16(self.0)) }
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bits16::<HW_BF16>(self.0)) }
     }
     #[inline(always)]
     fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; AVX-512F/BW present.
         unsafe {
-            put_line(
-                dst.as_mut_ptr() as *mut __m512i,
-                bf16_bits16(self.0),
-                bf16_bits16(hi.0),
-            )
+            let p = dst.as_mut_ptr() as *mut __m512i;
+            if HW_BF16 {
+                put_zmm(p, hw::bits32(self.0, hi.0))
+            } else {
+                put_line(p, bf16_bits16(self.0), bf16_bits16(hi.0))
+            }
         }
     }
     #[inline(always)]
@@ -361,7 +401,7 @@ impl Lanes for Avx512 {
     fn load_f16(src: &[f16; GROUP]) -> Self {
         // SAFETY: 32 readable bytes; AVX-512F present.
         unsafe {
-            Avx512(_mm512_cvtph_ps(_mm256_loadu_si256(
+            Self(_mm512_cvtph_ps(_mm256_loadu_si256(
                 src.as_ptr() as *const __m256i
             )))
         }
@@ -370,15 +410,18 @@ impl Lanes for Avx512 {
     fn round_bf16(self) -> Self {
         // SAFETY: AVX-512F/BW present.
         unsafe {
+            if HW_BF16 {
+                return Self(hw::round16(self.0));
+            }
             let r = _mm512_and_si512(bf16_round16(self.0), _mm512_set1_epi32(-0x1_0000));
-            Avx512(_mm512_castsi512_ps(r))
+            Self(_mm512_castsi512_ps(r))
         }
     }
     #[inline(always)]
     fn round_f16(self) -> Self {
         // SAFETY: AVX-512F present. Round to nearest even.
         unsafe {
-            Avx512(_mm512_cvtph_ps(
+            Self(_mm512_cvtph_ps(
                 _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0),
             ))
         }
@@ -403,27 +446,27 @@ impl Lanes for Avx512 {
     #[inline(always)]
     fn add(self, o: Self) -> Self {
         // SAFETY: AVX-512F present.
-        unsafe { Avx512(_mm512_add_ps(self.0, o.0)) }
+        unsafe { Self(_mm512_add_ps(self.0, o.0)) }
     }
     #[inline(always)]
     fn sub(self, o: Self) -> Self {
         // SAFETY: AVX-512F present.
-        unsafe { Avx512(_mm512_sub_ps(self.0, o.0)) }
+        unsafe { Self(_mm512_sub_ps(self.0, o.0)) }
     }
     #[inline(always)]
     fn mul(self, o: Self) -> Self {
         // SAFETY: AVX-512F present.
-        unsafe { Avx512(_mm512_mul_ps(self.0, o.0)) }
+        unsafe { Self(_mm512_mul_ps(self.0, o.0)) }
     }
     #[inline(always)]
     fn div(self, o: Self) -> Self {
         // SAFETY: AVX-512F present.
-        unsafe { Avx512(_mm512_div_ps(self.0, o.0)) }
+        unsafe { Self(_mm512_div_ps(self.0, o.0)) }
     }
     #[inline(always)]
     fn sqrt(self) -> Self {
         // SAFETY: AVX-512F present.
-        unsafe { Avx512(_mm512_sqrt_ps(self.0)) }
+        unsafe { Self(_mm512_sqrt_ps(self.0)) }
     }
     #[inline(always)]
     fn fold(self) -> f32 {

@@ -111,6 +111,11 @@ macro_rules! dispatch_isa {
     ($isa:expr, $L:ident => $body:expr) => {{
         match $isa {
             #[cfg(target_arch = "x86_64")]
+            $crate::lanes::Isa::Avx512Bf16 => {
+                type $L = $crate::lanes::Avx512Bf16;
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
             $crate::lanes::Isa::Avx512 => {
                 type $L = $crate::lanes::Avx512;
                 $body

@@ -61,6 +61,8 @@ PyObject *version(PyObject *, PyObject *) { return PyUnicode_FromString(npk_vers
 
 PyObject *detected_isa(PyObject *, PyObject *) {
   switch (npk_detected_isa()) {
+    case NPK_ISA_AVX512_BF16:
+      return PyUnicode_FromString("avx512bf16");
     case NPK_ISA_AVX512:
       return PyUnicode_FromString("avx512");
     case NPK_ISA_AVX2:

@@ -39,7 +39,7 @@ impl MinMax {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `L` is the AVX-512 lanes, which exist only on CPUs
             // with AVX-512F (the kernel runs inside `L::enter`).
-            Isa::Avx512 => unsafe { x86::push512(self, v) },
+            Isa::Avx512 | Isa::Avx512Bf16 => unsafe { x86::push512(self, v) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, for AVX2.
             Isa::Avx2 => unsafe { x86::push256(self, v) },
