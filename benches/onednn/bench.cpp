@@ -297,7 +297,7 @@ int main(int argc, char **argv) {
   const dnnl_version_t *v = dnnl_version();
   printf("dnnl_version: %d.%d.%d (hash %s) cpu_runtime=%u gpu_runtime=%u\n", v->major, v->minor, v->patch, v->hash,
          v->cpu_runtime, v->gpu_runtime);
-  printf("npukern: %s, detected isa=%d (3=AVX512), exec=serial (parallel_for NULL)\n", npk_version(), (int)npk_detected_isa());
+  printf("npukern: %s, detected isa=%d (3=AVX512, 4=AVX512-BF16), exec=serial (parallel_for NULL)\n", npk_version(), (int)npk_detected_isa());
   engine eng;
   try { eng = engine(engine::kind::cpu, 0); }
   catch (dnnl::error &e) { fprintf(stderr, "oneDNN cpu engine creation failed: %s (status %d)\n", e.what(), (int)e.status); return 2; }
