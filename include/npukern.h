@@ -35,6 +35,40 @@
 /** Most dimensions a tensor may have. */
 #define NPK_MAX_DIMS 8
 
+/** The C ABI version this header declares. The library runs a caller built
+ * against it when npk_abi_version() has the same major and a minor at least
+ * this one (docs/c-api.md, "Stability"). */
+#define NPK_ABI_VERSION_MAJOR 2
+#define NPK_ABI_VERSION_MINOR 0
+#define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
+
+/**
+ * Which SIMD implementation the CPU backend uses.
+ */
+typedef enum npk_isa {
+  /**
+   * Pick the best one this CPU and build have (what `npk_detected_isa` returns).
+   */
+  NPK_ISA_AUTO = 0,
+  /**
+   * `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
+   */
+  NPK_ISA_PORTABLE = 1,
+  /**
+   * AVX2 + FMA + F16C.
+   */
+  NPK_ISA_AVX2 = 2,
+  /**
+   * AVX-512F/BW.
+   */
+  NPK_ISA_AVX512 = 3,
+  /**
+   * AVX-512F/BW with AVX512-BF16 (and DQ, VL): bf16 rounding in hardware,
+   * the same bits.
+   */
+  NPK_ISA_AVX512_BF16 = 4,
+} npk_isa;
+
 /**
  * Status of every call. Numbered like aclnn's return codes, so an adapter
  * can pass them on.
@@ -84,33 +118,6 @@ typedef enum npk_status {
    */
   NPK_ERR_BACKEND = 361001,
 } npk_status;
-
-/**
- * Which SIMD implementation the CPU backend uses.
- */
-typedef enum npk_isa {
-  /**
-   * Pick the best one this CPU and build have (what `npk_detected_isa` returns).
-   */
-  NPK_ISA_AUTO = 0,
-  /**
-   * `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
-   */
-  NPK_ISA_PORTABLE = 1,
-  /**
-   * AVX2 + FMA + F16C.
-   */
-  NPK_ISA_AVX2 = 2,
-  /**
-   * AVX-512F/BW.
-   */
-  NPK_ISA_AVX512 = 3,
-  /**
-   * AVX-512F/BW with AVX512-BF16 (and DQ, VL): bf16 rounding in hardware,
-   * the same bits.
-   */
-  NPK_ISA_AVX512_BF16 = 4,
-} npk_isa;
 
 /**
  * A tensor's element type (the header's definition of `npk_dtype`; the
@@ -191,6 +198,12 @@ typedef enum npk_index_policy {
 } npk_index_policy;
 
 /**
+ * A block task: `task(task_ctx, block)`.
+ */
+typedef void (*npk_task_fn)(void *task_ctx,
+                            size_t block);
+
+/**
  * The C ABI's `npk_tensor`: a contiguous row-major tensor. `data` may be NULL
  * only when the tensor is empty.
  */
@@ -231,12 +244,6 @@ typedef struct npk_rms_norm_options {
    */
   npk_rounding rounding;
 } npk_rms_norm_options;
-
-/**
- * A block task: `task(task_ctx, block)`.
- */
-typedef void (*npk_task_fn)(void *task_ctx,
-                            size_t block);
 
 /**
  * A host runner. Must call `task(task_ctx, b)` exactly once for every `b` in
@@ -638,35 +645,46 @@ typedef struct npk_embedding_dense_grad_call {
 } npk_embedding_dense_grad_call;
 
 /**
- * An adapter's operator table (`exec->foreign`). Each entry receives the
- * validated arguments, the tiling plan and the workspace; it returns 0
- * (`NPK_OK`) on success, anything else on failure, which the library reports
- * as `NPK_ERR_BACKEND` with the entry's own code in `npk_error_detail.value`.
- * A NULL entry runs that operator on the CPU backend (with `exec`'s runner and
- * ISA). The table and `call` are only borrowed for the duration of the call.
+ * An adapter's operator table (`exec->foreign`). Set `struct_size` to
+ * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
+ * ever appended (in operator-id order), so a backend built against an older
+ * header keeps working: the entries it lacks run on the CPU. Each entry
+ * receives the validated arguments, the tiling plan and the workspace; it
+ * returns 0 (`NPK_OK`) on success, anything else on failure, which the
+ * library reports as `NPK_ERR_BACKEND` with the entry's own code in
+ * `npk_error_detail.value`. A NULL entry runs that operator on the CPU
+ * backend (with `exec`'s runner and ISA). The table and `call` are only
+ * borrowed for the duration of the call.
  */
 typedef struct npk_foreign_backend {
+  /**
+   * `sizeof(npk_foreign_backend)` in the header the backend was compiled
+   * with (at least `NPK_FOREIGN_BACKEND_MIN_SIZE`, which holds
+   * `struct_size` and `ctx`). The library reads no byte of the table
+   * beyond it.
+   */
+  size_t struct_size;
   /**
    * Passed back as every entry's first argument.
    */
   void *ctx;
   /**
-   * RmsNorm.
+   * RmsNorm (ABI 2.0).
    */
   npk_status (*rms_norm)(void *ctx,
                          const struct npk_rms_norm_call *call);
   /**
-   * AddRmsNorm.
+   * AddRmsNorm (ABI 2.0).
    */
   npk_status (*add_rms_norm)(void *ctx,
                              const struct npk_add_rms_norm_call *call);
   /**
-   * RmsNormGrad.
+   * RmsNormGrad (ABI 2.0).
    */
   npk_status (*rms_norm_grad)(void *ctx,
                               const struct npk_rms_norm_grad_call *call);
   /**
-   * EmbeddingDenseGrad.
+   * EmbeddingDenseGrad (ABI 2.0).
    */
   npk_status (*embedding_dense_grad)(void *ctx,
                                      const struct npk_embedding_dense_grad_call *call);
@@ -782,6 +800,20 @@ typedef struct npk_embedding_grad_options {
 } npk_embedding_grad_options;
 
 /**
+ * Options of RmsNormGrad. NULL options = `{ 0.0f, 0 }`.
+ */
+typedef struct npk_rms_norm_grad_options {
+  /**
+   * The forward's gamma offset.
+   */
+  float gamma_offset;
+  /**
+   * Nonzero: `dgamma += sum` (needs a dgamma); 0: `dgamma = sum`.
+   */
+  uint8_t accumulate_dgamma;
+} npk_rms_norm_grad_options;
+
+/**
  * What `npk_grad_stats` measures over all elements of all tensors.
  */
 typedef struct npk_grad_summary {
@@ -811,23 +843,52 @@ typedef struct npk_grad_summary {
   float absmax;
 } npk_grad_summary;
 
-/**
- * Options of RmsNormGrad. NULL options = `{ 0.0f, 0 }`.
- */
-typedef struct npk_rms_norm_grad_options {
-  /**
-   * The forward's gamma offset.
-   */
-  float gamma_offset;
-  /**
-   * Nonzero: `dgamma += sum` (needs a dgamma); 0: `dgamma = sum`.
-   */
-  uint8_t accumulate_dgamma;
-} npk_rms_norm_grad_options;
-
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * A static, NUL-terminated name and explanation of `status`; never NULL
+ * (unknown values give "unknown status").
+ */
+const char *npk_status_string(npk_status status);
+
+/**
+ * The library version, "MAJOR.MINOR.PATCH" (static, NUL-terminated).
+ */
+const char *npk_version(void);
+
+/**
+ * The library's C ABI version, `(major << 16) | minor`. A caller built
+ * against header `NPK_ABI_VERSION` runs on this library when the majors are
+ * equal and the library's minor is at least the header's.
+ */
+uint32_t npk_abi_version(void);
+
+/**
+ * What `NPK_ISA_AUTO` picks on this machine (at or below the environment's
+ * `NPK_MAX_CPU_ISA` ceiling, if set).
+ */
+enum npk_isa npk_detected_isa(void);
+
+/**
+ * Runs `task(task_ctx, b)` for every `b` in `[0, n_blocks)` on the library's
+ * persistent thread pool (the calling thread takes part) and returns when
+ * all ran. Pass it as `npk_exec.parallel_for`.
+ *
+ * `runner_ctx`: NULL = one thread per core; else a pointer to a `uint32_t`
+ * thread count (0 also means one per core; at most 256). A call made while
+ * the pool is busy with another call runs its blocks serially on the calling
+ * thread. `task` must not unwind.
+ *
+ * # Safety
+ * `runner_ctx` is NULL or points to a readable `uint32_t`; `task` (if
+ * non-NULL) may be called with `task_ctx` from any thread.
+ */
+void npk_threads_parallel_for(void *runner_ctx,
+                              size_t n_blocks,
+                              npk_task_fn task,
+                              void *task_ctx);
 
 /**
  * Workspace bytes `npk_add_rms_norm` needs for these arguments.
@@ -897,61 +958,6 @@ enum npk_status npk_embedding_dense_grad(const struct npk_tensor *grad,
                                          void *workspace,
                                          size_t workspace_bytes,
                                          const struct npk_exec *exec);
-
-/**
- * Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these
- * tensors (the same `exec` must be passed to both calls: the plan depends
- * on its `blocks`).
- *
- * # Safety
- * `tensors` is NULL (only with `count == 0`) or points to `count` readable
- * `npk_tensor`s; the other pointers are NULL or valid. Data is not read.
- */
-enum npk_status npk_grad_stats_workspace_size(const struct npk_tensor *tensors,
-                                              size_t count,
-                                              const struct npk_exec *exec,
-                                              size_t *workspace_bytes);
-
-/**
- * Sum of squares, NaN/Inf counts, min, max and absmax over every element of
- * every tensor (f32 | f16 | bf16, any shapes), in one read of the data;
- * written to `*out`. `workspace` holds the bytes the size call returned
- * (NULL only when that was 0). On error `*out` is not written.
- *
- * # Safety
- * As for the size call, and every tensor's `data` points to a readable
- * buffer of its shape and dtype, live for the call; `out` is NULL or
- * writable.
- */
-enum npk_status npk_grad_stats(const struct npk_tensor *tensors,
-                               size_t count,
-                               struct npk_grad_summary *out,
-                               void *workspace,
-                               size_t workspace_bytes,
-                               const struct npk_exec *exec);
-
-/**
- * `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
- * norm to `*total_norm` and scales every tensor in place by
- * `min(1, max_norm / (total_norm + 1e-6))` (each element
- * `round(f32(x) * coef)`). With a NaN/Inf present and `error_if_nonfinite
- * != 0`: `NPK_ERR_NONFINITE`, nothing changed; otherwise the coefficient is
- * applied even when it is NaN or 0, as PyTorch does. `max_norm` must not
- * be negative or NaN. Tensors must not overlap each other. Same workspace
- * size as `npk_grad_stats`.
- *
- * # Safety
- * As for `npk_grad_stats`, and every tensor's buffer is writable;
- * `total_norm` is NULL or writable.
- */
-enum npk_status npk_clip_grad_norm(const struct npk_tensor *tensors,
-                                   size_t count,
-                                   double max_norm,
-                                   uint8_t error_if_nonfinite,
-                                   double *total_norm,
-                                   void *workspace,
-                                   size_t workspace_bytes,
-                                   const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`
@@ -1028,46 +1034,69 @@ enum npk_status npk_rms_norm_grad(const struct npk_tensor *dy,
                                   const struct npk_exec *exec);
 
 /**
- * A static, NUL-terminated name and explanation of `status`; never NULL
- * (unknown values give "unknown status").
- */
-const char *npk_status_string(npk_status status);
-
-/**
- * The library version, "MAJOR.MINOR.PATCH" (static, NUL-terminated).
- */
-const char *npk_version(void);
-
-/**
- * What `NPK_ISA_AUTO` picks on this machine (at or below the environment's
- * `NPK_MAX_CPU_ISA` ceiling, if set).
- */
-enum npk_isa npk_detected_isa(void);
-
-/**
- * Runs `task(task_ctx, b)` for every `b` in `[0, n_blocks)` on the library's
- * persistent thread pool (the calling thread takes part) and returns when
- * all ran. Pass it as `npk_exec.parallel_for`.
- *
- * `runner_ctx`: NULL = one thread per core; else a pointer to a `uint32_t`
- * thread count (0 also means one per core; at most 256). A call made while
- * the pool is busy with another call runs its blocks serially on the calling
- * thread. `task` must not unwind.
+ * Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these
+ * tensors (the same `exec` must be passed to both calls: the plan depends
+ * on its `blocks`).
  *
  * # Safety
- * `runner_ctx` is NULL or points to a readable `uint32_t`; `task` (if
- * non-NULL) may be called with `task_ctx` from any thread.
+ * `tensors` is NULL (only with `count == 0`) or points to `count` readable
+ * `npk_tensor`s; the other pointers are NULL or valid. Data is not read.
  */
-void npk_threads_parallel_for(void *runner_ctx,
-                              size_t n_blocks,
-                              npk_task_fn task,
-                              void *task_ctx);
+enum npk_status npk_grad_stats_workspace_size(const struct npk_tensor *tensors,
+                                              size_t count,
+                                              const struct npk_exec *exec,
+                                              size_t *workspace_bytes);
+
+/**
+ * Sum of squares, NaN/Inf counts, min, max and absmax over every element of
+ * every tensor (f32 | f16 | bf16, any shapes), in one read of the data;
+ * written to `*out`. `workspace` holds the bytes the size call returned
+ * (NULL only when that was 0). On error `*out` is not written.
+ *
+ * # Safety
+ * As for the size call, and every tensor's `data` points to a readable
+ * buffer of its shape and dtype, live for the call; `out` is NULL or
+ * writable.
+ */
+enum npk_status npk_grad_stats(const struct npk_tensor *tensors,
+                               size_t count,
+                               struct npk_grad_summary *out,
+                               void *workspace,
+                               size_t workspace_bytes,
+                               const struct npk_exec *exec);
+
+/**
+ * `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
+ * norm to `*total_norm` and scales every tensor in place by
+ * `min(1, max_norm / (total_norm + 1e-6))` (each element
+ * `round(f32(x) * coef)`). With a NaN/Inf present and `error_if_nonfinite
+ * != 0`: `NPK_ERR_NONFINITE`, nothing changed; otherwise the coefficient is
+ * applied even when it is NaN or 0, as PyTorch does. `max_norm` must not
+ * be negative or NaN. Tensors must not overlap each other. Same workspace
+ * size as `npk_grad_stats`.
+ *
+ * # Safety
+ * As for `npk_grad_stats`, and every tensor's buffer is writable;
+ * `total_norm` is NULL or writable.
+ */
+enum npk_status npk_clip_grad_norm(const struct npk_tensor *tensors,
+                                   size_t count,
+                                   double max_norm,
+                                   uint8_t error_if_nonfinite,
+                                   double *total_norm,
+                                   void *workspace,
+                                   size_t workspace_bytes,
+                                   const struct npk_exec *exec);
 
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus
 
 #endif  /* NPUKERN_H */
+
+/** The smallest valid npk_foreign_backend.struct_size: struct_size and ctx only
+ * (every operator then runs on the CPU). */
+#define NPK_FOREIGN_BACKEND_MIN_SIZE offsetof(npk_foreign_backend, rms_norm)
 
 #if defined(__cplusplus) && !defined(NPK_CXX_HELPERS_H)
 #define NPK_CXX_HELPERS_H

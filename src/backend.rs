@@ -1,6 +1,6 @@
 //! The NPU dispatch point. The front end validates, plans and checks the
-//! workspace, then hands one `*Call` (validated arguments + tiling plan +
-//! workspace) to a `Backend`: `Cpu` runs the plan on SIMD lanes over a
+//! workspace, then hands one `Op` (a `*Call`: validated arguments + tiling
+//! plan + workspace) to a `Backend`: `Cpu` runs the plan on SIMD lanes over a
 //! `Runner`, `Reference` is the scalar f64 golden model, and the C ABI's
 //! foreign backend forwards the same structs to an adapter's NPU launch.
 //! The gradient-health operators have no NPU dispatch entry; a backend says
@@ -8,13 +8,10 @@
 
 use crate::error::Result;
 use crate::lanes::{detect, Isa};
-use crate::ops::add_rms_norm::AddRmsNormCall;
-use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
-use crate::ops::rms_norm::RmsNormCall;
-use crate::ops::rms_norm_grad::RmsNormGradCall;
+use crate::ops::Op;
 use crate::runner::{Runner, Serial};
 
-/// One method per operator.
+/// Runs validated, planned operator calls.
 ///
 /// # Safety
 /// Implementations may assume the call was produced by this crate's front end:
@@ -23,26 +20,14 @@ use crate::runner::{Runner, Serial};
 /// holds `tiling.workspace_bytes`. They must write nothing but the outputs and
 /// the workspace.
 pub unsafe trait Backend: Sync {
-    /// RmsNorm.
+    /// Runs one call. `Op` grows with the library (`#[non_exhaustive]`): an
+    /// implementation that does not know an operator should hand it to
+    /// `CPU_SERIAL.launch(op)` (or its own `Cpu`), as the C foreign backend
+    /// does for entries it lacks.
     ///
     /// # Safety
-    /// `call` comes from the front end (see the trait).
-    unsafe fn rms_norm(&self, call: &RmsNormCall) -> Result<()>;
-    /// AddRmsNorm.
-    ///
-    /// # Safety
-    /// `call` comes from the front end (see the trait).
-    unsafe fn add_rms_norm(&self, call: &AddRmsNormCall) -> Result<()>;
-    /// RmsNormGrad.
-    ///
-    /// # Safety
-    /// `call` comes from the front end (see the trait).
-    unsafe fn rms_norm_grad(&self, call: &RmsNormGradCall) -> Result<()>;
-    /// EmbeddingDenseGrad.
-    ///
-    /// # Safety
-    /// `call` comes from the front end (see the trait).
-    unsafe fn embedding_dense_grad(&self, call: &EmbeddingDenseGradCall) -> Result<()>;
+    /// `op` comes from the front end (see the trait).
+    unsafe fn launch(&self, op: Op<'_>) -> Result<()>;
     /// Where `grad_stats` and `clip_grad_norm` run with this backend (they
     /// have no dispatch entry of their own). Default: the serial CPU
     /// kernels, automatic ISA.
@@ -117,28 +102,11 @@ pub static CPU_SERIAL: Cpu<Serial> = Cpu::new(Serial);
 // SAFETY: the kernels write only the call's outputs and workspace, within the
 // validated bounds.
 unsafe impl<R: Runner> Backend for Cpu<R> {
-    unsafe fn rms_norm(&self, call: &RmsNormCall) -> Result<()> {
+    unsafe fn launch(&self, op: Op<'_>) -> Result<()> {
         let isa = self.isa()?;
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::rms_norm::cpu(call, isa, &self.runner) };
-        Ok(())
-    }
-    unsafe fn add_rms_norm(&self, call: &AddRmsNormCall) -> Result<()> {
-        let isa = self.isa()?;
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::add_rms_norm::cpu(call, isa, &self.runner) };
-        Ok(())
-    }
-    unsafe fn rms_norm_grad(&self, call: &RmsNormGradCall) -> Result<()> {
-        let isa = self.isa()?;
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::rms_norm_grad::cpu(call, isa, &self.runner) };
-        Ok(())
-    }
-    unsafe fn embedding_dense_grad(&self, call: &EmbeddingDenseGradCall) -> Result<()> {
-        let isa = self.isa()?;
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::embedding_dense_grad::cpu(call, isa, &self.runner) };
+        // SAFETY: forwarded from the trait's contract; `isa` was resolved
+        // as available.
+        unsafe { op.cpu(isa, &self.runner) };
         Ok(())
     }
     fn grad_engine(&self) -> GradEngine<'_> {
@@ -156,24 +124,9 @@ pub struct Reference;
 
 // SAFETY: the reference writes only the call's outputs, within validated bounds.
 unsafe impl Backend for Reference {
-    unsafe fn rms_norm(&self, call: &RmsNormCall) -> Result<()> {
+    unsafe fn launch(&self, op: Op<'_>) -> Result<()> {
         // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::rms_norm::reference(call) };
-        Ok(())
-    }
-    unsafe fn add_rms_norm(&self, call: &AddRmsNormCall) -> Result<()> {
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::add_rms_norm::reference(call) };
-        Ok(())
-    }
-    unsafe fn rms_norm_grad(&self, call: &RmsNormGradCall) -> Result<()> {
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::rms_norm_grad::reference(call) };
-        Ok(())
-    }
-    unsafe fn embedding_dense_grad(&self, call: &EmbeddingDenseGradCall) -> Result<()> {
-        // SAFETY: forwarded from the trait's contract.
-        unsafe { crate::ops::embedding_dense_grad::reference(call) };
+        unsafe { op.reference() };
         Ok(())
     }
     fn grad_engine(&self) -> GradEngine<'_> {

@@ -47,7 +47,8 @@ impl ExecConfig {
     ///
     /// # Safety
     /// `exec` is NULL or points to a readable `npk_exec` whose `foreign` is
-    /// NULL or points to a readable `npk_foreign_backend`.
+    /// NULL or points to an `npk_foreign_backend` readable for its
+    /// `struct_size` bytes.
     unsafe fn read(exec: *const npk_exec) -> Result<ExecConfig> {
         let mut cfg = ExecConfig {
             ub: UbConfig::default(),
@@ -87,9 +88,8 @@ impl ExecConfig {
                 if e.foreign.is_null() {
                     return Err(Error::NullPointer { arg: "foreign" });
                 }
-                // SAFETY: non-NULL and readable (caller); a table of a pointer
-                // and `Option<fn>`s, valid for any C value.
-                Kind::Foreign(unsafe { e.foreign.read_unaligned() })
+                // SAFETY: non-NULL and readable for its struct_size (caller).
+                Kind::Foreign(unsafe { npk_foreign_backend::read(e.foreign) }?)
             }
             _ => return Err(invalid("backend", "not an npk_backend_kind value")),
         };

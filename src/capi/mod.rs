@@ -27,18 +27,13 @@
 //! The header is generated from this module by cbindgen (`cbindgen.toml`);
 //! `tests/header.rs` fails when the checked-in copy is stale.
 
-pub mod add_rms_norm;
-pub mod embedding_dense_grad;
 pub mod exec;
 pub mod foreign;
-pub mod grad_stats;
 mod host_runner;
-pub mod rms_norm;
-pub mod rms_norm_grad;
 pub mod status;
 pub mod threads;
 pub mod types;
 
-pub use embedding_dense_grad::npk_embedding_grad_options;
-pub use foreign::npk_foreign_backend;
+pub use crate::ops::embedding_dense_grad::capi::npk_embedding_grad_options;
+pub use foreign::{npk_foreign_backend, NPK_FOREIGN_BACKEND_MIN_SIZE};
 pub use types::*;

@@ -146,6 +146,26 @@ pub extern "C" fn npk_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
+/// The C ABI's major version: bumped only by a change that breaks callers
+/// or backends compiled against an earlier header (see docs/c-api.md,
+/// "Stability"). 2 = the growable foreign table (`struct_size`).
+pub const NPK_ABI_VERSION_MAJOR: u32 = 2;
+/// The C ABI's minor version: bumped by additions (functions, enum values,
+/// options with a zero default, foreign-table entries appended at its end).
+pub const NPK_ABI_VERSION_MINOR: u32 = 0;
+/// `(NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR`, what
+/// `npk_abi_version` returns for the header the library was built from.
+pub const NPK_ABI_VERSION: u32 = 0x20000;
+const _: () = assert!(NPK_ABI_VERSION == (NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR);
+
+/// The library's C ABI version, `(major << 16) | minor`. A caller built
+/// against header `NPK_ABI_VERSION` runs on this library when the majors are
+/// equal and the library's minor is at least the header's.
+#[no_mangle]
+pub extern "C" fn npk_abi_version() -> u32 {
+    NPK_ABI_VERSION
+}
+
 /// What `NPK_ISA_AUTO` picks on this machine (at or below the environment's
 /// `NPK_MAX_CPU_ISA` ceiling, if set).
 #[no_mangle]

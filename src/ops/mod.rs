@@ -1,19 +1,125 @@
-//! The front end: one module per operator, each holding its arguments,
-//! validation, CPU kernel and f64 reference. Rust users and the C ABI call the
-//! same validation, so both see the same errors.
+//! The front end: one folder per operator, each with the same files —
+//! `mod.rs` (public API, the `*Call` struct), `plan.rs` (validation and the
+//! tiling plan), `cpu.rs` (the kernel, written once over `Lanes`) and
+//! `reference.rs` (the f64 golden model) — plus, with the `capi` feature,
+//! `capi.rs` (its aclnn-style C entry points), as CANN ops-nn keeps op_host
+//! beside op_kernel. Shared norm machinery is in `norm/`. Rust users and the
+//! C ABI call the same validation, so both see the same errors.
+//!
+//! Every operator with an NPU dispatch entry is one line of the registry
+//! below: it generates `Op` (what a `Backend` receives), `OpId`, and the CPU
+//! and reference dispatch. `docs/adding-an-operator.md` walks through it.
 
+/// The operator registry: `Variant = id => module::CallType, "name"`. The id
+/// is the operator's slot in `npk_foreign_backend` (after `struct_size` and
+/// `ctx`), so ids are append-only.
+macro_rules! operators {
+    ($($(#[$doc:meta])* $v:ident = $id:literal => $m:ident :: $call:ident, $name:literal;)*) => {
+        /// One validated, planned operator call: what a `Backend` receives.
+        /// New operators add variants, so matches need a fallback arm (run
+        /// unknown operators on `CPU_SERIAL`, or return an error).
+        #[non_exhaustive]
+        #[derive(Clone, Copy, Debug)]
+        pub enum Op<'a> {
+            $($(#[$doc])* $v(&'a $m::$call),)*
+        }
+
+        /// An operator's stable number: its slot in `npk_foreign_backend`.
+        #[non_exhaustive]
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum OpId {
+            $($(#[$doc])* $v = $id,)*
+        }
+
+        impl OpId {
+            /// Every operator with a dispatch entry, by id.
+            pub const ALL: &'static [OpId] = &[$(OpId::$v),*];
+
+            /// The operator's name (its Rust function and `npk_` suffix).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(OpId::$v => $name,)*
+                }
+            }
+        }
+
+        impl Op<'_> {
+            /// Which operator this is.
+            pub const fn id(&self) -> OpId {
+                match self {
+                    $(Op::$v(_) => OpId::$v,)*
+                }
+            }
+
+            /// The call struct's address (what a foreign entry receives).
+            pub fn as_ptr(&self) -> *const c_void {
+                match *self {
+                    $(Op::$v(c) => c as *const $m::$call as *const c_void,)*
+                }
+            }
+
+            /// Runs the call on the CPU kernels of `isa` over `runner`.
+            ///
+            /// # Safety
+            /// The call comes from the front end (see `Backend`), and `isa`
+            /// is available on this CPU.
+            pub(crate) unsafe fn cpu(self, isa: Isa, runner: &dyn Runner) {
+                match self {
+                    // SAFETY: forwarded from this function's contract.
+                    $(Op::$v(c) => unsafe { $m::cpu::cpu(c, isa, runner) },)*
+                }
+            }
+
+            /// Runs the call on the f64 golden model.
+            ///
+            /// # Safety
+            /// The call comes from the front end (see `Backend`).
+            pub(crate) unsafe fn reference(self) {
+                match self {
+                    // SAFETY: forwarded from this function's contract.
+                    $(Op::$v(c) => unsafe { $m::reference::reference(c) },)*
+                }
+            }
+        }
+
+        $(
+            impl<'a> From<&'a $m::$call> for Op<'a> {
+                fn from(c: &'a $m::$call) -> Op<'a> {
+                    Op::$v(c)
+                }
+            }
+        )*
+    };
+}
+
+// Each operator's folder, declared here rather than by `operators!` so that
+// cbindgen (which does not expand macros) finds the C entry points.
 pub mod add_rms_norm;
 pub mod embedding_dense_grad;
-pub mod grad_stats;
-pub mod norm;
-mod norm_fwd;
 pub mod rms_norm;
 pub mod rms_norm_grad;
+
+operators! {
+    /// RmsNorm (`RmsNormCall`).
+    RmsNorm = 0 => rms_norm::RmsNormCall, "rms_norm";
+    /// AddRmsNorm (`AddRmsNormCall`).
+    AddRmsNorm = 1 => add_rms_norm::AddRmsNormCall, "add_rms_norm";
+    /// RmsNormGrad (`RmsNormGradCall`).
+    RmsNormGrad = 2 => rms_norm_grad::RmsNormGradCall, "rms_norm_grad";
+    /// EmbeddingDenseGrad (`EmbeddingDenseGradCall`).
+    EmbeddingDenseGrad = 3 => embedding_dense_grad::EmbeddingDenseGradCall, "embedding_dense_grad";
+}
+
+pub mod grad_stats;
+pub mod norm;
 
 use core::ffi::c_void;
 
 use crate::backend::{Backend, CPU_SERIAL};
 use crate::error::{invalid_fmt, Error, Result};
+use crate::lanes::Isa;
+use crate::runner::Runner;
 use crate::tiling::UbConfig;
 use crate::workspace::Workspace;
 
@@ -148,19 +254,16 @@ pub(crate) trait OpCall {
     fn overlapping(&self, addr: usize, bytes: usize) -> Option<&'static str>;
     /// Records the caller's workspace in the call.
     fn attach(&mut self, ws: *mut c_void, bytes: usize);
-    /// Runs the call on `backend`.
-    ///
-    /// # Safety
-    /// The call comes from `prepare` and its workspace was checked by `launch`.
-    unsafe fn dispatch(&self, backend: &dyn Backend) -> Result<()>;
+    /// The call as the `Op` a backend receives.
+    fn op(&self) -> Op<'_>;
 }
 
 /// Implements `OpCall` for a `*Call` struct with `tiling.workspace_bytes`,
-/// `workspace` and `workspace_bytes` fields, dispatching to `Backend::$method`;
+/// `workspace` and `workspace_bytes` fields (registered in `operators!`);
 /// `$nothing` (a closure on the call) says when it writes nothing; `$t` are
 /// its tensor fields (absent optional ones are empty, so never overlap).
 macro_rules! op_call {
-    ($call:ty, $method:ident, $nothing:expr, [$($t:ident),*]) => {
+    ($call:ty, $nothing:expr, [$($t:ident),*]) => {
         impl $crate::ops::OpCall for $call {
             fn workspace_needed(&self) -> u64 {
                 self.tiling.workspace_bytes
@@ -181,12 +284,8 @@ macro_rules! op_call {
                 self.workspace = ws;
                 self.workspace_bytes = bytes;
             }
-            unsafe fn dispatch(
-                &self,
-                backend: &dyn $crate::backend::Backend,
-            ) -> $crate::error::Result<()> {
-                // SAFETY: forwarded from this method's contract.
-                unsafe { backend.$method(self) }
+            fn op(&self) -> $crate::ops::Op<'_> {
+                $crate::ops::Op::from(self)
             }
         }
     };
@@ -216,7 +315,7 @@ pub(crate) fn launch<C: OpCall>(
     call.attach(ws, bytes);
     // SAFETY: `call` was built by its operator's `prepare` from validated
     // descriptors, and the workspace was just checked against its plan.
-    unsafe { call.dispatch(exec.backend) }
+    unsafe { exec.backend.launch(call.op()) }
 }
 
 /// A plan's workspace size as a `usize` (what the `*_workspace_size`

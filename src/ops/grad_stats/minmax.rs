@@ -65,7 +65,7 @@ impl MinMax {
     /// `m` whatever the lane layout (untouched lanes hold -Inf magnitudes).
     #[inline(always)]
     pub fn window_ok(&self, sums: &[f32; GROUP]) -> bool {
-        use super::kernel::{BIG, SMALL};
+        use super::cpu::{BIG, SMALL};
         let (mut finite, mut le_big, mut any_big_enough, mut all_zero) = (true, true, false, true);
         for ((&mn, &mx), &s) in self.min.iter().zip(&self.max).zip(sums) {
             let (a, b) = (-mn, mx);

@@ -9,7 +9,7 @@
 //! of elements in list order. `GradTiling` cuts it into equal blocks from the
 //! element count and `UbConfig::blocks` alone. A block widens its elements
 //! to f32 on the `Lanes` and accumulates their exact f64 squares into a fixed
-//! 16-lane pattern (see `kernel`), folds the lanes in a fixed tree, and the blocks' partials
+//! 16-lane pattern (see `cpu`), folds the lanes in a fixed tree, and the blocks' partials
 //! are combined in f64 in block order. So the same tensors and `UbConfig`
 //! give the same bits with any runner and thread count (and any ISA: no FMA,
 //! and zero min/max are reported as +0.0) — in the default floating-point
@@ -65,7 +65,9 @@
 //! clipping that no two tensors overlap (`InvalidParam`). The workspace
 //! holds the segment table and the per-block partials; no allocation.
 
-mod kernel;
+#[cfg(feature = "capi")]
+pub(crate) mod capi;
+mod cpu;
 mod minmax;
 mod plan;
 mod reference;
@@ -391,7 +393,7 @@ fn runner_of<'a>(exec: &'a Exec<'_>) -> &'a dyn Runner {
 /// `p` was built by `prepare`.
 unsafe fn run_stats(p: &Prepared, isa: Isa, runner: &dyn Runner) -> GradSummary {
     if p.t.blocks == 0 {
-        return kernel::combine(&[], 0);
+        return cpu::combine(&[], 0);
     }
     // SAFETY: forwarded.
     unsafe { dispatch_isa!(isa, L => stats_blocks::<L>(p, runner)) }
@@ -410,7 +412,7 @@ unsafe fn stats_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner) -> GradSumma
             let r = unsafe {
                 L::enter(
                     #[inline(always)]
-                    || kernel::block_stats::<L>(segs, &t, b),
+                    || cpu::block_stats::<L>(segs, &t, b),
                 )
             };
             // SAFETY: partial b is block b's alone; b < blocks.
@@ -420,7 +422,7 @@ unsafe fn stats_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner) -> GradSumma
     // SAFETY: every block wrote its partial (the runner contract) and the
     // runner has returned.
     let parts = unsafe { core::slice::from_raw_parts(p.parts, nb) };
-    kernel::combine(parts, t.elements)
+    cpu::combine(parts, t.elements)
 }
 
 /// # Safety
@@ -446,7 +448,7 @@ unsafe fn scale_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner, c: f32) {
             unsafe {
                 L::enter(
                     #[inline(always)]
-                    || kernel::block_scale::<L>(segs, &t, b, c),
+                    || cpu::block_scale::<L>(segs, &t, b, c),
                 )
             };
         }

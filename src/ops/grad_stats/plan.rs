@@ -63,7 +63,7 @@ impl GradTiling {
         let mut t = GradTiling {
             tensors: tensors as u64,
             elements: elements as u64,
-            window_elems: (super::kernel::WINDOW_GROUPS * GROUP) as u64,
+            window_elems: (super::cpu::WINDOW_GROUPS * GROUP) as u64,
             ..Default::default()
         };
         if elements == 0 {

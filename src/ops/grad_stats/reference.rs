@@ -63,7 +63,7 @@ pub(crate) unsafe fn stats<S: GradSource>(src: &mut S) -> GradSummary {
         }
     }
     let total = r.finite + r.s.nan_count + r.s.inf_count;
-    super::kernel::finish_summary(r.s, total)
+    super::cpu::finish_summary(r.s, total)
 }
 
 fn scale_t<T: Float>(x: &mut [T], c: f32) {

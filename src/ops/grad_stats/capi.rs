@@ -15,8 +15,8 @@
 use core::ffi::c_void;
 use core::mem::size_of;
 
-use super::exec::{run, write_size};
-use super::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
+use crate::capi::exec::{run, write_size};
+use crate::capi::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
 use crate::error::{invalid, Error, Result};
 use crate::ops::grad_stats::{
     clip_with, first_bad, plan_of, stats_with, ClipGradNormOptions, GradSource, GradSummary,

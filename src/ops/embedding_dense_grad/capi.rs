@@ -5,8 +5,8 @@
 
 use core::ffi::c_void;
 
-use super::exec::{run, write_size};
-use super::types::{npk_exec, npk_status, read_tensor, RawIndexPolicy};
+use crate::capi::exec::{run, write_size};
+use crate::capi::types::{npk_exec, npk_status, read_tensor, RawIndexPolicy};
 use crate::error::{invalid, Error, Result};
 use crate::ops::embedding_dense_grad::{plan, prepare, EmbeddingGradOptions, IndexPolicy};
 use crate::ops::launch;

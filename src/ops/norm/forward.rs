@@ -12,7 +12,7 @@
 
 use core::ffi::c_void;
 
-use super::norm::{for_lines, gamma_at, put_pair, round_to, store_at, Rounding};
+use super::{for_lines, gamma_at, put_pair, round_to, store_at, Rounding};
 use crate::dtype::Float;
 use crate::lanes::{fused_row, push_groups, rstd_f32, Lanes, RowSum, GROUP};
 use crate::runner::{for_plan, Runner};

@@ -1,26 +1,25 @@
-//! `npk_rms_norm_workspace_size` / `npk_rms_norm`: a skin over
-//! `ops::rms_norm::{plan, prepare, launch}`.
+//! `npk_add_rms_norm_workspace_size` / `npk_add_rms_norm`: a skin over
+//! `ops::add_rms_norm::{plan, prepare, launch}`.
 
 use core::ffi::c_void;
 
-use super::exec::{run, write_size};
-use super::types::{
+use crate::capi::exec::{run, write_size};
+use crate::capi::types::{
     npk_exec, npk_rms_norm_options, npk_status, read_norm_options, read_opt_tensor, read_tensor,
 };
 use crate::error::Error;
+use crate::ops::add_rms_norm::{plan, prepare};
 use crate::ops::launch;
-use crate::ops::rms_norm::{plan, prepare};
 use crate::tensor::RawTensor;
 
-/// Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`
-/// must be passed to both calls: the plan depends on its tiling fields).
+/// Workspace bytes `npk_add_rms_norm` needs for these arguments.
 ///
 /// # Safety
-/// Every pointer is NULL or valid for its type; `x` and `gamma` describe
-/// buffers the caller owns (they are not read here).
+/// Every pointer is NULL or valid for its type.
 #[no_mangle]
-pub unsafe extern "C" fn npk_rms_norm_workspace_size(
-    x: *const RawTensor,
+pub unsafe extern "C" fn npk_add_rms_norm_workspace_size(
+    x1: *const RawTensor,
+    x2: *const RawTensor,
     gamma: *const RawTensor,
     opts: *const npk_rms_norm_options,
     exec: *const npk_exec,
@@ -34,30 +33,33 @@ pub unsafe extern "C" fn npk_rms_norm_workspace_size(
                     arg: "workspace_bytes",
                 });
             }
-            let x = read_tensor(x, "x")?;
+            let x1 = read_tensor(x1, "x1")?;
+            let x2 = read_tensor(x2, "x2")?;
             let gamma = read_tensor(gamma, "gamma")?;
             let opts = read_norm_options(opts)?;
-            let t = plan(&x, &gamma, &opts, &e.ub)?;
+            let t = plan(&x1, &x2, &gamma, &opts, &e.ub)?;
             write_size(workspace_bytes, t.workspace_bytes)
         })
     }
 }
 
-/// RmsNorm: `rstd = 1/sqrt(mean(x^2) + eps)` per row, `y = x * rstd *
-/// (gamma + gamma_offset)`, over the trailing dims of `x` that `gamma`
-/// covers. `rstd` is nullable; `workspace` holds the bytes the size call
-/// returned (NULL only when that was 0). On error nothing is written.
+/// AddRmsNorm: `x_sum = round(x1 + x2)`, then RmsNorm of the rounded `x_sum`
+/// (bit-identical to add-then-norm). `rstd` and `x_sum` are nullable;
+/// `x_sum`'s data may equal `x1`'s (in place, the residual stream). On error
+/// nothing is written.
 ///
 /// # Safety
 /// Every pointer is NULL or valid for its type, and every tensor's `data`
 /// points to a buffer of its shape and dtype, live for the call.
 #[no_mangle]
-pub unsafe extern "C" fn npk_rms_norm(
-    x: *const RawTensor,
+pub unsafe extern "C" fn npk_add_rms_norm(
+    x1: *const RawTensor,
+    x2: *const RawTensor,
     gamma: *const RawTensor,
     opts: *const npk_rms_norm_options,
     y: *const RawTensor,
     rstd: *const RawTensor,
+    x_sum: *const RawTensor,
     workspace: *mut c_void,
     workspace_bytes: usize,
     exec: *const npk_exec,
@@ -65,12 +67,23 @@ pub unsafe extern "C" fn npk_rms_norm(
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
         run(exec, |e| {
-            let x = read_tensor(x, "x")?;
+            let x1 = read_tensor(x1, "x1")?;
+            let x2 = read_tensor(x2, "x2")?;
             let gamma = read_tensor(gamma, "gamma")?;
             let opts = read_norm_options(opts)?;
             let y = read_tensor(y, "y")?;
             let rstd = read_opt_tensor(rstd, "rstd")?;
-            let call = prepare(&x, &gamma, &opts, &y, rstd.as_ref(), &e.ub)?;
+            let x_sum = read_opt_tensor(x_sum, "x_sum")?;
+            let call = prepare(
+                &x1,
+                &x2,
+                &gamma,
+                &opts,
+                &y,
+                rstd.as_ref(),
+                x_sum.as_ref(),
+                &e.ub,
+            )?;
             launch(e, call, workspace, workspace_bytes)
         })
     }

@@ -1,6 +1,8 @@
 //! What the three RMSNorm operators share: the x/gamma shape rule, the options,
 //! and the CPU kernel's CopyIn / CopyOut helpers.
 
+pub(crate) mod forward;
+
 use crate::dtype::{gamma_dtype_ok, DType, Float};
 use crate::error::{dtype_err, invalid_fmt, Result};
 use crate::lanes::{Lanes, GROUP};

@@ -3,8 +3,8 @@
 
 use core::ffi::c_void;
 
-use super::exec::{run, write_size};
-use super::types::{
+use crate::capi::exec::{run, write_size};
+use crate::capi::types::{
     npk_exec, npk_rms_norm_grad_options, npk_status, read_grad_options, read_opt_tensor,
     read_tensor,
 };

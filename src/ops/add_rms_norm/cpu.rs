@@ -1,0 +1,72 @@
+//! AddRmsNorm on the CPU: the shared forward pass over round(x1 + x2).
+
+use super::*;
+
+/// AddRmsNorm's CopyIn: round(x1 + x2), written to x_sum by pass 2 (x_sum
+/// may be x1: each window of x1 is read before x_sum's is written).
+#[derive(Clone, Copy)]
+struct AddSource<T> {
+    x1: Src<T>,
+    x2: Src<T>,
+    x_sum: Option<Dst<T>>,
+}
+
+impl<T: Float> FwdSource<T> for AddSource<T> {
+    #[inline(always)]
+    unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L {
+        // SAFETY: forwarded; the range of x1 is not written before this read.
+        let (a, b) = unsafe {
+            (
+                load_at::<L, T>(self.x1, at, len),
+                load_at::<L, T>(self.x2, at, len),
+            )
+        };
+        round_to::<L, T>(a.add(b))
+    }
+    #[inline(always)]
+    fn side(&self) -> Option<Dst<T>> {
+        self.x_sum
+    }
+    #[inline(always)]
+    fn prefetch<L: Lanes>(&self, at: usize) {
+        prefetch_pair::<L, T>(self.x1, at);
+        prefetch_pair::<L, T>(self.x2, at);
+    }
+}
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &AddRmsNormCall, isa: Isa, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_xg!(call.x1.dtype, call.gamma.dtype, run::<L>(call, runner)))
+    }
+}
+
+unsafe fn run<L: Lanes, T: Float, G: Float>(call: &AddRmsNormCall, runner: &dyn Runner) {
+    let o = FwdOut {
+        gamma: &call.gamma,
+        y: &call.y,
+        rstd: (call.has_rstd != 0).then_some(&call.rstd),
+        eps: call.eps,
+        off: call.gamma_offset,
+        rounding: call.rounding,
+        tiling: call.tiling,
+        workspace: call.workspace,
+        workspace_bytes: call.workspace_bytes,
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        run_forward::<L, T, G, _>(
+            AddSource {
+                x1: Src(call.x1.data as *const T),
+                x2: Src(call.x2.data as *const T),
+                x_sum: (call.has_x_sum != 0).then_some(Dst(call.x_sum.data as *mut T)),
+            },
+            &o,
+            runner,
+        )
+    }
+}

@@ -1,0 +1,50 @@
+//! RmsNorm on the CPU: the shared forward pass over x itself.
+
+use super::*;
+
+/// RmsNorm's CopyIn: x itself.
+#[derive(Clone, Copy)]
+struct XSource<T>(Src<T>);
+
+impl<T: Float> FwdSource<T> for XSource<T> {
+    #[inline(always)]
+    unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L {
+        // SAFETY: forwarded; x is never written.
+        unsafe { load_at::<L, T>(self.0, at, len) }
+    }
+    #[inline(always)]
+    fn side(&self) -> Option<Dst<T>> {
+        None
+    }
+    #[inline(always)]
+    fn prefetch<L: Lanes>(&self, at: usize) {
+        prefetch_pair::<L, T>(self.0, at);
+    }
+}
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Isa, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_xg!(call.x.dtype, call.gamma.dtype, run::<L>(call, runner)))
+    }
+}
+
+unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormCall, runner: &dyn Runner) {
+    let o = FwdOut {
+        gamma: &call.gamma,
+        y: &call.y,
+        rstd: (call.has_rstd != 0).then_some(&call.rstd),
+        eps: call.eps,
+        off: call.gamma_offset,
+        rounding: call.rounding,
+        tiling: call.tiling,
+        workspace: call.workspace,
+        workspace_bytes: call.workspace_bytes,
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { run_forward::<L, T, G, _>(XSource(Src(call.x.data as *const T)), &o, runner) }
+}

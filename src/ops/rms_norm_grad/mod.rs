@@ -1,0 +1,234 @@
+//! RmsNormGrad: with `g = dy * (gamma + offset)`, `xh = x * rstd`,
+//! `c = sum_j(g * xh) / N`: `dx = rstd * (g - xh * c) [+ dres]` and
+//! `dgamma = sum_m(dy * xh)` (f32). dgamma partials are per block (fixed by the
+//! plan, not by threads) and summed in block order: deterministic.
+
+#[cfg(feature = "capi")]
+pub(crate) mod capi;
+pub(crate) mod cpu;
+mod plan;
+pub(crate) mod reference;
+
+pub(crate) use plan::{plan, prepare};
+
+use core::ffi::c_void;
+
+use super::norm::{
+    arena_group, first_lanes, for_lines, gamma_at, load_at, load_group, norm_dims, prefetch_pair,
+    put_pair, rstd_check, same_shape, store_at, store_tail,
+};
+use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
+use crate::dtype::{DType, Float};
+use crate::error::{dtype_err, invalid, invalid_fmt, Result};
+use crate::lanes::{fused_row, push_groups, Isa, Lanes, RowSum, GROUP};
+use crate::runner::{for_plan, Runner};
+use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
+use crate::tiling::{NormTiling, UbConfig, NORM_FLAG_STREAM};
+use crate::workspace::{Dst, Src, Workspace};
+
+/// What happens to an existing dgamma (`accumulate_dgamma` in the C ABI).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DgammaMode {
+    /// `dgamma = sum`.
+    #[default]
+    Overwrite,
+    /// `dgamma += sum` (gradient accumulation into an fp32 main grad).
+    Accumulate,
+}
+
+/// Options of RmsNormGrad (`npk_rms_norm_grad_options`).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct RmsNormGradOptions {
+    /// The forward's gamma offset. Default 0.0.
+    pub gamma_offset: f32,
+    /// Overwrite (default) or accumulate dgamma.
+    pub dgamma_mode: DgammaMode,
+}
+
+/// The validated arguments of one RmsNormGrad (`npk_rms_norm_grad_call`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormGradCall {
+    /// Upstream gradient, x's shape and dtype.
+    pub dy: RawTensor,
+    /// Forward input.
+    pub x: RawTensor,
+    /// Forward rstd, f32, one per row.
+    pub rstd: RawTensor,
+    /// Weight: the trailing dims of x, x's dtype or f32.
+    pub gamma: RawTensor,
+    /// Optional residual gradient added to dx (`has_dres`).
+    pub dres: RawTensor,
+    /// Output, x's shape and dtype; may be dy itself.
+    pub dx: RawTensor,
+    /// Optional f32 output, gamma's shape (`has_dgamma`).
+    pub dgamma: RawTensor,
+    /// Optional output in gamma's dtype and shape (`has_dgamma_cast`).
+    pub dgamma_cast: RawTensor,
+    /// 1 when `dres` is read.
+    pub has_dres: u32,
+    /// 1 when `dgamma` is written.
+    pub has_dgamma: u32,
+    /// 1 when `dgamma_cast` is written.
+    pub has_dgamma_cast: u32,
+    /// 1 when dx is dy (in place).
+    pub dx_in_place: u32,
+    /// 1: `dgamma += sum`; 0: `dgamma = sum`.
+    pub accumulate_dgamma: u32,
+    /// The forward's gamma offset.
+    pub gamma_offset: f32,
+    /// The tiling plan (TilingData); dgamma partials live in the workspace.
+    pub tiling: NormTiling,
+    /// The caller's workspace.
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+// Rows of length 0: dx, dgamma and dgamma_cast are all empty. No rows and
+// no dgamma output: dx is empty.
+op_call!(
+    RmsNormGradCall,
+    |c| c.tiling.cols == 0 || (c.tiling.rows == 0 && c.has_dgamma == 0 && c.has_dgamma_cast == 0),
+    [dy, x, rstd, gamma, dres, dx, dgamma, dgamma_cast]
+);
+
+/// Workspace bytes `rms_norm_grad` (and `rms_norm_grad_in_place`) needs
+/// for these inputs under `exec.ub`: per-block arenas and dgamma partials.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_grad_workspace_size<T: Float, G: Float>(
+    exec: &Exec<'_>,
+    dy: TensorRef<'_, T>,
+    x: TensorRef<'_, T>,
+    rstd: TensorRef<'_, f32>,
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+) -> Result<usize> {
+    if let Some(d) = dres.filter(|d| d.shape() != x.shape()) {
+        return Err(invalid_fmt!(
+            "dres",
+            "shape {} differs from x's {}",
+            d.shape(),
+            x.shape()
+        ));
+    }
+    let t = plan(
+        &dy.raw(),
+        &x.raw(),
+        &rstd.raw(),
+        &gamma.raw(),
+        opts,
+        &exec.ub,
+    )?;
+    workspace_len(t.workspace_bytes)
+}
+
+/// RmsNormGrad. `rstd` is the forward's (f32, one per row, any shape with
+/// that many elements); `dres`, if given, is added to dx. Outputs: `dx`
+/// (x's shape), `dgamma` (f32, gamma's shape; with
+/// `DgammaMode::Accumulate` its old value is added), `dgamma_cast` (gamma's
+/// dtype and shape). `workspace` must hold `rms_norm_grad_workspace_size`
+/// bytes. On error nothing is written.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_grad<T: Float, G: Float>(
+    exec: &Exec<'_>,
+    dy: TensorRef<'_, T>,
+    x: TensorRef<'_, T>,
+    rstd: TensorRef<'_, f32>,
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+    dx: &mut [T],
+    dgamma: Option<&mut [f32]>,
+    dgamma_cast: Option<&mut [G]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    let dxr = out_like(dx, x.shape(), "dx", "x")?;
+    grad_with(
+        exec,
+        &dy.raw(),
+        dxr,
+        x,
+        rstd,
+        gamma,
+        dres,
+        opts,
+        dgamma,
+        dgamma_cast,
+        workspace,
+    )
+}
+
+/// RmsNormGrad writing dx over `dy_dx` (which holds dy on entry); otherwise
+/// as `rms_norm_grad`, with the same workspace size.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_grad_in_place<T: Float, G: Float>(
+    exec: &Exec<'_>,
+    mut dy_dx: TensorMut<'_, T>,
+    x: TensorRef<'_, T>,
+    rstd: TensorRef<'_, f32>,
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+    dgamma: Option<&mut [f32]>,
+    dgamma_cast: Option<&mut [G]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    let d = dy_dx.raw();
+    grad_with(
+        exec,
+        &d,
+        d,
+        x,
+        rstd,
+        gamma,
+        dres,
+        opts,
+        dgamma,
+        dgamma_cast,
+        workspace,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn grad_with<T: Float, G: Float>(
+    exec: &Exec<'_>,
+    dy: &RawTensor,
+    dx: RawTensor,
+    x: TensorRef<'_, T>,
+    rstd: TensorRef<'_, f32>,
+    gamma: TensorRef<'_, G>,
+    dres: Option<TensorRef<'_, T>>,
+    opts: &RmsNormGradOptions,
+    dgamma: Option<&mut [f32]>,
+    dgamma_cast: Option<&mut [G]>,
+    workspace: &mut [u8],
+) -> Result<()> {
+    let dg = match dgamma {
+        Some(s) => Some(out_like(s, gamma.shape(), "dgamma", "gamma")?),
+        None => None,
+    };
+    let dgc = match dgamma_cast {
+        Some(s) => Some(out_like(s, gamma.shape(), "dgamma_cast", "gamma")?),
+        None => None,
+    };
+    let call = prepare(
+        dy,
+        &x.raw(),
+        &rstd.raw(),
+        &gamma.raw(),
+        dres.map(|v| v.raw()).as_ref(),
+        opts,
+        &dx,
+        dg.as_ref(),
+        dgc.as_ref(),
+        &exec.ub,
+    )?;
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
