@@ -103,10 +103,12 @@ pub const NORM_FLAG_STREAM: u32 = 1;
 /// pool costs more than it saves. The blocks, and so the bits, are the same.
 pub const NORM_FLAG_SERIAL: u32 = 2;
 
-/// Bytes of one tensor under which a plan sets `NORM_FLAG_SERIAL`: 1 MiB
-/// takes about 0.2 ms on one core, where two threads would save about
-/// 0.1 ms and a `Threads` launch costs 0.09 ms (`quick --overhead`).
-pub const SERIAL_MAX_BYTES: usize = 1 << 20;
+/// Bytes of one tensor under which a plan sets `NORM_FLAG_SERIAL`: 256 KiB
+/// takes about 15 us on one core, where two threads would save about 7 us
+/// and a `Threads` launch on the persistent pool costs 0.3-0.8 us back to
+/// back, up to about 8 us when its workers sleep (`quick --overhead`; it
+/// was 1 MiB when every launch spawned threads, 90 us).
+pub const SERIAL_MAX_BYTES: usize = 1 << 18;
 
 /// Output bytes from which a plan sets `NORM_FLAG_STREAM`: beyond a
 /// last-level cache share (server LLCs hold 1.5-3 MiB per core; an output of
@@ -240,7 +242,9 @@ mod tests {
         assert!(t.rows_per_tile >= 2);
         assert!(t.arena_bytes as usize <= cfg.ub_bytes);
         let t = NormTiling::new(4, 110_000, 2, 3, true, &cfg).unwrap();
-        assert_eq!(t.flags, NORM_FLAG_SERIAL); // 0.9 MB: one thread, cached stores
+        assert_eq!(t.flags, 0); // 0.9 MB: over SERIAL_MAX_BYTES, cached stores
+        let t = NormTiling::new(4, 16_000, 2, 3, true, &cfg).unwrap();
+        assert_eq!(t.flags, NORM_FLAG_SERIAL); // 128 KB: the calling thread
         assert_eq!(t.split_d, 1);
         assert_eq!(t.chunk_cols % 16, 0);
         assert!(t.arena_bytes as usize <= cfg.ub_bytes);

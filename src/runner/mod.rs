@@ -57,69 +57,8 @@ pub(crate) fn for_plan(runner: &dyn Runner, flags: u32) -> &dyn Runner {
 }
 
 #[cfg(feature = "std")]
-pub use threads::Threads;
-
+pub(crate) mod pool;
 #[cfg(feature = "std")]
-mod threads {
-    use super::Runner;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    /// Runs blocks on `threads` scoped OS threads (the calling thread is one of
-    /// them); blocks are handed out one at a time from a shared counter.
-    #[derive(Clone, Copy, Debug)]
-    pub struct Threads {
-        threads: usize,
-    }
-
-    impl Threads {
-        /// A runner with `threads` workers (at least 1).
-        pub fn new(threads: usize) -> Self {
-            Threads {
-                threads: threads.max(1),
-            }
-        }
-
-        /// One worker per available core.
-        pub fn per_core() -> Self {
-            Self::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
-        }
-
-        /// The worker count.
-        pub fn threads(&self) -> usize {
-            self.threads
-        }
-    }
-
-    // SAFETY: a shared counter hands out each block number once; the scope
-    // joins every worker before returning.
-    unsafe impl Runner for Threads {
-        fn parallel_for(&self, n_blocks: usize, task: &(dyn Fn(usize) + Sync)) {
-            let workers = self.threads.min(n_blocks);
-            if workers <= 1 {
-                for b in 0..n_blocks {
-                    task(b);
-                }
-                return;
-            }
-            let next = AtomicUsize::new(0);
-            let work = || loop {
-                let b = next.fetch_add(1, Ordering::Relaxed);
-                if b >= n_blocks {
-                    break;
-                }
-                task(b);
-            };
-            std::thread::scope(|s| {
-                for _ in 1..workers {
-                    s.spawn(work);
-                }
-                work();
-            });
-        }
-        /// A launch spawns scoped threads (about 90 us on the development
-        /// machine): small calls are faster on the calling thread.
-        fn runs_small_calls_inline(&self) -> bool {
-            true
-        }
-    }
-}
+mod threads;
+#[cfg(feature = "std")]
+pub use threads::Threads;
