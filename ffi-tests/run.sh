@@ -40,7 +40,9 @@ fi
 # (`cargo rustc --release --lib --crate-type staticlib -- --print native-static-libs`).
 static_libs=(-lgcc_s -lutil -lrt -lpthread -lm -ldl)
 # Shared: by name, found at run time through the rpath.
-shared_libs=(-L"$libdir" -l:libnpukern.so -Wl,-rpath,"$libdir" -lpthread -lm)
+# DT_RPATH (not RUNPATH): it outranks LD_LIBRARY_PATH, which `cargo test`
+# points at target/<profile>, where an older libnpukern.so may lie.
+shared_libs=(-L"$libdir" -l:libnpukern.so -Wl,--disable-new-dtags,-rpath,"$libdir" -lpthread -lm)
 
 set -x
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "$libdir/libnpukern.a" "${static_libs[@]}" \

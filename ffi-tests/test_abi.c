@@ -8,6 +8,7 @@
  *    a read past its struct_size crashes the test;
  *  - a table from a newer header (more entries than this library knows)
  *    runs, its extra entries never called;
+ *  - npk_isa_name names the ISAs of the library list;
  *  - a struct_size that cannot be a table is NPK_ERR_PARAM_INVALID "foreign",
  *    nothing written.
  * Built and run by ffi-tests/run.sh; exit status 0 = every check passed. */
@@ -111,6 +112,11 @@ int main(void) {
         (unsigned)NPK_ABI_VERSION);
   CHECK(npk_abi_version() >> 16 == NPK_ABI_VERSION_MAJOR, "%s", "major");
   CHECK(NPK_FOREIGN_BACKEND_MIN_SIZE == 2 * sizeof(void *), "%s", "min size");
+  /* ISA names come from the library's one ISA list. */
+  CHECK(strcmp(npk_isa_name(NPK_ISA_AVX2), "avx2") == 0 && strcmp(npk_isa_name(NPK_ISA_AUTO), "auto") == 0 &&
+            strcmp(npk_isa_name(NPK_ISA_AVX512_BF16), "avx512bf16") == 0 &&
+            strcmp(npk_isa_name((npk_isa)99), "unknown") == 0,
+        "%s", "npk_isa_name");
 
   memset(&cpu, 0, sizeof cpu);
   cpu.detail = &g_d;

@@ -866,6 +866,13 @@ const char *npk_version(void);
 uint32_t npk_abi_version(void);
 
 /**
+ * The lower-case name of an `npk_isa` value ("portable", "avx2", "avx512",
+ * "avx512bf16", ...; "auto" for `NPK_ISA_AUTO`; "unknown" otherwise), as
+ * `NPK_MAX_CPU_ISA` takes it. Static, NUL-terminated.
+ */
+const char *npk_isa_name(npk_isa isa);
+
+/**
  * What `NPK_ISA_AUTO` picks on this machine (at or below the environment's
  * `NPK_MAX_CPU_ISA` ceiling, if set).
  */

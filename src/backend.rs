@@ -91,7 +91,7 @@ impl<R: Runner> Cpu<R> {
         }
     }
 
-    pub(crate) fn isa(&self) -> Result<Isa> {
+    pub(crate) fn isa(&self) -> Result<detect::Available> {
         detect::resolve(self.isa)
     }
 }

@@ -128,7 +128,7 @@ impl ExecConfig {
 }
 
 /// The ISA ceiling of the C ABI: the environment variable `NPK_MAX_CPU_ISA`
-/// (an ISA name: `portable`, `avx2`, `avx512` or `avx512bf16`,
+/// (an ISA name, `Isa::name`: `portable`, `avx2`, `avx512`, `avx512bf16`;
 /// case-insensitive; read once), like
 /// oneDNN's `ONEDNN_MAX_CPU_ISA`. `NPK_ISA_AUTO` then picks the best ISA at or
 /// below it, `npk_detected_isa` reports that, and forcing an ISA above it is
@@ -145,12 +145,13 @@ fn isa_cap() -> Isa {
 
 /// What `NPK_ISA_AUTO` runs: the best available ISA at or below the ceiling.
 pub(crate) fn auto_isa() -> Isa {
-    let cap = isa_cap() as u32;
+    let cap = isa_cap().rank();
     Isa::ALL
-        .into_iter()
+        .iter()
         .rev()
-        .find(|&i| i as u32 <= cap && detect::available(i))
-        .unwrap_or(Isa::Portable)
+        .copied()
+        .find(|&i| i.rank() <= cap && detect::available(i))
+        .unwrap_or(Isa::ALL[0])
 }
 
 /// Resolves `npk_exec.isa` under the ceiling: `None` lets the CPU backend
@@ -159,8 +160,8 @@ fn resolve_isa(forced: Option<Isa>) -> Result<Option<Isa>> {
     match forced {
         None if auto_isa() == detect::detected() => Ok(None),
         None => Ok(Some(auto_isa())),
-        Some(i) if i as u32 > isa_cap() as u32 => Err(Error::IsaUnavailable),
-        Some(i) => detect::resolve(Some(i)).map(Some),
+        Some(i) if i.rank() > isa_cap().rank() => Err(Error::IsaUnavailable),
+        Some(i) => detect::resolve(Some(i)).map(|a| Some(a.isa())),
     }
 }
 

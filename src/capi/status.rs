@@ -5,9 +5,8 @@
 use core::ffi::c_char;
 use core::fmt::{self, Write};
 
-use super::types::{npk_error_detail, npk_isa, npk_status, RawStatus};
+use super::types::{npk_error_detail, npk_isa, npk_status, RawIsa, RawStatus};
 use crate::error::{Error, Result};
-use crate::lanes::Isa;
 
 /// The C status of an error. `Error::status` is the one table of codes; this
 /// only turns a code into the enum.
@@ -166,16 +165,24 @@ pub extern "C" fn npk_abi_version() -> u32 {
     NPK_ABI_VERSION
 }
 
+/// The lower-case name of an `npk_isa` value ("portable", "avx2", "avx512",
+/// "avx512bf16", ...; "auto" for `NPK_ISA_AUTO`; "unknown" otherwise), as
+/// `NPK_MAX_CPU_ISA` takes it. Static, NUL-terminated.
+#[no_mangle]
+pub extern "C" fn npk_isa_name(isa: RawIsa) -> *const c_char {
+    let name: &'static core::ffi::CStr = match crate::lanes::Isa::from_raw(isa) {
+        Some(i) => i.c_name(),
+        None if isa == 0 => c"auto",
+        None => c"unknown",
+    };
+    name.as_ptr()
+}
+
 /// What `NPK_ISA_AUTO` picks on this machine (at or below the environment's
 /// `NPK_MAX_CPU_ISA` ceiling, if set).
 #[no_mangle]
 pub extern "C" fn npk_detected_isa() -> npk_isa {
-    match super::exec::auto_isa() {
-        Isa::Portable => npk_isa::NPK_ISA_PORTABLE,
-        Isa::Avx2 => npk_isa::NPK_ISA_AVX2,
-        Isa::Avx512 => npk_isa::NPK_ISA_AVX512,
-        Isa::Avx512Bf16 => npk_isa::NPK_ISA_AVX512_BF16,
-    }
+    npk_isa::of(super::exec::auto_isa())
 }
 
 #[cfg(test)]

@@ -94,6 +94,25 @@ pub enum npk_isa {
     NPK_ISA_AVX512_BF16 = 4,
 }
 
+impl npk_isa {
+    /// Every named value except `NPK_ISA_AUTO`.
+    const NAMED: [npk_isa; 4] = [
+        npk_isa::NPK_ISA_PORTABLE,
+        npk_isa::NPK_ISA_AVX2,
+        npk_isa::NPK_ISA_AVX512,
+        npk_isa::NPK_ISA_AVX512_BF16,
+    ];
+
+    /// The C name of `isa` (`NPK_ISA_AUTO` for an ISA the header does not
+    /// name yet: callers still pass it by value).
+    pub(crate) fn of(isa: crate::lanes::Isa) -> npk_isa {
+        npk_isa::NAMED
+            .into_iter()
+            .find(|&c| c as u32 == isa as u32)
+            .unwrap_or(npk_isa::NPK_ISA_AUTO)
+    }
+}
+
 /// Who runs the validated, planned call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,10 +158,6 @@ const _: () = {
     assert!(
         npk_rounding::NPK_ROUNDING_CAST_BEFORE_GAMMA as u32 == Rounding::CastBeforeGamma as u32
     );
-    assert!(npk_isa::NPK_ISA_PORTABLE as u32 == crate::lanes::Isa::Portable as u32);
-    assert!(npk_isa::NPK_ISA_AVX2 as u32 == crate::lanes::Isa::Avx2 as u32);
-    assert!(npk_isa::NPK_ISA_AVX512 as u32 == crate::lanes::Isa::Avx512 as u32);
-    assert!(npk_isa::NPK_ISA_AVX512_BF16 as u32 == crate::lanes::Isa::Avx512Bf16 as u32);
     // A C enum is int-sized; the raw aliases below must be too.
     assert!(core::mem::size_of::<npk_status>() == core::mem::size_of::<RawStatus>());
     assert!(core::mem::size_of::<DType>() == core::mem::size_of::<RawDtype>());
@@ -370,4 +385,21 @@ pub(crate) unsafe fn read_grad_options(
             DgammaMode::Overwrite
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::npk_isa;
+    use crate::lanes::Isa;
+
+    /// The header names every ISA of the list, with the list's value and name.
+    #[test]
+    fn the_header_names_every_isa() {
+        for isa in Isa::ALL {
+            let c = npk_isa::of(isa);
+            assert_ne!(c, npk_isa::NPK_ISA_AUTO, "{isa} has no npk_isa name");
+            assert_eq!(c as u32, isa as u32);
+        }
+        assert_eq!(npk_isa::NAMED.len(), Isa::ALL.len());
+    }
 }

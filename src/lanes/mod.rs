@@ -24,6 +24,62 @@ pub use portable::Portable;
 #[cfg(target_arch = "x86_64")]
 pub use x86::{Avx2, Avx512, Avx512Bf16};
 
+/// The ISA list, best last: `Variant = npk_isa value, "name", lanes type
+/// (re-exported above), cfg under which it is built;`. Everything that names
+/// ISAs — `Isa`, its names and order, detection, `dispatch_isa!` — is
+/// generated from it: adding an ISA is its lanes file and one line here
+/// (docs/adding-an-isa.md). Invoked as `isa_list!([path::to::callback]
+/// (args))`, which expands to `path::to::callback! { (args) <the list> }`.
+macro_rules! isa_list {
+    ([$($cb:tt)*] ($($a:tt)*)) => {
+        $($cb)*! { ($($a)*)
+            /// `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
+            Portable = 1, "portable", Portable, all();
+            /// AVX2 + FMA + F16C (x86_64); FMA is enabled but never used.
+            Avx2 = 2, "avx2", Avx2, target_arch = "x86_64";
+            /// AVX-512F and BW (with AVX2, FMA, F16C) on x86_64.
+            Avx512 = 3, "avx512", Avx512, target_arch = "x86_64";
+            /// `Avx512` with AVX512-BF16 (and DQ, VL): bf16 rounding in
+            /// hardware (Zen 4, Sapphire Rapids and later), the same bits.
+            Avx512Bf16 = 4, "avx512bf16", Avx512Bf16, target_arch = "x86_64";
+        }
+    };
+}
+pub(crate) use isa_list;
+
+/// Calls `$body` with `$L` bound to the Lanes type of `$isa`, a
+/// `detect::Available` (so present on this CPU). Kernel bodies must run
+/// their per-block work inside `L::enter`.
+macro_rules! dispatch_isa {
+    ($isa:expr, $L:ident => $body:expr) => {
+        $crate::lanes::isa_list!([$crate::lanes::dispatch_isa_arms]($isa, $L, $body))
+    };
+}
+pub(crate) use dispatch_isa;
+
+/// `dispatch_isa!`'s match, one arm per ISA built on this target.
+macro_rules! dispatch_isa_arms {
+    (($isa:expr, $L:ident, $body:expr) $($(#[$doc:meta])* $v:ident = $raw:literal, $name:literal, $t:ident, $cfg:meta;)*) => {{
+        let available: $crate::lanes::detect::Available = $isa;
+        #[allow(unreachable_patterns)]
+        match available.isa() {
+            $(
+                #[cfg($cfg)]
+                $crate::lanes::Isa::$v => {
+                    type $L = $crate::lanes::$t;
+                    $body
+                }
+            )*
+            // ISAs not built for this target are never resolved as available.
+            _ => {
+                type $L = $crate::lanes::Portable;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use dispatch_isa_arms;
+
 /// The logical vector width and the reduction pattern's lane count.
 pub const GROUP: usize = 16;
 
@@ -36,6 +92,9 @@ pub const SEGMENT_GROUPS: usize = 128;
 pub trait Lanes: Copy + Send + Sync + 'static {
     /// Which ISA this is.
     const ISA: Isa;
+    /// Whether this CPU (and OS) can run these lanes, uncached (`Isa`'s
+    /// detection caches it). Only after it said yes may `enter` run.
+    fn detect() -> bool;
     /// Runs `f` inside this ISA's `#[target_feature]` context, so the lane
     /// operations of a kernel body instantiated for `Self` inline as vector
     /// instructions. Kernels call it once per block.
@@ -118,6 +177,11 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn div(self, o: Self) -> Self;
     /// Lane-wise IEEE square root.
     fn sqrt(self) -> Self;
+    /// Lane-wise minimum. Which operand a lane holding NaN yields, and which
+    /// zero wins, are the ISA's (callers discard or normalize such lanes).
+    fn min(self, o: Self) -> Self;
+    /// Lane-wise maximum (NaN and zeros as `min`).
+    fn max(self, o: Self) -> Self;
     /// The fixed fold: lanes `i + 8` onto `i`, then `i + 4`, `i + 2`, `i + 1`.
     fn fold(self) -> f32;
 }
@@ -435,21 +499,12 @@ mod tests {
     /// definitions bit for bit, NaN payloads included.
     #[test]
     fn every_isa_converts_like_scalar() {
-        conversions_match_scalar::<Portable>();
-        #[cfg(target_arch = "x86_64")]
-        {
-            if Isa::Avx2.is_available() {
-                // SAFETY: AVX2 is available.
-                unsafe { x86::Avx2::enter(conversions_match_scalar::<x86::Avx2>) };
-            }
-            if Isa::Avx512.is_available() {
-                // SAFETY: AVX-512 is available.
-                unsafe { x86::Avx512::enter(conversions_match_scalar::<x86::Avx512>) };
-            }
-            if Isa::Avx512Bf16.is_available() {
-                // SAFETY: the AVX512-BF16 level is available.
-                unsafe { x86::Avx512Bf16::enter(conversions_match_scalar::<x86::Avx512Bf16>) };
-            }
+        for isa in Isa::ALL {
+            let Ok(a) = detect::resolve(Some(isa)) else {
+                continue;
+            };
+            // SAFETY: `a` proves the ISA is available.
+            dispatch_isa!(a, L => unsafe { L::enter(conversions_match_scalar::<L>) });
         }
     }
 

@@ -43,6 +43,10 @@ fn narrow8(v: f32x8) -> [u16; 8] {
 impl Lanes for Portable {
     const ISA: Isa = Isa::Portable;
 
+    fn detect() -> bool {
+        true
+    }
+
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
         f()
@@ -130,6 +134,14 @@ impl Lanes for Portable {
     #[inline(always)]
     fn sqrt(self) -> Self {
         Portable(self.0.sqrt(), self.1.sqrt())
+    }
+    #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        Portable(self.0.fast_min(o.0), self.1.fast_min(o.1))
+    }
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        Portable(self.0.fast_max(o.0), self.1.fast_max(o.1))
     }
     #[inline(always)]
     fn fold(self) -> f32 {

@@ -15,6 +15,50 @@ use half::{bf16, f16};
 use super::x86_bf16 as hw;
 use super::{Isa, Lanes, GROUP};
 
+/// `levels` bits.
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+const AVX512BF16: u8 = 4;
+
+/// The x86 levels this CPU and OS support (uncached; `detect` caches).
+pub(crate) fn levels() -> u8 {
+    use core::arch::x86_64::{__cpuid, __cpuid_count, _xgetbv};
+    let (max, l1) = (__cpuid(0).eax, __cpuid(1));
+    let osxsave = l1.ecx & (1 << 27) != 0;
+    if max < 7 || !osxsave {
+        return 0;
+    }
+    // SAFETY: OSXSAVE is set, so xgetbv is enabled by the OS.
+    let xcr0 = unsafe { _xgetbv(0) };
+    let ymm_saved = xcr0 & 0b110 == 0b110;
+    let zmm_saved = ymm_saved && xcr0 & 0xe0 == 0xe0;
+    let (fma, avx, f16c) = (
+        l1.ecx & (1 << 12) != 0,
+        l1.ecx & (1 << 28) != 0,
+        l1.ecx & (1 << 29) != 0,
+    );
+    let l7 = __cpuid_count(7, 0); // leaf 7 exists: max >= 7
+    let (avx2, avx512f, avx512bw) = (
+        l7.ebx & (1 << 5) != 0,
+        l7.ebx & (1 << 16) != 0,
+        l7.ebx & (1 << 30) != 0,
+    );
+    let (avx512dq, avx512vl) = (l7.ebx & (1 << 17) != 0, l7.ebx & (1 << 31) != 0);
+    // AVX512_BF16 is leaf 7, sub-leaf 1, EAX bit 5 (when that sub-leaf exists).
+    let avx512bf16 = l7.eax >= 1 && __cpuid_count(7, 1).eax & (1 << 5) != 0;
+    let mut f = 0;
+    if ymm_saved && avx && fma && f16c && avx2 {
+        f |= AVX2;
+        if zmm_saved && avx512f && avx512bw {
+            f |= AVX512;
+            if avx512dq && avx512vl && avx512bf16 {
+                f |= AVX512BF16;
+            }
+        }
+    }
+    f
+}
+
 /// Lanes 0..8 in `.0`, lanes 8..16 in `.1`.
 #[derive(Clone, Copy, Debug)]
 pub struct Avx2(__m256, __m256);
@@ -169,6 +213,10 @@ unsafe fn bf16_bits8(v: __m256) -> __m128i {
 impl Lanes for Avx2 {
     const ISA: Isa = Isa::Avx2;
 
+    fn detect() -> bool {
+        levels() & AVX2 != 0
+    }
+
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
         // SAFETY: the caller guarantees the CPU has AVX2, FMA and F16C.
@@ -320,6 +368,16 @@ impl Lanes for Avx2 {
         unsafe { Avx2(_mm256_sqrt_ps(self.0), _mm256_sqrt_ps(self.1)) }
     }
     #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_min_ps(self.0, o.0), _mm256_min_ps(self.1, o.1)) }
+    }
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_max_ps(self.0, o.0), _mm256_max_ps(self.1, o.1)) }
+    }
+    #[inline(always)]
     fn fold(self) -> f32 {
         let mut s = [0f32; 8];
         // SAFETY: 8 writable f32; AVX present.
@@ -334,6 +392,10 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     } else {
         Isa::Avx512
     };
+
+    fn detect() -> bool {
+        levels() & if HW_BF16 { AVX512BF16 } else { AVX512 } != 0
+    }
 
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
@@ -467,6 +529,16 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     fn sqrt(self) -> Self {
         // SAFETY: AVX-512F present.
         unsafe { Self(_mm512_sqrt_ps(self.0)) }
+    }
+    #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Self(_mm512_min_ps(self.0, o.0)) }
+    }
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Self(_mm512_max_ps(self.0, o.0)) }
     }
     #[inline(always)]
     fn fold(self) -> f32 {

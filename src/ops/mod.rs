@@ -64,7 +64,7 @@ macro_rules! operators {
             /// # Safety
             /// The call comes from the front end (see `Backend`), and `isa`
             /// is available on this CPU.
-            pub(crate) unsafe fn cpu(self, isa: Isa, runner: &dyn Runner) {
+            pub(crate) unsafe fn cpu(self, isa: Available, runner: &dyn Runner) {
                 match self {
                     // SAFETY: forwarded from this function's contract.
                     $(Op::$v(c) => unsafe { $m::cpu::cpu(c, isa, runner) },)*
@@ -114,11 +114,11 @@ operators! {
 pub mod grad_stats;
 pub mod norm;
 
+use crate::lanes::detect::Available;
 use core::ffi::c_void;
 
 use crate::backend::{Backend, CPU_SERIAL};
 use crate::error::{invalid_fmt, Error, Result};
-use crate::lanes::Isa;
 use crate::runner::Runner;
 use crate::tiling::UbConfig;
 use crate::workspace::Workspace;
@@ -210,35 +210,7 @@ macro_rules! dispatch_xg {
 }
 pub(crate) use dispatch_xg;
 
-/// Calls `$body` with `$L` bound to the Lanes type of `$isa` (an ISA that
-/// `detect::resolve` returned, so available on this CPU). Kernel bodies must
-/// run their per-block work inside `L::enter`.
-macro_rules! dispatch_isa {
-    ($isa:expr, $L:ident => $body:expr) => {{
-        match $isa {
-            #[cfg(target_arch = "x86_64")]
-            $crate::lanes::Isa::Avx512Bf16 => {
-                type $L = $crate::lanes::Avx512Bf16;
-                $body
-            }
-            #[cfg(target_arch = "x86_64")]
-            $crate::lanes::Isa::Avx512 => {
-                type $L = $crate::lanes::Avx512;
-                $body
-            }
-            #[cfg(target_arch = "x86_64")]
-            $crate::lanes::Isa::Avx2 => {
-                type $L = $crate::lanes::Avx2;
-                $body
-            }
-            _ => {
-                type $L = $crate::lanes::Portable;
-                $body
-            }
-        }
-    }};
-}
-pub(crate) use dispatch_isa;
+pub(crate) use crate::lanes::dispatch_isa;
 
 /// A validated `*Call` (from an operator's `prepare`) that the front end
 /// hands to a backend once the caller's workspace is attached.

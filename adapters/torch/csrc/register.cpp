@@ -60,16 +60,7 @@ namespace {
 PyObject *version(PyObject *, PyObject *) { return PyUnicode_FromString(npk_version()); }
 
 PyObject *detected_isa(PyObject *, PyObject *) {
-  switch (npk_detected_isa()) {
-    case NPK_ISA_AVX512_BF16:
-      return PyUnicode_FromString("avx512bf16");
-    case NPK_ISA_AVX512:
-      return PyUnicode_FromString("avx512");
-    case NPK_ISA_AVX2:
-      return PyUnicode_FromString("avx2");
-    default:
-      return PyUnicode_FromString("portable");
-  }
+  return PyUnicode_FromString(npk_isa_name(npk_detected_isa()));
 }
 
 PyMethodDef methods[] = {

@@ -1,6 +1,7 @@
 //! AddRmsNorm on the CPU: the shared forward pass over round(x1 + x2).
 
 use super::*;
+use crate::lanes::detect::Available;
 
 /// AddRmsNorm's CopyIn: round(x1 + x2), written to x_sum by pass 2 (x_sum
 /// may be x1: each window of x1 is read before x_sum's is written).
@@ -38,7 +39,7 @@ impl<T: Float> FwdSource<T> for AddSource<T> {
 ///
 /// # Safety
 /// `call` was built by `prepare` and its workspace checked by `launch`.
-pub(crate) unsafe fn cpu(call: &AddRmsNormCall, isa: Isa, runner: &dyn Runner) {
+pub(crate) unsafe fn cpu(call: &AddRmsNormCall, isa: Available, runner: &dyn Runner) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
         dispatch_isa!(isa, L => dispatch_xg!(call.x1.dtype, call.gamma.dtype, run::<L>(call, runner)))

@@ -19,7 +19,7 @@ use super::norm::{
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::Result;
-use crate::lanes::{sqrt_f64, Isa, Lanes};
+use crate::lanes::{sqrt_f64, Lanes};
 use crate::runner::Runner;
 use crate::tensor::{no_overlap, out_like, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig};

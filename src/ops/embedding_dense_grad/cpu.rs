@@ -2,12 +2,13 @@
 //! the workspace, then the plan's blocks write the table row by row, each
 //! row exactly once, the rows split over blocks by work.
 
+use crate::lanes::detect::Available;
 use core::ffi::c_void;
 
 use super::{dispatch_go, dispatch_index, EmbeddingDenseGradCall, IndexElem, RowMap};
 use crate::dtype::Float;
 use crate::lanes::stream::{stream_copy, stream_zero};
-use crate::lanes::{widen_into, Isa, Lanes, GROUP};
+use crate::lanes::{widen_into, Lanes, GROUP};
 use crate::ops::dispatch_isa;
 use crate::runner::Runner;
 use crate::tiling::NORM_FLAG_STREAM;
@@ -17,7 +18,7 @@ use crate::workspace::{ArenaSlots, Dst, Src, Workspace};
 ///
 /// # Safety
 /// `call` was built by `prepare` and its workspace checked by `launch`.
-pub(crate) unsafe fn cpu(call: &EmbeddingDenseGradCall, isa: Isa, runner: &dyn Runner) {
+pub(crate) unsafe fn cpu(call: &EmbeddingDenseGradCall, isa: Available, runner: &dyn Runner) {
     let t = &call.tiling;
     if t.blocks == 0 {
         return; // H == 0 or num_weights == 0: nothing to write.

@@ -15,7 +15,7 @@
 //! The piece is read in windows of `WINDOW_GROUPS` = 32 groups of 16 (512
 //! elements). Beside the f64 squares the `Lanes` keep a cheap f32 sum of
 //! squares per window (four accumulators) and the window's min/max at the
-//! ISA's width (`MinMax`; the `Lanes` have none): when that f32 sum is not
+//! ISA's width (`MinMax`, on the lanes): when that f32 sum is not
 //! finite or the largest magnitude is outside `[2^-50, 2^60]`, the window may
 //! hold NaN/Inf, so it is re-read, masked, while it is in L1: finite
 //! elements add the same exact f64 squares, NaN/Inf are counted, min/max see
@@ -24,7 +24,7 @@
 //! every operation is fixed by the plan alone, never by the runner or ISA;
 //! no FMA (Rust never contracts `*` and `+`).
 
-use super::minmax::MinMax;
+use super::minmax::{fold, MinMax};
 use super::plan::{GradTiling, Partial, Seg};
 use super::GradSummary;
 use crate::dtype::{DType, Float};
@@ -47,8 +47,9 @@ pub(crate) const SMALL: f32 = f32::from_bits((127 - 50) << 23);
 struct Acc {
     /// The 16 f64 lane sums of squares.
     sq: [f64; GROUP],
-    /// Min/max of the f32 windows taken as is.
-    mm: MinMax,
+    /// Lane-wise min/max of the f32 windows taken as is.
+    mm_min: [f32; GROUP],
+    mm_max: [f32; GROUP],
     /// Min/max of the masked windows and tails (finite elements only).
     min: f32,
     max: f32,
@@ -61,7 +62,8 @@ impl Acc {
     fn new() -> Self {
         Acc {
             sq: [0.0; GROUP],
-            mm: MinMax::new(),
+            mm_min: [f32::INFINITY; GROUP],
+            mm_max: [f32::NEG_INFINITY; GROUP],
             min: f32::INFINITY,
             max: f32::NEG_INFINITY,
             nan: 0,
@@ -71,7 +73,7 @@ impl Acc {
 
     #[inline(always)]
     fn finish(self) -> Partial {
-        let (mn, mx) = self.mm.fold();
+        let (mn, mx) = fold(&self.mm_min, &self.mm_max);
         Partial {
             sum_sq: fold16(self.sq),
             nan: self.nan,
@@ -125,14 +127,14 @@ fn masked(acc: &mut Acc, v: &[f32]) {
 fn step<L: Lanes, T: Float>(
     s: &mut L,
     sq: &mut [f64; GROUP],
-    w: &mut MinMax,
+    w: &mut MinMax<L>,
     v: &mut [f32; GROUP],
     g: &[T; GROUP],
 ) {
     let x = T::load::<L>(g);
     *s = s.add(x.mul(x));
     x.store(v);
-    w.push::<L>(v);
+    w.push(x);
     for (q, &e) in sq.iter_mut().zip(v.iter()) {
         let d = e as f64;
         // Separate mul and add: Rust never contracts them into an FMA.
@@ -149,7 +151,7 @@ fn window<L: Lanes, T: Float>(acc: &mut Acc, win: &[[T; GROUP]]) {
     let z = L::splat(0.0);
     let mut s = [z; ACCS];
     let mut sq = acc.sq;
-    let mut w = MinMax::new();
+    let mut w = MinMax::<L>::new();
     let mut v = [0f32; GROUP];
     let (quads, rest) = win.as_chunks::<ACCS>();
     for q in quads {
@@ -163,7 +165,7 @@ fn window<L: Lanes, T: Float>(acc: &mut Acc, win: &[[T; GROUP]]) {
     s[0].add(s[1]).add(s[2].add(s[3])).store(&mut v);
     if w.window_ok(&v) {
         acc.sq = sq;
-        acc.mm.merge(&w);
+        w.merge_into(&mut acc.mm_min, &mut acc.mm_max);
     } else {
         // Rare: re-read the window (in L1) exactly, masking NaN/Inf.
         for g in win {

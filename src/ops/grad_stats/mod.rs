@@ -73,6 +73,7 @@ mod plan;
 mod reference;
 mod types;
 
+use crate::lanes::detect::Available;
 use core::ffi::c_void;
 
 pub use plan::{GradTiling, GRAD_MIN_BLOCK_ELEMS};
@@ -86,7 +87,7 @@ use super::{dispatch_isa, Exec};
 use crate::backend::GradEngine;
 use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
-use crate::lanes::{detect, Isa, Lanes};
+use crate::lanes::{detect, Lanes};
 use crate::runner::Runner;
 use crate::tensor::RawTensor;
 use crate::workspace::{Dst, Workspace};
@@ -227,7 +228,7 @@ struct Prepared {
     t: GradTiling,
     segs: *const Seg,
     parts: *mut Partial,
-    isa: Option<Isa>,
+    isa: Option<Available>,
 }
 
 /// Validates everything, then writes the segment table into the workspace.
@@ -391,7 +392,7 @@ fn runner_of<'a>(exec: &'a Exec<'_>) -> &'a dyn Runner {
 
 /// # Safety
 /// `p` was built by `prepare`.
-unsafe fn run_stats(p: &Prepared, isa: Isa, runner: &dyn Runner) -> GradSummary {
+unsafe fn run_stats(p: &Prepared, isa: Available, runner: &dyn Runner) -> GradSummary {
     if p.t.blocks == 0 {
         return cpu::combine(&[], 0);
     }
@@ -427,7 +428,7 @@ unsafe fn stats_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner) -> GradSumma
 
 /// # Safety
 /// `p` was built by `prepare` with `writes`.
-unsafe fn run_scale(p: &Prepared, isa: Isa, runner: &dyn Runner, c: f32) {
+unsafe fn run_scale(p: &Prepared, isa: Available, runner: &dyn Runner, c: f32) {
     if p.t.blocks == 0 {
         return;
     }

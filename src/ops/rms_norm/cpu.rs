@@ -1,6 +1,7 @@
 //! RmsNorm on the CPU: the shared forward pass over x itself.
 
 use super::*;
+use crate::lanes::detect::Available;
 
 /// RmsNorm's CopyIn: x itself.
 #[derive(Clone, Copy)]
@@ -26,7 +27,7 @@ impl<T: Float> FwdSource<T> for XSource<T> {
 ///
 /// # Safety
 /// `call` was built by `prepare` and its workspace checked by `launch`.
-pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Isa, runner: &dyn Runner) {
+pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Available, runner: &dyn Runner) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
         dispatch_isa!(isa, L => dispatch_xg!(call.x.dtype, call.gamma.dtype, run::<L>(call, runner)))

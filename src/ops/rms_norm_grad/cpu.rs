@@ -2,6 +2,7 @@
 //! dgamma reduction.
 
 use super::*;
+use crate::lanes::detect::Available;
 
 #[derive(Clone, Copy)]
 struct Ctx<T, G> {
@@ -21,7 +22,7 @@ struct Ctx<T, G> {
 ///
 /// # Safety
 /// `call` was built by `prepare` and its workspace checked by `launch`.
-pub(crate) unsafe fn cpu(call: &RmsNormGradCall, isa: Isa, runner: &dyn Runner) {
+pub(crate) unsafe fn cpu(call: &RmsNormGradCall, isa: Available, runner: &dyn Runner) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
         dispatch_isa!(isa, L => dispatch_xg!(call.x.dtype, call.gamma.dtype, run::<L>(call, runner)))

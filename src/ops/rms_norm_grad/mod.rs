@@ -20,7 +20,7 @@ use super::norm::{
 use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Result};
-use crate::lanes::{fused_row, push_groups, Isa, Lanes, RowSum, GROUP};
+use crate::lanes::{fused_row, push_groups, Lanes, RowSum, GROUP};
 use crate::runner::{for_plan, Runner};
 use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
 use crate::tiling::{NormTiling, UbConfig, NORM_FLAG_STREAM};
