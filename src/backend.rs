@@ -41,6 +41,7 @@ pub unsafe trait Backend: Sync {
 
 /// How the gradient-health operators run (`Backend::grad_engine`).
 #[derive(Clone, Copy)]
+#[non_exhaustive]
 pub enum GradEngine<'a> {
     /// The blocked SIMD kernels on `runner`, with the ISA forced or (None)
     /// detected.

@@ -8,6 +8,7 @@ use half::{bf16, f16};
 /// A tensor's element type. The numeric values are the C ABI's `npk_dtype`.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DType {
     /// IEEE binary32.
     F32 = 0,

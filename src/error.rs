@@ -100,6 +100,7 @@ impl PartialEq<&str> for Reason {
 /// Why a call was refused (or, for `Backend` and `Runner`, failed). On a
 /// refusal no output has been written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Error {
     /// A required pointer is NULL (C ABI only).
     NullPointer {

@@ -38,13 +38,7 @@ impl Run {
 }
 
 fn dname<T: Element>() -> &'static str {
-    match T::DTYPE {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-    }
+    T::DTYPE.name()
 }
 
 /// Random magnitudes (1e-3..1e3, both signs) with specials planted in row 0

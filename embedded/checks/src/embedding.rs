@@ -27,13 +27,7 @@ pub fn run(c: &mut Checker<'_>) {
 }
 
 fn dname(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-    }
+    d.name()
 }
 
 /// The options of each run, and the rows it writes.

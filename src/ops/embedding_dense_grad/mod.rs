@@ -52,6 +52,7 @@ use crate::workspace::Src;
 /// What to do with an index outside this call's rows (`npk_index_policy`).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum IndexPolicy {
     /// Fail with `IndexOutOfRange` (first bad position) and write nothing.
     #[default]

@@ -10,6 +10,7 @@ use crate::tensor::TensorRef;
 /// One read-only gradient tensor. Its shape does not matter to these
 /// operators (every element counts once), so a flat slice is all they need.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub enum GradTensor<'a> {
     /// IEEE binary32 elements.
     F32(&'a [f32]),
@@ -21,6 +22,7 @@ pub enum GradTensor<'a> {
 
 /// One writable gradient tensor (for `clip_grad_norm`, which scales in place).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum GradTensorMut<'a> {
     /// IEEE binary32 elements.
     F32(&'a mut [f32]),

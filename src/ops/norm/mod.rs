@@ -12,6 +12,7 @@ use crate::workspace::{Dst, Src};
 /// How the forward output is rounded. Values are the C ABI's `npk_rounding`.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Rounding {
     /// `y = round(x * rstd * (gamma + offset))`: one rounding (CANN, torch's
     /// composite `rms_norm`).

@@ -28,6 +28,7 @@ use crate::workspace::{Dst, Src, Workspace};
 
 /// What happens to an existing dgamma (`accumulate_dgamma` in the C ABI).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum DgammaMode {
     /// `dgamma = sum`.
     #[default]
