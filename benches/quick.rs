@@ -195,7 +195,11 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
         let gopts = RmsNormGradOptions::default();
         let a = TensorRef::new(&xs[0], &dims).unwrap();
         let mut ws =
-            vec![0u8; rms_norm_grad_workspace_size(&exec, a, a, rt, gt, None, &gopts).unwrap()];
+            vec![
+                0u8;
+                rms_norm_grad_workspace_size(&exec, a, &RmsNormGradInputs::new(a, rt, gt), &gopts)
+                    .unwrap()
+            ];
         let mut dg = vec![0f32; n];
         let r = time_pair(o, sets, tb * 3 / 2, |s| {
             let dyt = TensorRef::new(&dys[s], &dims).unwrap();
@@ -204,14 +208,13 @@ fn norms<T: Float>(o: &Opts, cpu: &Cpu<Threads>, shape: [usize; 3]) {
             rms_norm_grad(
                 &exec,
                 dyt,
-                xt,
-                rt,
-                gt,
-                None,
+                &RmsNormGradInputs::new(xt, rt, gt),
                 &gopts,
                 &mut dxs[s],
-                dgamma,
-                None,
+                DgammaOut {
+                    dgamma,
+                    dgamma_cast: None,
+                },
                 &mut ws,
             )
             .unwrap()

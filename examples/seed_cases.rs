@@ -136,14 +136,27 @@ pub fn run(case: &Case, exec: &Exec<'_>) -> Report {
     let rt = TensorRef::new(&rstd, &[m]).unwrap();
     let bwd = |e: &Exec<'_>| {
         let mut ws =
-            vec![0u8; rms_norm_grad_workspace_size(e, dyt, xt, rt, gt, None, &gopts).unwrap()];
+            vec![
+                0u8;
+                rms_norm_grad_workspace_size(e, dyt, &RmsNormGradInputs::new(xt, rt, gt), &gopts)
+                    .unwrap()
+            ];
         let (mut dx, mut dg) = (vec![bf16::ZERO; m * h], vec![0f32; h]);
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let t = Instant::now();
             let dgamma = Some(&mut dg[..]);
             rms_norm_grad(
-                e, dyt, xt, rt, gt, None, &gopts, &mut dx, dgamma, None, &mut ws,
+                e,
+                dyt,
+                &RmsNormGradInputs::new(xt, rt, gt),
+                &gopts,
+                &mut dx,
+                DgammaOut {
+                    dgamma,
+                    dgamma_cast: None,
+                },
+                &mut ws,
             )
             .unwrap();
             best = best.min(t.elapsed().as_secs_f64());

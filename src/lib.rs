@@ -76,10 +76,10 @@ pub use ops::grad_stats::{
 pub use ops::norm::{RmsNormOptions, Rounding};
 pub use ops::rms_norm::{rms_norm, rms_norm_workspace_size, RmsNormCall};
 pub use ops::rms_norm_grad::{
-    rms_norm_grad, rms_norm_grad_in_place, rms_norm_grad_workspace_size, DgammaMode,
-    RmsNormGradCall, RmsNormGradOptions,
+    rms_norm_grad, rms_norm_grad_in_place, rms_norm_grad_workspace_size, DgammaMode, DgammaOut,
+    RmsNormGradCall, RmsNormGradInputs, RmsNormGradOptions,
 };
-pub use ops::Exec;
+pub use ops::{Exec, Op, OpId};
 #[cfg(feature = "std")]
 pub use runner::Threads;
 pub use runner::{Runner, Serial};

@@ -149,18 +149,33 @@ fn norms<T: Float, G: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
                 TensorRef::new(&g, &gs).unwrap(),
             );
             let dr = Some(TensorRef::new(&dres, &xs).unwrap());
-            let sz = rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, dr, &gopts).unwrap();
+            let sz = rms_norm_grad_workspace_size(
+                &exec,
+                dyt,
+                &RmsNormGradInputs {
+                    x: xt,
+                    rstd: rt,
+                    gamma: gt,
+                    dres: dr,
+                },
+                &gopts,
+            )
+            .unwrap();
             let mut ws = vec![0u8; sz];
             rms_norm_grad_in_place(
                 &exec,
                 TensorMut::new(&mut dydx, &xs).unwrap(),
-                xt,
-                rt,
-                gt,
-                dr,
+                &RmsNormGradInputs {
+                    x: xt,
+                    rstd: rt,
+                    gamma: gt,
+                    dres: dr,
+                },
                 &gopts,
-                Some(&mut dgamma),
-                Some(&mut dgc),
+                DgammaOut {
+                    dgamma: Some(&mut dgamma),
+                    dgamma_cast: Some(&mut dgc),
+                },
                 &mut ws,
             )
             .unwrap();

@@ -242,19 +242,33 @@ fn grad_in_place_and_cast_match() {
     let dres_t = TensorRef::new(&dres, &[m, n]).unwrap();
     let mut ws = vec![
         0u8;
-        rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, Some(dres_t), &opts)
-            .unwrap()
+        rms_norm_grad_workspace_size(
+            &exec,
+            xt,
+            &RmsNormGradInputs {
+                x: xt,
+                rstd: rt,
+                gamma: gt,
+                dres: Some(dres_t)
+            },
+            &opts
+        )
+        .unwrap()
     ];
     rms_norm_grad_in_place(
         &exec,
         TensorMut::new(&mut buf, &[m, n]).unwrap(),
-        xt,
-        rt,
-        gt,
-        Some(dres_t),
+        &RmsNormGradInputs {
+            x: xt,
+            rstd: rt,
+            gamma: gt,
+            dres: Some(dres_t),
+        },
         &opts,
-        Some(&mut dg),
-        None,
+        DgammaOut {
+            dgamma: Some(&mut dg),
+            dgamma_cast: None,
+        },
         &mut ws,
     )
     .unwrap();

@@ -305,14 +305,13 @@ fn rms_norm_grad_errors() {
         let e = rms_norm_grad(
             &exec,
             dy,
-            x,
-            rstd,
-            g,
-            None,
+            &RmsNormGradInputs::new(x, rstd, g),
             &opts,
             &mut dx,
-            with_dg.then_some(&mut dg[..]),
-            Some(&mut dgc),
+            DgammaOut {
+                dgamma: with_dg.then_some(&mut dg[..]),
+                dgamma_cast: Some(&mut dgc),
+            },
             &mut ws,
         )
         .unwrap_err();
@@ -376,21 +375,24 @@ fn empty_tensors_are_valid() {
     // dgamma of zero rows is zero (overwrite).
     let rt = TensorRef::new(&[] as &[f32], &[0]).unwrap();
     let mut dg = vec![5.0f32; 8];
-    let ws_len =
-        rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, None, &RmsNormGradOptions::default())
-            .unwrap();
-    let mut ws = vec![0u8; ws_len];
-    rms_norm_grad::<f32, f32>(
+    let ws_len = rms_norm_grad_workspace_size(
         &exec,
         xt,
+        &RmsNormGradInputs::new(xt, rt, gt),
+        &RmsNormGradOptions::default(),
+    )
+    .unwrap();
+    let mut ws = vec![0u8; ws_len];
+    rms_norm_grad(
+        &exec,
         xt,
-        rt,
-        gt,
-        None,
+        &RmsNormGradInputs::new(xt, rt, gt),
         &RmsNormGradOptions::default(),
         &mut [],
-        Some(&mut dg),
-        None,
+        DgammaOut {
+            dgamma: Some(&mut dg),
+            dgamma_cast: None,
+        },
         &mut ws,
     )
     .unwrap();

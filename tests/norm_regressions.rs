@@ -61,20 +61,21 @@ fn empty_rows_with_rstd_get_nan() {
             assert!(rstd.iter().all(|v| v.is_nan()));
             let rt = TensorRef::new(&rstd, &[m]).unwrap();
             let go = RmsNormGradOptions::default();
-            let n = rms_norm_grad_workspace_size(&exec, xt, xt, rt, gt, None, &go).unwrap();
+            let n =
+                rms_norm_grad_workspace_size(&exec, xt, &RmsNormGradInputs::new(xt, rt, gt), &go)
+                    .unwrap();
             let mut ws = vec![0u8; n];
             let mut dg: [f32; 0] = [];
             rms_norm_grad(
                 &exec,
                 xt,
-                xt,
-                rt,
-                gt,
-                None,
+                &RmsNormGradInputs::new(xt, rt, gt),
                 &go,
                 &mut [],
-                Some(&mut dg),
-                None,
+                DgammaOut {
+                    dgamma: Some(&mut dg),
+                    dgamma_cast: None,
+                },
                 &mut ws,
             )
             .unwrap();
@@ -94,10 +95,21 @@ fn dx_inf_rstd(exec: &Exec<'_>, n: usize) -> Vec<f32> {
     let gt = TensorRef::new(&g, &[n]).unwrap();
     let rt = TensorRef::new(&rstd, &[1]).unwrap();
     let o = RmsNormGradOptions::default();
-    let mut ws = vec![0u8; rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, None, &o).unwrap()];
+    let mut ws =
+        vec![
+            0u8;
+            rms_norm_grad_workspace_size(exec, dyt, &RmsNormGradInputs::new(xt, rt, gt), &o)
+                .unwrap()
+        ];
     let mut dx = vec![0f32; n];
     rms_norm_grad(
-        exec, dyt, xt, rt, gt, None, &o, &mut dx, None, None, &mut ws,
+        exec,
+        dyt,
+        &RmsNormGradInputs::new(xt, rt, gt),
+        &o,
+        &mut dx,
+        DgammaOut::default(),
+        &mut ws,
     )
     .unwrap();
     dx

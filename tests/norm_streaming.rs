@@ -140,12 +140,33 @@ fn backward<T: Float>(n: usize, seed: u64) {
             );
             let mut ws = vec![
                 0u8;
-                rms_norm_grad_workspace_size(&small, dyt, xt, rt, gt, dr, &opts)
-                    .unwrap()
+                rms_norm_grad_workspace_size(
+                    &small,
+                    dyt,
+                    &RmsNormGradInputs {
+                        x: xt,
+                        rstd: rt,
+                        gamma: gt,
+                        dres: dr
+                    },
+                    &opts
+                )
+                .unwrap()
             ];
             let mut dx = vec![T::from_f64(0.0); rows * n];
             rms_norm_grad(
-                &small, dyt, xt, rt, gt, dr, &opts, &mut dx, None, None, &mut ws,
+                &small,
+                dyt,
+                &RmsNormGradInputs {
+                    x: xt,
+                    rstd: rt,
+                    gamma: gt,
+                    dres: dr,
+                },
+                &opts,
+                &mut dx,
+                DgammaOut::default(),
+                &mut ws,
             )
             .unwrap();
             want.extend(dx);
@@ -157,22 +178,39 @@ fn backward<T: Float>(n: usize, seed: u64) {
         let rt = TensorRef::new(&rstd, &[m]).unwrap();
         let dr = with_dres.then(|| TensorRef::new(&dres, &[m, n]).unwrap());
         each_exec(&mut |exec, name| {
-            let mut ws =
-                vec![0u8; rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, dr, &opts).unwrap()];
+            let mut ws = vec![
+                0u8;
+                rms_norm_grad_workspace_size(
+                    exec,
+                    dyt,
+                    &RmsNormGradInputs {
+                        x: xt,
+                        rstd: rt,
+                        gamma: gt,
+                        dres: dr
+                    },
+                    &opts
+                )
+                .unwrap()
+            ];
             for shift in [0, 1] {
                 let (mut b, o) = out_buf::<T>(m * n, shift);
                 let mut dg = vec![0f32; n];
                 rms_norm_grad(
                     exec,
                     dyt,
-                    xt,
-                    rt,
-                    gt,
-                    dr,
+                    &RmsNormGradInputs {
+                        x: xt,
+                        rstd: rt,
+                        gamma: gt,
+                        dres: dr,
+                    },
                     &opts,
                     &mut b[o..o + m * n],
-                    Some(&mut dg),
-                    None,
+                    DgammaOut {
+                        dgamma: Some(&mut dg),
+                        dgamma_cast: None,
+                    },
                     &mut ws,
                 )
                 .unwrap();

@@ -89,14 +89,27 @@ fn backward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let exec = Exec::cpu();
     let opts = RmsNormGradOptions::default();
     let mut ws =
-        vec![0u8; rms_norm_grad_workspace_size(&exec, dyt, xt, rt, gt, None, &opts).unwrap()];
+        vec![
+            0u8;
+            rms_norm_grad_workspace_size(&exec, dyt, &RmsNormGradInputs::new(xt, rt, gt), &opts)
+                .unwrap()
+        ];
     let mut dx = zeros::<T>(m * n);
     let mut dg = vec![0f32; n];
     g.bench_function("rms_norm_grad", |b| {
         b.iter(|| {
             let dgamma = Some(&mut dg[..]);
             rms_norm_grad(
-                &exec, dyt, xt, rt, gt, None, &opts, &mut dx, dgamma, None, &mut ws,
+                &exec,
+                dyt,
+                &RmsNormGradInputs::new(xt, rt, gt),
+                &opts,
+                &mut dx,
+                DgammaOut {
+                    dgamma,
+                    dgamma_cast: None,
+                },
+                &mut ws,
             )
             .unwrap()
         })

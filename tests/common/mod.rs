@@ -187,22 +187,39 @@ pub fn run_grad<T: Float, G: Float>(
     let rt = TensorRef::new(rstd, &[rstd.len()]).unwrap();
     let gt = TensorRef::new(g, gs).unwrap();
     let dres = dres.map(|d| TensorRef::new(d, xs).unwrap());
-    let mut ws =
-        vec![0u8; rms_norm_grad_workspace_size(exec, dyt, xt, rt, gt, dres, opts).unwrap()];
+    let mut ws = vec![
+        0u8;
+        rms_norm_grad_workspace_size(
+            exec,
+            dyt,
+            &RmsNormGradInputs {
+                x: xt,
+                rstd: rt,
+                gamma: gt,
+                dres
+            },
+            opts
+        )
+        .unwrap()
+    ];
     let mut dx = vec![T::from_f64(0.0); x.len()];
     let mut dgamma = dgamma_init.unwrap_or_else(|| vec![f32::NAN; g.len()]);
     let mut dgc = vec![G::from_f64(0.0); g.len()];
     rms_norm_grad(
         exec,
         dyt,
-        xt,
-        rt,
-        gt,
-        dres,
+        &RmsNormGradInputs {
+            x: xt,
+            rstd: rt,
+            gamma: gt,
+            dres,
+        },
         opts,
         &mut dx,
-        Some(&mut dgamma),
-        Some(&mut dgc),
+        DgammaOut {
+            dgamma: Some(&mut dgamma),
+            dgamma_cast: Some(&mut dgc),
+        },
         &mut ws,
     )
     .unwrap();

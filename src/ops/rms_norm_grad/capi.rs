@@ -10,7 +10,7 @@ use crate::capi::types::{
 };
 use crate::error::Error;
 use crate::ops::launch;
-use crate::ops::rms_norm_grad::{plan, prepare};
+use crate::ops::rms_norm_grad::{plan, prepare, GradOutputs, GradTensors};
 use crate::tensor::RawTensor;
 
 /// Workspace bytes `npk_rms_norm_grad` needs (per-block arenas and the dgamma
@@ -86,15 +86,19 @@ pub unsafe extern "C" fn npk_rms_norm_grad(
             let dgamma = read_opt_tensor(dgamma, "dgamma")?;
             let dgamma_cast = read_opt_tensor(dgamma_cast, "dgamma_cast")?;
             let call = prepare(
-                &dy,
-                &x,
-                &rstd,
-                &gamma,
-                dres.as_ref(),
+                &GradTensors {
+                    dy,
+                    x,
+                    rstd,
+                    gamma,
+                    dres,
+                },
                 &opts,
-                &dx,
-                dgamma.as_ref(),
-                dgamma_cast.as_ref(),
+                &GradOutputs {
+                    dx,
+                    dgamma,
+                    dgamma_cast,
+                },
                 &e.ub,
             )?;
             launch(e, call, workspace, workspace_bytes)

@@ -9,7 +9,7 @@ pub(crate) mod cpu;
 mod plan;
 pub(crate) mod reference;
 
-pub(crate) use plan::{plan, prepare};
+pub(crate) use plan::{plan, prepare, GradOutputs, GradTensors};
 
 use core::ffi::c_void;
 
@@ -94,19 +94,71 @@ op_call!(
     [dy, x, rstd, gamma, dres, dx, dgamma, dgamma_cast]
 );
 
+/// The tensors RmsNormGrad reads besides `dy`: the forward's `x`, `rstd`
+/// (f32, one per row, any shape with that many elements) and `gamma`, and an
+/// optional residual gradient `dres` (x's shape) added to dx.
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormGradInputs<'a, T, G> {
+    /// The forward's input.
+    pub x: TensorRef<'a, T>,
+    /// The forward's rstd.
+    pub rstd: TensorRef<'a, f32>,
+    /// The weight.
+    pub gamma: TensorRef<'a, G>,
+    /// Added to dx when given.
+    pub dres: Option<TensorRef<'a, T>>,
+}
+
+impl<'a, T, G> RmsNormGradInputs<'a, T, G> {
+    /// `x`, `rstd`, `gamma`, no `dres`.
+    pub fn new(x: TensorRef<'a, T>, rstd: TensorRef<'a, f32>, gamma: TensorRef<'a, G>) -> Self {
+        RmsNormGradInputs {
+            x,
+            rstd,
+            gamma,
+            dres: None,
+        }
+    }
+
+    /// The same with `dres` added to dx.
+    pub fn with_dres(self, dres: TensorRef<'a, T>) -> Self {
+        RmsNormGradInputs {
+            dres: Some(dres),
+            ..self
+        }
+    }
+}
+
+/// RmsNormGrad's parameter-gradient outputs, both optional (`Default`:
+/// neither): `dgamma` (f32, gamma's shape; with `DgammaMode::Accumulate`
+/// its old value is added) and `dgamma_cast` (gamma's dtype and shape).
+#[derive(Debug)]
+pub struct DgammaOut<'a, G> {
+    /// The f32 dgamma.
+    pub dgamma: Option<&'a mut [f32]>,
+    /// dgamma rounded to gamma's dtype.
+    pub dgamma_cast: Option<&'a mut [G]>,
+}
+
+impl<G> Default for DgammaOut<'_, G> {
+    fn default() -> Self {
+        DgammaOut {
+            dgamma: None,
+            dgamma_cast: None,
+        }
+    }
+}
+
 /// Workspace bytes `rms_norm_grad` (and `rms_norm_grad_in_place`) needs
 /// for these inputs under `exec.ub`: per-block arenas and dgamma partials.
-#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_grad_workspace_size<T: Float, G: Float>(
     exec: &Exec<'_>,
     dy: TensorRef<'_, T>,
-    x: TensorRef<'_, T>,
-    rstd: TensorRef<'_, f32>,
-    gamma: TensorRef<'_, G>,
-    dres: Option<TensorRef<'_, T>>,
+    inputs: &RmsNormGradInputs<'_, T, G>,
     opts: &RmsNormGradOptions,
 ) -> Result<usize> {
-    if let Some(d) = dres.filter(|d| d.shape() != x.shape()) {
+    let x = inputs.x;
+    if let Some(d) = inputs.dres.filter(|d| d.shape() != x.shape()) {
         return Err(invalid_fmt!(
             "dres",
             "shape {} differs from x's {}",
@@ -117,113 +169,76 @@ pub fn rms_norm_grad_workspace_size<T: Float, G: Float>(
     let t = plan(
         &dy.raw(),
         &x.raw(),
-        &rstd.raw(),
-        &gamma.raw(),
+        &inputs.rstd.raw(),
+        &inputs.gamma.raw(),
         opts,
         &exec.ub,
     )?;
     workspace_len(t.workspace_bytes)
 }
 
-/// RmsNormGrad. `rstd` is the forward's (f32, one per row, any shape with
-/// that many elements); `dres`, if given, is added to dx. Outputs: `dx`
-/// (x's shape), `dgamma` (f32, gamma's shape; with
-/// `DgammaMode::Accumulate` its old value is added), `dgamma_cast` (gamma's
-/// dtype and shape). `workspace` must hold `rms_norm_grad_workspace_size`
-/// bytes. On error nothing is written.
-#[allow(clippy::too_many_arguments)]
+/// RmsNormGrad: `dx` (x's shape and dtype) and the optional `dgamma` outputs
+/// from `dy` and `inputs`. `workspace` must hold
+/// `rms_norm_grad_workspace_size` bytes. On error nothing is written.
 pub fn rms_norm_grad<T: Float, G: Float>(
     exec: &Exec<'_>,
     dy: TensorRef<'_, T>,
-    x: TensorRef<'_, T>,
-    rstd: TensorRef<'_, f32>,
-    gamma: TensorRef<'_, G>,
-    dres: Option<TensorRef<'_, T>>,
+    inputs: &RmsNormGradInputs<'_, T, G>,
     opts: &RmsNormGradOptions,
     dx: &mut [T],
-    dgamma: Option<&mut [f32]>,
-    dgamma_cast: Option<&mut [G]>,
+    dgamma: DgammaOut<'_, G>,
     workspace: &mut [u8],
 ) -> Result<()> {
-    let dxr = out_like(dx, x.shape(), "dx", "x")?;
-    grad_with(
-        exec,
-        &dy.raw(),
-        dxr,
-        x,
-        rstd,
-        gamma,
-        dres,
-        opts,
-        dgamma,
-        dgamma_cast,
-        workspace,
-    )
+    let dxr = out_like(dx, inputs.x.shape(), "dx", "x")?;
+    grad_with(exec, &dy.raw(), dxr, inputs, opts, dgamma, workspace)
 }
 
 /// RmsNormGrad writing dx over `dy_dx` (which holds dy on entry); otherwise
 /// as `rms_norm_grad`, with the same workspace size.
-#[allow(clippy::too_many_arguments)]
 pub fn rms_norm_grad_in_place<T: Float, G: Float>(
     exec: &Exec<'_>,
     mut dy_dx: TensorMut<'_, T>,
-    x: TensorRef<'_, T>,
-    rstd: TensorRef<'_, f32>,
-    gamma: TensorRef<'_, G>,
-    dres: Option<TensorRef<'_, T>>,
+    inputs: &RmsNormGradInputs<'_, T, G>,
     opts: &RmsNormGradOptions,
-    dgamma: Option<&mut [f32]>,
-    dgamma_cast: Option<&mut [G]>,
+    dgamma: DgammaOut<'_, G>,
     workspace: &mut [u8],
 ) -> Result<()> {
     let d = dy_dx.raw();
-    grad_with(
-        exec,
-        &d,
-        d,
-        x,
-        rstd,
-        gamma,
-        dres,
-        opts,
-        dgamma,
-        dgamma_cast,
-        workspace,
-    )
+    grad_with(exec, &d, d, inputs, opts, dgamma, workspace)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn grad_with<T: Float, G: Float>(
     exec: &Exec<'_>,
     dy: &RawTensor,
     dx: RawTensor,
-    x: TensorRef<'_, T>,
-    rstd: TensorRef<'_, f32>,
-    gamma: TensorRef<'_, G>,
-    dres: Option<TensorRef<'_, T>>,
+    inputs: &RmsNormGradInputs<'_, T, G>,
     opts: &RmsNormGradOptions,
-    dgamma: Option<&mut [f32]>,
-    dgamma_cast: Option<&mut [G]>,
+    out: DgammaOut<'_, G>,
     workspace: &mut [u8],
 ) -> Result<()> {
-    let dg = match dgamma {
+    let gamma = inputs.gamma;
+    let dg = match out.dgamma {
         Some(s) => Some(out_like(s, gamma.shape(), "dgamma", "gamma")?),
         None => None,
     };
-    let dgc = match dgamma_cast {
+    let dgc = match out.dgamma_cast {
         Some(s) => Some(out_like(s, gamma.shape(), "dgamma_cast", "gamma")?),
         None => None,
     };
     let call = prepare(
-        dy,
-        &x.raw(),
-        &rstd.raw(),
-        &gamma.raw(),
-        dres.map(|v| v.raw()).as_ref(),
+        &GradTensors {
+            dy: *dy,
+            x: inputs.x.raw(),
+            rstd: inputs.rstd.raw(),
+            gamma: gamma.raw(),
+            dres: inputs.dres.map(|v| v.raw()),
+        },
         opts,
-        &dx,
-        dg.as_ref(),
-        dgc.as_ref(),
+        &GradOutputs {
+            dx,
+            dgamma: dg,
+            dgamma_cast: dgc,
+        },
         &exec.ub,
     )?;
     launch(

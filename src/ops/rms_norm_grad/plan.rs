@@ -28,20 +28,31 @@ pub(crate) fn plan(
     NormTiling::new(d.rows, d.cols, x.dtype.size_bytes(), 2, true, ub)
 }
 
+/// RmsNormGrad's input descriptors (the front ends' common form).
+pub(crate) struct GradTensors {
+    pub dy: RawTensor,
+    pub x: RawTensor,
+    pub rstd: RawTensor,
+    pub gamma: RawTensor,
+    pub dres: Option<RawTensor>,
+}
+
+/// RmsNormGrad's output descriptors.
+pub(crate) struct GradOutputs {
+    pub dx: RawTensor,
+    pub dgamma: Option<RawTensor>,
+    pub dgamma_cast: Option<RawTensor>,
+}
+
 /// Validates everything and builds the call.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare(
-    dy: &RawTensor,
-    x: &RawTensor,
-    rstd: &RawTensor,
-    gamma: &RawTensor,
-    dres: Option<&RawTensor>,
+    ins: &GradTensors,
     opts: &RmsNormGradOptions,
-    dx: &RawTensor,
-    dgamma: Option<&RawTensor>,
-    dgamma_cast: Option<&RawTensor>,
+    outs: &GradOutputs,
     ub: &UbConfig,
 ) -> Result<RmsNormGradCall> {
+    let (dy, x, rstd, gamma, dres) = (&ins.dy, &ins.x, &ins.rstd, &ins.gamma, ins.dres.as_ref());
+    let (dx, dgamma, dgamma_cast) = (&outs.dx, outs.dgamma.as_ref(), outs.dgamma_cast.as_ref());
     let tiling = plan(dy, x, rstd, gamma, opts, ub)?;
     let dyc = dy.check("dy")?;
     let xc = x.check("x")?;
