@@ -3,13 +3,13 @@
 //! `no_std` SIMD training kernels — RmsNorm, AddRmsNorm, RmsNormGrad,
 //! EmbeddingDenseGrad, and the gradient-health pass (`grad_stats`,
 //! `clip_grad_norm`) — written the way an Ascend NPU operator is written: a
-//! host tiling plan
-//! (`tiling`), a launch over blocks (`runner`), each block streaming its rows
-//! through a Unified-Buffer-sized arena carved from the caller's workspace, on
-//! explicit SIMD lanes (16 logical f32 lanes per ISA). All arithmetic is f32 with one rounding per
-//! output, and results are bit-identical across thread counts, block counts,
-//! UB sizes, batch sizes and ISAs (portable, AVX2, AVX-512, picked at run
-//! time). The C ABI (`capi`, header `include/npukern.h`) exposes the same
+//! host tiling plan (`tiling`: blocks, Unified-Buffer-sized tiles, the
+//! workspace layout), a launch over blocks (`runner`), and a backend that
+//! runs them (`backend`: the CPU kernels on explicit SIMD lanes, 16 logical
+//! f32 lanes per ISA; the f64 reference; or an adapter's NPU launch). All
+//! arithmetic is f32 with one rounding per output, and results are bit-identical across thread counts, block counts,
+//! UB sizes, batch sizes and ISAs (portable, AVX2, AVX-512, AVX512-BF16,
+//! picked at run time). The C ABI (`capi`, header `include/npukern.h`) exposes the same
 //! operators as aclnn-style two-phase calls.
 //!
 //! ```
@@ -92,6 +92,10 @@ pub use tiling::{
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+#[doc = include_str!("../docs/rust.md")]
+#[cfg(doctest)]
+pub struct RustDocDoctests;
 
 /// The crate version, "MAJOR.MINOR.PATCH".
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

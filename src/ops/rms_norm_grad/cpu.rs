@@ -287,7 +287,7 @@ unsafe fn dx_row_fused<L: Lanes, T: Float, G: Float, const STREAM: bool>(
 /// One block: per row, `c = sum_j (dy * g) * (x * rstd) / N` (pass 1, groups
 /// from the row start), then dx and the row's `dy * xh` added into the
 /// block's dgamma partial (pass 2, rows in order, dy and x again from L1/L2).
-/// The UB arena is not needed on a CPU (see `norm_fwd`); the bits are those
+/// The UB arena is not needed on a CPU (see `norm::forward`); the bits are those
 /// of staging the rows in it. dx goes out in streaming stores with `STREAM`;
 /// the next row is prefetched while this one's dx is computed from cache.
 #[inline(always)]
