@@ -290,6 +290,16 @@ pub(crate) fn launch<C: OpCall>(
     unsafe { exec.backend.launch(call.op()) }
 }
 
+/// `launch` with the workspace as a byte slice (the Rust API's form).
+pub(crate) fn launch_into<C: OpCall>(exec: &Exec<'_>, call: C, workspace: &mut [u8]) -> Result<()> {
+    launch(
+        exec,
+        call,
+        workspace.as_mut_ptr() as *mut c_void,
+        workspace.len(),
+    )
+}
+
 /// A plan's workspace size as a `usize` (what the `*_workspace_size`
 /// functions return).
 pub(crate) fn workspace_len(bytes: u64) -> Result<usize> {

@@ -16,7 +16,7 @@ use super::norm::forward::{run_forward, FwdOut, FwdSource};
 use super::norm::{
     load_at, norm_dims, prefetch_pair, round_to, rstd_check, same_shape, RmsNormOptions, Rounding,
 };
-use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
+use super::{dispatch_isa, dispatch_xg, launch_into, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::Result;
 use crate::lanes::{sqrt_f64, Lanes};
@@ -113,12 +113,7 @@ pub fn add_rms_norm<T: Float, G: Float>(
         sr.as_ref(),
         &exec.ub,
     )?;
-    launch(
-        exec,
-        call,
-        workspace.as_mut_ptr() as *mut c_void,
-        workspace.len(),
-    )
+    launch_into(exec, call, workspace)
 }
 
 /// AddRmsNorm writing `x_sum` over `x1` (the residual stream update);
@@ -147,10 +142,5 @@ pub fn add_rms_norm_in_place<T: Float, G: Float>(
         Some(&x1r),
         &exec.ub,
     )?;
-    launch(
-        exec,
-        call,
-        workspace.as_mut_ptr() as *mut c_void,
-        workspace.len(),
-    )
+    launch_into(exec, call, workspace)
 }

@@ -42,7 +42,7 @@ pub(crate) use plan::{plan, prepare};
 
 use core::ffi::c_void;
 
-use super::{launch, op_call, workspace_len, Exec};
+use super::{launch_into, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Element, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Error, Result};
 use crate::tensor::{no_overlap, RawTensor, Shape, TensorRef};
@@ -318,12 +318,7 @@ pub fn embedding_dense_grad<G: Float, I: Element, O: Float>(
         &o,
         &exec.ub,
     )?;
-    launch(
-        exec,
-        call,
-        workspace.as_mut_ptr() as *mut c_void,
-        workspace.len(),
-    )
+    launch_into(exec, call, workspace)
 }
 
 #[cfg(test)]

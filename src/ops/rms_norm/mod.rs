@@ -14,7 +14,7 @@ use super::norm::forward::{run_forward, FwdOut, FwdSource};
 use super::norm::{
     load_at, norm_dims, prefetch_pair, rstd_check, same_shape, RmsNormOptions, Rounding,
 };
-use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
+use super::{dispatch_isa, dispatch_xg, launch_into, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::Result;
 use crate::lanes::{sqrt_f64, Lanes};
@@ -88,10 +88,5 @@ pub fn rms_norm<T: Float, G: Float>(
     let yr = out_like(y, x.shape(), "y", "x")?;
     let rr = rstd.map(|r| RawTensor::flat(r.as_mut_ptr() as *mut c_void, DType::F32, r.len()));
     let call = prepare(&x.raw(), &gamma.raw(), opts, &yr, rr.as_ref(), &exec.ub)?;
-    launch(
-        exec,
-        call,
-        workspace.as_mut_ptr() as *mut c_void,
-        workspace.len(),
-    )
+    launch_into(exec, call, workspace)
 }

@@ -17,7 +17,7 @@ use super::norm::{
     arena_group, first_lanes, for_lines, gamma_at, load_at, load_group, norm_dims, prefetch_pair,
     put_pair, rstd_check, same_shape, store_at, store_tail,
 };
-use super::{dispatch_isa, dispatch_xg, launch, op_call, workspace_len, Exec};
+use super::{dispatch_isa, dispatch_xg, launch_into, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Result};
 use crate::lanes::{fused_row, push_groups, Lanes, RowSum, GROUP};
@@ -241,10 +241,5 @@ fn grad_with<T: Float, G: Float>(
         },
         &exec.ub,
     )?;
-    launch(
-        exec,
-        call,
-        workspace.as_mut_ptr() as *mut c_void,
-        workspace.len(),
-    )
+    launch_into(exec, call, workspace)
 }
