@@ -65,6 +65,7 @@ struct Exec {
 
 #[repr(C)]
 struct Foreign {
+    struct_size: usize,
     ctx: *mut c_void,
     rms_norm: Option<unsafe extern "C" fn(*mut c_void, *const RmsNormCall) -> i32>,
     add_rms_norm: Option<unsafe extern "C" fn(*mut c_void, *const AddRmsNormCall) -> i32>,
@@ -494,6 +495,8 @@ struct ForeignCtx {
     arena: (usize, usize),
     /// The check failed (reported after the call).
     bad: Option<&'static str>,
+    /// Entries the table's struct_size covers.
+    entries: usize,
 }
 
 fn extent(t: &RawTensor) -> usize {
@@ -544,6 +547,9 @@ fn outs(list: [(&RawTensor, bool); 3]) -> Vec<&RawTensor> {
 unsafe extern "C" fn f_rms_norm(ctx: *mut c_void, c: *const RmsNormCall) -> i32 {
     // SAFETY: our ctx and the library's call, alive for the call.
     let (f, c) = unsafe { (&mut *(ctx as *mut ForeignCtx), &*c) };
+    if 0 >= f.entries {
+        f.bad = Some("an entry beyond the table's struct_size was called");
+    }
     f.check(
         &[&c.x, &c.gamma, &c.y, &c.rstd],
         c.workspace,
@@ -560,6 +566,9 @@ unsafe extern "C" fn f_rms_norm(ctx: *mut c_void, c: *const RmsNormCall) -> i32 
 unsafe extern "C" fn f_add_rms_norm(ctx: *mut c_void, c: *const AddRmsNormCall) -> i32 {
     // SAFETY: as above.
     let (f, c) = unsafe { (&mut *(ctx as *mut ForeignCtx), &*c) };
+    if 1 >= f.entries {
+        f.bad = Some("an entry beyond the table's struct_size was called");
+    }
     f.check(
         &[&c.x1, &c.x2, &c.gamma, &c.y, &c.rstd, &c.x_sum],
         c.workspace,
@@ -576,6 +585,9 @@ unsafe extern "C" fn f_add_rms_norm(ctx: *mut c_void, c: *const AddRmsNormCall) 
 unsafe extern "C" fn f_rms_norm_grad(ctx: *mut c_void, c: *const RmsNormGradCall) -> i32 {
     // SAFETY: as above.
     let (f, c) = unsafe { (&mut *(ctx as *mut ForeignCtx), &*c) };
+    if 2 >= f.entries {
+        f.bad = Some("an entry beyond the table's struct_size was called");
+    }
     f.check(
         &[
             &c.dy,
@@ -601,6 +613,9 @@ unsafe extern "C" fn f_rms_norm_grad(ctx: *mut c_void, c: *const RmsNormGradCall
 unsafe extern "C" fn f_embedding(ctx: *mut c_void, c: *const EmbeddingDenseGradCall) -> i32 {
     // SAFETY: as above.
     let (f, c) = unsafe { (&mut *(ctx as *mut ForeignCtx), &*c) };
+    if 3 >= f.entries {
+        f.bad = Some("an entry beyond the table's struct_size was called");
+    }
     f.check(
         &[&c.grad, &c.indices, &c.out],
         c.workspace,
@@ -665,8 +680,10 @@ fn build_exec(b: &mut Bytes<'_>, a: Arena) -> Case {
             ws: (core::ptr::null_mut(), 0),
             arena: (0, 0),
             bad: None,
+            entries: 4,
         }),
         foreign: Box::new(Foreign {
+            struct_size: size_of::<Foreign>(),
             ctx: core::ptr::null_mut(),
             rms_norm: None,
             add_rms_norm: None,
@@ -745,6 +762,14 @@ fn build_exec(b: &mut Bytes<'_>, a: Arena) -> Case {
     if e.backend == 2 && !b.one_in(16) {
         let f = &mut *c.foreign;
         f.ctx = (&mut *c.foreign_ctx as *mut ForeignCtx).cast();
+        // Mostly the whole table; sometimes one from an older header (0-3
+        // entries): the entries past its struct_size must never be called.
+        f.struct_size = if b.one_in(4) {
+            2 * size_of::<usize>() + (b.u8() % 4) as usize * size_of::<usize>()
+        } else {
+            size_of::<Foreign>()
+        };
+        c.foreign_ctx.entries = (f.struct_size - 2 * size_of::<usize>()) / size_of::<usize>();
         let mask = b.u8();
         if mask & 1 != 0 {
             f.rms_norm = Some(f_rms_norm);
