@@ -163,7 +163,17 @@ impl<T: Float, G: Float> Case<T, G> {
                     Some(d) => Some(TensorRef::new(d, &self.xd)?),
                     None => None,
                 };
-                let mut ws = workspace(rms_norm_grad_workspace_size(exec, dyt, &RmsNormGradInputs { x: xt, rstd: rt, gamma: gt, dres }, &self.gopts)?);
+                let mut ws = workspace(rms_norm_grad_workspace_size(
+                    exec,
+                    dyt,
+                    &RmsNormGradInputs {
+                        x: xt,
+                        rstd: rt,
+                        gamma: gt,
+                        dres,
+                    },
+                    &self.gopts,
+                )?);
                 let dg = if self.want_dg {
                     Some(&mut o.dg[..])
                 } else {
@@ -175,13 +185,44 @@ impl<T: Float, G: Float> Case<T, G> {
                     None
                 };
                 if self.op == 3 {
-                    rms_norm_grad(exec, dyt, &RmsNormGradInputs { x: xt, rstd: rt, gamma: gt, dres }, &self.gopts, &mut o.a, DgammaOut { dgamma: dg, dgamma_cast: dgc }, &mut ws)
+                    rms_norm_grad(
+                        exec,
+                        dyt,
+                        &RmsNormGradInputs {
+                            x: xt,
+                            rstd: rt,
+                            gamma: gt,
+                            dres,
+                        },
+                        &self.gopts,
+                        &mut o.a,
+                        DgammaOut {
+                            dgamma: dg,
+                            dgamma_cast: dgc,
+                        },
+                        &mut ws,
+                    )
                 } else {
                     // In place: dx over a copy of dy.
                     o.a = self.x2.clone();
                     let before = o.a.clone();
                     let d = TensorMut::new(&mut o.a, &self.xd)?;
-                    let r = rms_norm_grad_in_place(exec, d, &RmsNormGradInputs { x: xt, rstd: rt, gamma: gt, dres }, &self.gopts, DgammaOut { dgamma: dg, dgamma_cast: dgc }, &mut ws);
+                    let r = rms_norm_grad_in_place(
+                        exec,
+                        d,
+                        &RmsNormGradInputs {
+                            x: xt,
+                            rstd: rt,
+                            gamma: gt,
+                            dres,
+                        },
+                        &self.gopts,
+                        DgammaOut {
+                            dgamma: dg,
+                            dgamma_cast: dgc,
+                        },
+                        &mut ws,
+                    );
                     if r.is_err() {
                         assert_same(&o.a, &before, "dy (in place) changed on error");
                         o.a = vec![T::from_f32(SENT); o.a.len()];

@@ -115,14 +115,55 @@ pub fn rms_norm_grad<T: El, G: El>(
         Some(d) => Some(TensorRef::new(d, a.dims)?),
         None => None,
     };
-    let n = sized(rms_norm_grad_workspace_size(exec, dyt, &RmsNormGradInputs { x: xt, rstd: rt, gamma: gt, dres }, opts))?;
+    let n = sized(rms_norm_grad_workspace_size(
+        exec,
+        dyt,
+        &RmsNormGradInputs {
+            x: xt,
+            rstd: rt,
+            gamma: gt,
+            dres,
+        },
+        opts,
+    ))?;
     let mut ws = [0u8; WS];
     let (dg, dc) = (Some(dgamma), Some(dgamma_cast));
     if in_place {
         let dydx = TensorMut::new(dx, a.dims)?;
-        rms_norm_grad_in_place(exec, dydx, &RmsNormGradInputs { x: xt, rstd: rt, gamma: gt, dres }, opts, DgammaOut { dgamma: dg, dgamma_cast: dc }, &mut ws[..n])
+        rms_norm_grad_in_place(
+            exec,
+            dydx,
+            &RmsNormGradInputs {
+                x: xt,
+                rstd: rt,
+                gamma: gt,
+                dres,
+            },
+            opts,
+            DgammaOut {
+                dgamma: dg,
+                dgamma_cast: dc,
+            },
+            &mut ws[..n],
+        )
     } else {
-        npukern::rms_norm_grad(exec, dyt, &RmsNormGradInputs { x: xt, rstd: rt, gamma: gt, dres }, opts, dx, DgammaOut { dgamma: dg, dgamma_cast: dc }, &mut ws[..n])
+        npukern::rms_norm_grad(
+            exec,
+            dyt,
+            &RmsNormGradInputs {
+                x: xt,
+                rstd: rt,
+                gamma: gt,
+                dres,
+            },
+            opts,
+            dx,
+            DgammaOut {
+                dgamma: dg,
+                dgamma_cast: dc,
+            },
+            &mut ws[..n],
+        )
     }
 }
 
