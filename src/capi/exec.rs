@@ -183,13 +183,30 @@ pub(crate) unsafe fn run(
     unsafe { report(detail, &r) }
 }
 
-/// Writes a size call's answer to the caller's `size_t*`.
+/// The body of every `*_workspace_size` function: `run`, with the caller's
+/// `size_t*` checked for NULL first and `f`'s answer (the plan's workspace
+/// bytes) written to it.
 ///
 /// # Safety
-/// `out` is non-NULL and writable (checked by the caller for NULL).
-pub(crate) unsafe fn write_size(out: *mut usize, bytes: u64) -> Result<()> {
-    let n = usize::try_from(bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })?;
-    // SAFETY: non-NULL and writable (caller).
-    unsafe { out.write_unaligned(n) };
-    Ok(())
+/// As for `run`; `out` is NULL or writable.
+pub(crate) unsafe fn run_size(
+    exec: *const npk_exec,
+    out: *mut usize,
+    f: impl FnOnce(&Exec<'_>) -> Result<u64>,
+) -> npk_status {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        run(exec, |e| {
+            if out.is_null() {
+                return Err(Error::NullPointer {
+                    arg: "workspace_bytes",
+                });
+            }
+            let bytes = f(e)?;
+            let n = usize::try_from(bytes).map_err(|_| Error::SizeOverflow { arg: "workspace" })?;
+            // SAFETY: non-NULL (checked) and writable (caller).
+            out.write_unaligned(n);
+            Ok(())
+        })
+    }
 }

@@ -3,11 +3,10 @@
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, write_size};
+use crate::capi::exec::{run, run_size};
 use crate::capi::types::{
     npk_exec, npk_rms_norm_options, npk_status, read_norm_options, read_opt_tensor, read_tensor,
 };
-use crate::error::Error;
 use crate::ops::add_rms_norm::{plan, prepare};
 use crate::ops::launch;
 use crate::tensor::RawTensor;
@@ -27,18 +26,13 @@ pub unsafe extern "C" fn npk_add_rms_norm_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            if workspace_bytes.is_null() {
-                return Err(Error::NullPointer {
-                    arg: "workspace_bytes",
-                });
-            }
+        run_size(exec, workspace_bytes, |e| {
             let x1 = read_tensor(x1, "x1")?;
             let x2 = read_tensor(x2, "x2")?;
             let gamma = read_tensor(gamma, "gamma")?;
             let opts = read_norm_options(opts)?;
             let t = plan(&x1, &x2, &gamma, &opts, &e.ub)?;
-            write_size(workspace_bytes, t.workspace_bytes)
+            Ok(t.workspace_bytes)
         })
     }
 }

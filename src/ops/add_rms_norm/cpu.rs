@@ -47,17 +47,7 @@ pub(crate) unsafe fn cpu(call: &AddRmsNormCall, isa: Available, runner: &dyn Run
 }
 
 unsafe fn run<L: Lanes, T: Float, G: Float>(call: &AddRmsNormCall, runner: &dyn Runner) {
-    let o = FwdOut {
-        gamma: &call.gamma,
-        y: &call.y,
-        rstd: (call.has_rstd != 0).then_some(&call.rstd),
-        eps: call.eps,
-        off: call.gamma_offset,
-        rounding: call.rounding,
-        tiling: call.tiling,
-        workspace: call.workspace,
-        workspace_bytes: call.workspace_bytes,
-    };
+    let o = fwd_out!(call);
     // SAFETY: forwarded from this function's contract.
     unsafe {
         run_forward::<L, T, G, _>(

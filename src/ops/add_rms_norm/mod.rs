@@ -12,7 +12,7 @@ pub(crate) use plan::{plan, prepare};
 
 use core::ffi::c_void;
 
-use super::norm::forward::{run_forward, FwdOut, FwdSource};
+use super::norm::forward::{fwd_out, run_forward, FwdSource};
 use super::norm::{
     load_at, norm_dims, prefetch_pair, round_to, rstd_check, same_shape, RmsNormOptions, Rounding,
 };

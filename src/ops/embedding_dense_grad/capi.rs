@@ -5,9 +5,9 @@
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, write_size};
+use crate::capi::exec::{run, run_size};
 use crate::capi::types::{npk_exec, npk_status, read_tensor, RawIndexPolicy};
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, Result};
 use crate::ops::embedding_dense_grad::{plan, prepare, EmbeddingGradOptions, IndexPolicy};
 use crate::ops::launch;
 use crate::tensor::RawTensor;
@@ -65,17 +65,12 @@ pub unsafe extern "C" fn npk_embedding_dense_grad_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            if workspace_bytes.is_null() {
-                return Err(Error::NullPointer {
-                    arg: "workspace_bytes",
-                });
-            }
+        run_size(exec, workspace_bytes, |e| {
             let grad = read_tensor(grad, "grad")?;
             let indices = read_tensor(indices, "indices")?;
             let opts = read_options(opts)?;
             let t = plan(&grad, &indices, num_weights, &opts, &e.ub)?;
-            write_size(workspace_bytes, t.workspace_bytes)
+            Ok(t.workspace_bytes)
         })
     }
 }

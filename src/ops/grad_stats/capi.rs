@@ -15,7 +15,7 @@
 use core::ffi::c_void;
 use core::mem::size_of;
 
-use crate::capi::exec::{run, write_size};
+use crate::capi::exec::{run, run_size};
 use crate::capi::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
 use crate::error::{invalid, Error, Result};
 use crate::ops::grad_stats::{
@@ -151,14 +151,9 @@ pub unsafe extern "C" fn npk_grad_stats_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     let s = unsafe {
-        run(exec, |e| {
-            if workspace_bytes.is_null() {
-                return Err(Error::NullPointer {
-                    arg: "workspace_bytes",
-                });
-            }
+        run_size(exec, workspace_bytes, |e| {
             let t = plan_of(&mut CList::new(tensors, count)?, &e.ub)?;
-            write_size(workspace_bytes, t.workspace_bytes)
+            Ok(t.workspace_bytes)
         })
     };
     if s != npk_status::NPK_OK {

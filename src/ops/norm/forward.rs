@@ -49,6 +49,26 @@ pub(crate) struct FwdOut<'a> {
     pub workspace_bytes: usize,
 }
 
+/// The `FwdOut` of an RmsNorm or AddRmsNorm call (both carry these fields
+/// under the same names).
+macro_rules! fwd_out {
+    ($call:expr) => {{
+        let c = $call;
+        $crate::ops::norm::forward::FwdOut {
+            gamma: &c.gamma,
+            y: &c.y,
+            rstd: (c.has_rstd != 0).then_some(&c.rstd),
+            eps: c.eps,
+            off: c.gamma_offset,
+            rounding: c.rounding,
+            tiling: c.tiling,
+            workspace: c.workspace,
+            workspace_bytes: c.workspace_bytes,
+        }
+    }};
+}
+pub(crate) use fwd_out;
+
 #[derive(Clone, Copy)]
 struct FwdCtx<T, G, S> {
     src: S,

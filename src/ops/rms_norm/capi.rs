@@ -3,11 +3,10 @@
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, write_size};
+use crate::capi::exec::{run, run_size};
 use crate::capi::types::{
     npk_exec, npk_rms_norm_options, npk_status, read_norm_options, read_opt_tensor, read_tensor,
 };
-use crate::error::Error;
 use crate::ops::launch;
 use crate::ops::rms_norm::{plan, prepare};
 use crate::tensor::RawTensor;
@@ -28,17 +27,12 @@ pub unsafe extern "C" fn npk_rms_norm_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            if workspace_bytes.is_null() {
-                return Err(Error::NullPointer {
-                    arg: "workspace_bytes",
-                });
-            }
+        run_size(exec, workspace_bytes, |e| {
             let x = read_tensor(x, "x")?;
             let gamma = read_tensor(gamma, "gamma")?;
             let opts = read_norm_options(opts)?;
             let t = plan(&x, &gamma, &opts, &e.ub)?;
-            write_size(workspace_bytes, t.workspace_bytes)
+            Ok(t.workspace_bytes)
         })
     }
 }

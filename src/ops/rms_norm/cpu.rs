@@ -35,17 +35,7 @@ pub(crate) unsafe fn cpu(call: &RmsNormCall, isa: Available, runner: &dyn Runner
 }
 
 unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormCall, runner: &dyn Runner) {
-    let o = FwdOut {
-        gamma: &call.gamma,
-        y: &call.y,
-        rstd: (call.has_rstd != 0).then_some(&call.rstd),
-        eps: call.eps,
-        off: call.gamma_offset,
-        rounding: call.rounding,
-        tiling: call.tiling,
-        workspace: call.workspace,
-        workspace_bytes: call.workspace_bytes,
-    };
+    let o = fwd_out!(call);
     // SAFETY: forwarded from this function's contract.
     unsafe { run_forward::<L, T, G, _>(XSource(Src(call.x.data as *const T)), &o, runner) }
 }
