@@ -134,13 +134,9 @@ pub fn run(case: &Case, exec: &Exec<'_>) -> Report {
         .fold(0.0, f64::max);
 
     let rt = TensorRef::new(&rstd, &[m]).unwrap();
+    let inputs = RmsNormGradInputs::new(xt, rt, gt);
     let bwd = |e: &Exec<'_>| {
-        let mut ws =
-            vec![
-                0u8;
-                rms_norm_grad_workspace_size(e, dyt, &RmsNormGradInputs::new(xt, rt, gt), &gopts)
-                    .unwrap()
-            ];
+        let mut ws = vec![0u8; rms_norm_grad_workspace_size(e, dyt, &inputs, &gopts).unwrap()];
         let (mut dx, mut dg) = (vec![bf16::ZERO; m * h], vec![0f32; h]);
         let mut best = f64::INFINITY;
         for _ in 0..3 {
@@ -149,7 +145,7 @@ pub fn run(case: &Case, exec: &Exec<'_>) -> Report {
             rms_norm_grad(
                 e,
                 dyt,
-                &RmsNormGradInputs::new(xt, rt, gt),
+                &inputs,
                 &gopts,
                 &mut dx,
                 DgammaOut {

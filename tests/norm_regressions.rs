@@ -95,17 +95,13 @@ fn dx_inf_rstd(exec: &Exec<'_>, n: usize) -> Vec<f32> {
     let gt = TensorRef::new(&g, &[n]).unwrap();
     let rt = TensorRef::new(&rstd, &[1]).unwrap();
     let o = RmsNormGradOptions::default();
-    let mut ws =
-        vec![
-            0u8;
-            rms_norm_grad_workspace_size(exec, dyt, &RmsNormGradInputs::new(xt, rt, gt), &o)
-                .unwrap()
-        ];
+    let inputs = RmsNormGradInputs::new(xt, rt, gt);
+    let mut ws = vec![0u8; rms_norm_grad_workspace_size(exec, dyt, &inputs, &o).unwrap()];
     let mut dx = vec![0f32; n];
     rms_norm_grad(
         exec,
         dyt,
-        &RmsNormGradInputs::new(xt, rt, gt),
+        &inputs,
         &o,
         &mut dx,
         DgammaOut::default(),

@@ -219,12 +219,13 @@ proptest! {
             let rt = TensorRef::new(&r, &[rows]).unwrap();
             let dres = with_dres.then_some(t1);
             let gopts = RmsNormGradOptions::default();
-            let mut ws = vec![0u8; rms_norm_grad_workspace_size(&exec, t2, &RmsNormGradInputs { x: t1, rstd: rt, gamma: gt, dres }, &gopts).unwrap()];
+            let inputs = RmsNormGradInputs { x: t1, rstd: rt, gamma: gt, dres };
+            let mut ws = vec![0u8; rms_norm_grad_workspace_size(&exec, t2, &inputs, &gopts).unwrap()];
             let (mut dx, mut dg) = (vec![f16::ZERO; len], vec![0f32; n]);
-            rms_norm_grad(&exec, t2, &RmsNormGradInputs { x: t1, rstd: rt, gamma: gt, dres }, &gopts, &mut dx, DgammaOut { dgamma: Some(&mut dg), dgamma_cast: None }, &mut ws).unwrap();
+            rms_norm_grad(&exec, t2, &inputs, &gopts, &mut dx, DgammaOut { dgamma: Some(&mut dg), dgamma_cast: None }, &mut ws).unwrap();
             let mut dy = x2.clone();
             let mut dgi = vec![0f32; n];
-            rms_norm_grad_in_place(&exec, TensorMut::new(&mut dy, &dims).unwrap(), &RmsNormGradInputs { x: t1, rstd: rt, gamma: gt, dres }, &gopts, DgammaOut { dgamma: Some(&mut dgi), dgamma_cast: None }, &mut ws).unwrap();
+            rms_norm_grad_in_place(&exec, TensorMut::new(&mut dy, &dims).unwrap(), &inputs, &gopts, DgammaOut { dgamma: Some(&mut dgi), dgamma_cast: None }, &mut ws).unwrap();
             prop_assert_eq!(bits(&dx), bits(&dy));
             prop_assert_eq!(bits(&dg), bits(&dgi));
         }

@@ -187,33 +187,20 @@ pub fn run_grad<T: Float, G: Float>(
     let rt = TensorRef::new(rstd, &[rstd.len()]).unwrap();
     let gt = TensorRef::new(g, gs).unwrap();
     let dres = dres.map(|d| TensorRef::new(d, xs).unwrap());
-    let mut ws = vec![
-        0u8;
-        rms_norm_grad_workspace_size(
-            exec,
-            dyt,
-            &RmsNormGradInputs {
-                x: xt,
-                rstd: rt,
-                gamma: gt,
-                dres
-            },
-            opts
-        )
-        .unwrap()
-    ];
+    let inputs = RmsNormGradInputs {
+        x: xt,
+        rstd: rt,
+        gamma: gt,
+        dres,
+    };
+    let mut ws = vec![0u8; rms_norm_grad_workspace_size(exec, dyt, &inputs, opts).unwrap()];
     let mut dx = vec![T::from_f64(0.0); x.len()];
     let mut dgamma = dgamma_init.unwrap_or_else(|| vec![f32::NAN; g.len()]);
     let mut dgc = vec![G::from_f64(0.0); g.len()];
     rms_norm_grad(
         exec,
         dyt,
-        &RmsNormGradInputs {
-            x: xt,
-            rstd: rt,
-            gamma: gt,
-            dres,
-        },
+        &inputs,
         opts,
         &mut dx,
         DgammaOut {
