@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 0
+#define NPK_ABI_VERSION_MINOR 1
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /**
@@ -51,7 +51,8 @@ typedef enum npk_isa {
    */
   NPK_ISA_AUTO = 0,
   /**
-   * `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
+   * `wide` lanes: SSE2 on x86_64, NEON on aarch64 (16-bit conversions
+   * element by element), scalar elsewhere.
    */
   NPK_ISA_PORTABLE = 1,
   /**
@@ -67,6 +68,15 @@ typedef enum npk_isa {
    * the same bits.
    */
   NPK_ISA_AVX512_BF16 = 4,
+  /**
+   * AArch64 Advanced SIMD (every AArch64 CPU). ABI 2.1.
+   */
+  NPK_ISA_NEON = 5,
+  /**
+   * AArch64 Advanced SIMD with FEAT_BF16's BFCVTN for the bf16 rounding,
+   * the same bits. ABI 2.1.
+   */
+  NPK_ISA_NEON_BF16 = 6,
 } npk_isa;
 
 /**

@@ -6,14 +6,24 @@
 #             reference no `std` / `alloc` symbol
 #   embedded  the no-feature library for thumbv7em-none-eabihf (Cortex-M4F),
 #             riscv32imac-unknown-none-elf and aarch64-unknown-none (symbol-checked too)
-#   aarch64   `cargo test -p npukern` for aarch64-unknown-linux-gnu under qemu-user
-#             (the portable `wide` lanes on NEON), bit hashes included
+#   aarch64   `cargo test -p npukern` for aarch64-unknown-linux-gnu under qemu-user,
+#             bit hashes included, twice: with the NEON lanes (automatic
+#             selection: `neonbf16` where qemu's CPU has FEAT_BF16, and every
+#             cross-ISA test compares it with `neon` and `portable`), then with
+#             the portable `wide` lanes forced (NPK_MAX_CPU_ISA=portable)
 #   cortex-m  the consumer on a Cortex-M4F under qemu-system-arm (mps2-an386),
 #             reporting through semihosting, exiting with its status
 #
-# Usage: scripts/cross.sh [step...]   (no step: all four, in that order)
+#   aarch64-exhaustive  (not in the default set) the NEON conversions on all
+#             2^32 f32 inputs under qemu-user (the ignored test in lanes/neon.rs)
+#
+# Usage: scripts/cross.sh [step...]   (no step: the first four, in that order)
 #   NPK_CROSS_CACHE   where the cross builds' target directories live
-#                     (default ~/.cache/npukern/cross; reused when present)
+#                     (default ~/.cache/npukern/cross; one subdirectory per
+#                     checkout path, reused when present: cargo's dep-info
+#                     paths are relative, so a target directory shared by two
+#                     checkouts can pass one checkout's stale build off as
+#                     the other's)
 #   NPK_BLESS=1       rewrite embedded/expected_hashes.txt from the host consumer
 #   NPK_CROSS_SEED_CASES=1  also run tests/seed_cases.rs and the 8 MiB
 #                     streaming-output tests (tests/norm_streaming.rs) on
@@ -27,14 +37,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CACHE=${NPK_CROSS_CACHE:-$HOME/.cache/npukern/cross}
+CACHE=${NPK_CROSS_CACHE:-$HOME/.cache/npukern/cross}/$(printf %s "$ROOT" | cksum | cut -d' ' -f1)
 mkdir -p "$CACHE"
 
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(nostd embedded aarch64 cortex-m)
 for s in "${STEPS[@]}"; do
-    case $s in nostd | embedded | aarch64 | cortex-m) ;; *)
-        echo "cross.sh: unknown step '$s' (nostd embedded aarch64 cortex-m)" >&2
+    case $s in nostd | embedded | aarch64 | aarch64-exhaustive | cortex-m) ;; *)
+        echo "cross.sh: unknown step '$s' (nostd embedded aarch64 aarch64-exhaustive cortex-m)" >&2
         exit 2
         ;;
     esac
@@ -166,20 +176,36 @@ if wants embedded; then
     step_end embedded
 fi
 
-if wants aarch64; then
-    step_start aarch64
+# `cargo test -p npukern` on aarch64 under qemu-user; extra arguments go to
+# the test harness.
+aarch64_test() {
     debian_rust
     ensure gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
-    skip=(--skip seed_cases_match_reference --skip streamed_)
-    [ "${NPK_CROSS_SEED_CASES:-0}" = 1 ] && skip=()
     # The test harness unwinds: std is built once, for panic = "unwind"
     # (the release profile's "abort" would make cargo build a second core).
     CARGO_PROFILE_RELEASE_PANIC=unwind \
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
         deb_cargo test -p npukern --release --locked --target aarch64-unknown-linux-gnu \
-        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target" -- "${skip[@]}"
+        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target" -- "$@"
+}
+
+if wants aarch64; then
+    step_start aarch64
+    skip=(--skip seed_cases_match_reference --skip streamed_)
+    [ "${NPK_CROSS_SEED_CASES:-0}" = 1 ] && skip=()
+    echo "== aarch64: NEON lanes (automatic selection)"
+    NPK_MAX_CPU_ISA= aarch64_test "${skip[@]}"
+    echo "== aarch64: portable lanes forced (NPK_MAX_CPU_ISA=portable)"
+    NPK_MAX_CPU_ISA=portable aarch64_test "${skip[@]}"
     step_end aarch64
+fi
+
+if wants aarch64-exhaustive; then
+    step_start aarch64-exhaustive
+    NPK_MAX_CPU_ISA= aarch64_test --ignored --exact --nocapture \
+        lanes::neon::tests::neon_conversions_equal_the_definitions_on_all_2_pow_32_inputs
+    step_end aarch64-exhaustive
 fi
 
 if wants cortex-m; then

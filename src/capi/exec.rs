@@ -2,8 +2,6 @@
 //! runner callback adapted into a `Runner`. Every exported operator goes
 //! through `run`, which also fills `npk_error_detail`.
 
-use std::sync::OnceLock;
-
 use super::foreign::{npk_foreign_backend, Foreign};
 use super::host_runner::HostRunner;
 use super::status::report;
@@ -127,40 +125,17 @@ impl ExecConfig {
     }
 }
 
-/// The ISA ceiling of the C ABI: the environment variable `NPK_MAX_CPU_ISA`
-/// (an ISA name, `Isa::name`: `portable`, `avx2`, `avx512`, `avx512bf16`;
-/// case-insensitive; read once), like
-/// oneDNN's `ONEDNN_MAX_CPU_ISA`. `NPK_ISA_AUTO` then picks the best ISA at or
-/// below it, `npk_detected_isa` reports that, and forcing an ISA above it is
-/// `NPK_ERR_ISA_UNAVAILABLE`. Unset or unrecognized: no ceiling. It lets a
-/// test (or a user chasing a CPU-specific problem) run the narrower kernels,
-/// and exercise the "unavailable" path, on a machine that has every ISA.
-fn isa_cap() -> Isa {
-    static CAP: OnceLock<Isa> = OnceLock::new();
-    *CAP.get_or_init(|| {
-        let v = std::env::var("NPK_MAX_CPU_ISA").unwrap_or_default();
-        Isa::parse(&v).unwrap_or(Isa::ALL[Isa::ALL.len() - 1])
-    })
-}
-
-/// What `NPK_ISA_AUTO` runs: the best available ISA at or below the ceiling.
+/// What `NPK_ISA_AUTO` runs: the best available ISA at or below the
+/// `NPK_MAX_CPU_ISA` ceiling (`lanes::detect`).
 pub(crate) fn auto_isa() -> Isa {
-    let cap = isa_cap().rank();
-    Isa::ALL
-        .iter()
-        .rev()
-        .copied()
-        .find(|&i| i.rank() <= cap && detect::available(i))
-        .unwrap_or(Isa::ALL[0])
+    detect::detected()
 }
 
-/// Resolves `npk_exec.isa` under the ceiling: `None` lets the CPU backend
-/// detect (when no ceiling applies), `Some` pins the ISA.
+/// Resolves `npk_exec.isa`: `None` lets the CPU backend detect, `Some` pins
+/// the ISA (one above the ceiling is unavailable, like one the CPU lacks).
 fn resolve_isa(forced: Option<Isa>) -> Result<Option<Isa>> {
     match forced {
-        None if auto_isa() == detect::detected() => Ok(None),
-        None => Ok(Some(auto_isa())),
-        Some(i) if i.rank() > isa_cap().rank() => Err(Error::IsaUnavailable),
+        None => Ok(None),
         Some(i) => detect::resolve(Some(i)).map(|a| Some(a.isa())),
     }
 }

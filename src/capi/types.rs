@@ -83,7 +83,8 @@ pub enum npk_status {
 pub enum npk_isa {
     /// Pick the best one this CPU and build have (what `npk_detected_isa` returns).
     NPK_ISA_AUTO = 0,
-    /// `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
+    /// `wide` lanes: SSE2 on x86_64, NEON on aarch64 (16-bit conversions
+    /// element by element), scalar elsewhere.
     NPK_ISA_PORTABLE = 1,
     /// AVX2 + FMA + F16C.
     NPK_ISA_AVX2 = 2,
@@ -92,15 +93,22 @@ pub enum npk_isa {
     /// AVX-512F/BW with AVX512-BF16 (and DQ, VL): bf16 rounding in hardware,
     /// the same bits.
     NPK_ISA_AVX512_BF16 = 4,
+    /// AArch64 Advanced SIMD (every AArch64 CPU). ABI 2.1.
+    NPK_ISA_NEON = 5,
+    /// AArch64 Advanced SIMD with FEAT_BF16's BFCVTN for the bf16 rounding,
+    /// the same bits. ABI 2.1.
+    NPK_ISA_NEON_BF16 = 6,
 }
 
 impl npk_isa {
     /// Every named value except `NPK_ISA_AUTO`.
-    const NAMED: [npk_isa; 4] = [
+    const NAMED: [npk_isa; 6] = [
         npk_isa::NPK_ISA_PORTABLE,
         npk_isa::NPK_ISA_AVX2,
         npk_isa::NPK_ISA_AVX512,
         npk_isa::NPK_ISA_AVX512_BF16,
+        npk_isa::NPK_ISA_NEON,
+        npk_isa::NPK_ISA_NEON_BF16,
     ];
 
     /// The C name of `isa` (`NPK_ISA_AUTO` for an ISA the header does not

@@ -3,7 +3,8 @@
 //! (`Lanes::detect`: cpuid and xgetbv on x86_64, so an OS that does not save
 //! the wide registers is respected, and it works without std). The answers
 //! are cached; a forced ISA the CPU or the build lacks is an error, never a
-//! silent fallback.
+//! silent fallback. With `std`, the environment variable `NPK_MAX_CPU_ISA`
+//! caps what counts as available (see `ceiling`).
 
 use core::sync::atomic::{AtomicU32, Ordering};
 
@@ -82,7 +83,8 @@ impl Isa {
         Isa::ALL.iter().position(|&i| i == self).unwrap_or(0)
     }
 
-    /// True when this build has kernels for this ISA and this CPU runs them.
+    /// True when this build has kernels for this ISA, this CPU runs them and
+    /// the `NPK_MAX_CPU_ISA` ceiling (with `std`) allows them.
     pub fn is_available(self) -> bool {
         available(self)
     }
@@ -108,16 +110,39 @@ fn features() -> u32 {
     if c & KNOWN != 0 {
         return c;
     }
+    let cap = ceiling().rank();
     let f = Isa::ALL
         .iter()
         .enumerate()
-        .filter(|(_, isa)| isa.probe())
+        .filter(|&(rank, isa)| rank <= cap && isa.probe())
         .fold(KNOWN, |f, (rank, _)| f | 1 << rank);
     CACHE.store(f, Ordering::Relaxed);
     f
 }
 
-/// True when this build has kernels for `isa` and this CPU can run them.
+/// The ISA ceiling: with `std`, the environment variable `NPK_MAX_CPU_ISA`
+/// (an ISA name, `Isa::name`, any case; read once), like oneDNN's
+/// `ONEDNN_MAX_CPU_ISA`. ISAs after it in `Isa::ALL` count as unavailable
+/// for the Rust API and the C ABI alike: automatic selection picks the best
+/// at or below it and forcing one above it is `Error::IsaUnavailable`
+/// (`NPK_ERR_ISA_UNAVAILABLE`). It lets a test, or a user chasing a
+/// CPU-specific problem, run the narrower kernels — e.g. the whole suite on
+/// the portable lanes — on a machine that has every ISA. Unset or
+/// unrecognized, and without `std`: no ceiling.
+fn ceiling() -> Isa {
+    let last = Isa::ALL[Isa::ALL.len() - 1];
+    #[cfg(feature = "std")]
+    let cap = std::env::var("NPK_MAX_CPU_ISA")
+        .ok()
+        .and_then(|v| Isa::parse(&v))
+        .unwrap_or(last);
+    #[cfg(not(feature = "std"))]
+    let cap = last;
+    cap
+}
+
+/// True when this build has kernels for `isa`, this CPU can run them and
+/// the ceiling allows them.
 pub fn available(isa: Isa) -> bool {
     features() & (1 << isa.rank()) != 0
 }

@@ -12,6 +12,8 @@ use half::{bf16, f16};
 use crate::dtype::Float;
 
 pub mod detect;
+#[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+pub mod neon;
 pub mod portable;
 pub mod stream;
 #[cfg(target_arch = "x86_64")]
@@ -20,6 +22,8 @@ pub mod x86;
 mod x86_bf16;
 
 pub use detect::Isa;
+#[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
+pub use neon::{Neon, NeonBf16};
 pub use portable::Portable;
 #[cfg(target_arch = "x86_64")]
 pub use x86::{Avx2, Avx512, Avx512Bf16};
@@ -33,7 +37,8 @@ pub use x86::{Avx2, Avx512, Avx512Bf16};
 macro_rules! isa_list {
     ([$($cb:tt)*] ($($a:tt)*)) => {
         $($cb)*! { ($($a)*)
-            /// `wide` lanes: SSE2 on x86_64, NEON on aarch64, scalar elsewhere.
+            /// `wide` lanes: SSE2 on x86_64, NEON on aarch64 (16-bit
+            /// conversions element by element), scalar elsewhere.
             Portable = 1, "portable", Portable, all();
             /// AVX2 + FMA + F16C (x86_64); FMA is enabled but never used.
             Avx2 = 2, "avx2", Avx2, target_arch = "x86_64";
@@ -42,6 +47,11 @@ macro_rules! isa_list {
             /// `Avx512` with AVX512-BF16 (and DQ, VL): bf16 rounding in
             /// hardware (Zen 4, Sapphire Rapids and later), the same bits.
             Avx512Bf16 = 4, "avx512bf16", Avx512Bf16, target_arch = "x86_64";
+            /// AArch64 Advanced SIMD (baseline on every AArch64 CPU).
+            Neon = 5, "neon", Neon, all(target_arch = "aarch64", target_feature = "neon");
+            /// `Neon` with FEAT_BF16's `BFCVTN` for the bf16 rounding
+            /// (Neoverse V1/N2, Graviton 3 and later), the same bits.
+            NeonBf16 = 6, "neonbf16", NeonBf16, all(target_arch = "aarch64", target_feature = "neon");
         }
     };
 }
