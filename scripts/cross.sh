@@ -16,6 +16,12 @@
 #
 #   aarch64-exhaustive  (not in the default set) the NEON conversions on all
 #             2^32 f32 inputs under qemu-user (the ignored test in lanes/neon.rs)
+#   aarch64-insns  (not in the default set) instructions executed per output
+#             element, portable vs NEON vs NEON+BF16, for the norms at the seed
+#             shapes: examples/one_call.rs under qemu-user with the counting
+#             plugin scripts/qemu/insn_count.c (a proxy for cost: no timing
+#             without the hardware). NPK_INSN_SHAPES="ROWSxCOLS ..." overrides
+#             the shapes.
 #
 # Usage: scripts/cross.sh [step...]   (no step: the first four, in that order)
 #   NPK_CROSS_CACHE   where the cross builds' target directories live
@@ -43,8 +49,8 @@ mkdir -p "$CACHE"
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(nostd embedded aarch64 cortex-m)
 for s in "${STEPS[@]}"; do
-    case $s in nostd | embedded | aarch64 | aarch64-exhaustive | cortex-m) ;; *)
-        echo "cross.sh: unknown step '$s' (nostd embedded aarch64 aarch64-exhaustive cortex-m)" >&2
+    case $s in nostd | embedded | aarch64 | aarch64-exhaustive | aarch64-insns | cortex-m) ;; *)
+        echo "cross.sh: unknown step '$s' (nostd embedded aarch64 aarch64-exhaustive aarch64-insns cortex-m)" >&2
         exit 2
         ;;
     esac
@@ -206,6 +212,42 @@ if wants aarch64-exhaustive; then
     NPK_MAX_CPU_ISA= aarch64_test --ignored --exact --nocapture \
         lanes::neon::tests::neon_conversions_equal_the_definitions_on_all_2_pow_32_inputs
     step_end aarch64-exhaustive
+fi
+
+if wants aarch64-insns; then
+    step_start aarch64-insns
+    debian_rust
+    ensure gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+    plugin="$CACHE/insn_count.so"
+    gcc -shared -fPIC -O2 -fvisibility=hidden -Wall -Wextra -Werror -o "$plugin" scripts/qemu/insn_count.c
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+        deb_cargo build -p npukern --release --locked --target aarch64-unknown-linux-gnu \
+        -Zbuild-std=std,panic_abort --example one_call --target-dir "$CACHE/target-insns"
+    bin="$CACHE/target-insns/aarch64-unknown-linux-gnu/release/examples/one_call"
+    # Instructions of the whole program with REPS calls.
+    count() { # isa op dtype rows cols reps
+        NPK_MAX_CPU_ISA=$1 qemu-aarch64 -L /usr/aarch64-linux-gnu -plugin "$plugin" \
+            "$bin" "$2" "$3" "$4" "$5" "$6" 2>&1 | sed -n 's/^insns //p'
+    }
+    read -r -a shapes <<<"${NPK_INSN_SHAPES:-1024x12288 2048x4096 8192x5120 4096x4096}"
+    echo "| op | shape | dtype | portable | neon | neonbf16 |"
+    echo "|---|---|---|---|---|---|"
+    for op in rms_norm add_rms_norm rms_norm_grad; do
+        for shape in "${shapes[@]}"; do
+            rows=${shape%x*} cols=${shape#*x}
+            for dt in bf16 f16 f32; do
+                line="| $op | $shape | $dt |"
+                for isa in portable neon neonbf16; do
+                    one=$(count "$isa" "$op" "$dt" "$rows" "$cols" 1)
+                    two=$(count "$isa" "$op" "$dt" "$rows" "$cols" 2)
+                    [ -n "$one" ] && [ -n "$two" ] || { echo "FAIL: no count ($isa $op $dt $shape)" >&2; exit 1; }
+                    line+=" $(awk -v a="$one" -v b="$two" -v e=$((rows * cols)) 'BEGIN { printf "%.2f", (b - a) / e }') |"
+                done
+                echo "$line"
+            done
+        done
+    done
+    step_end aarch64-insns
 fi
 
 if wants cortex-m; then
