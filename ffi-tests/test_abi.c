@@ -115,6 +115,7 @@ int main(void) {
   /* ISA names come from the library's one ISA list. */
   CHECK(strcmp(npk_isa_name(NPK_ISA_AVX2), "avx2") == 0 && strcmp(npk_isa_name(NPK_ISA_AUTO), "auto") == 0 &&
             strcmp(npk_isa_name(NPK_ISA_AVX512_BF16), "avx512bf16") == 0 &&
+            strcmp(npk_isa_name(NPK_ISA_NEON_BF16), "neonbf16") == 0 &&
             strcmp(npk_isa_name((npk_isa)99), "unknown") == 0,
         "%s", "npk_isa_name");
 
