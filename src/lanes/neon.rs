@@ -423,9 +423,12 @@ mod tests {
     #[ignore = "2^32 inputs: scripts/cross.sh aarch64-exhaustive"]
     fn neon_conversions_equal_the_definitions_on_all_2_pow_32_inputs() {
         let mut bad = exhaustive::<Neon>();
+        eprintln!("neon: checked, {bad} inputs differ");
         if Isa::NeonBf16.is_available() {
             // SAFETY: FEAT_BF16 was detected.
-            bad += unsafe { NeonBf16::enter(exhaustive::<NeonBf16>) };
+            let b = unsafe { NeonBf16::enter(exhaustive::<NeonBf16>) };
+            eprintln!("neonbf16: checked, {b} inputs differ");
+            bad += b;
         } else {
             eprintln!("no FEAT_BF16 here: the BFCVTN level was not checked");
         }
