@@ -3,8 +3,8 @@
 //! duplicates / padding / scaling / sharding / accumulation, gradient health)
 //! under every ISA this machine has, each output hashed bit for bit and
 //! compared with `tests/data/bit_hashes.txt`. The file is produced on
-//! x86_64; scripts/cross.sh runs this test on aarch64 (NEON through `wide`)
-//! too, so a kernel whose bits depend on the ISA or the architecture fails
+//! x86_64; scripts/cross.sh runs this test on aarch64 too (the NEON lanes,
+//! then the portable ones forced), so a kernel whose bits depend on the ISA or the architecture fails
 //! here, naming the operator and case. `NPK_BLESS=1` rewrites the file.
 
 mod common;
