@@ -148,10 +148,25 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn stream(self, dst: &mut [f32; GROUP]);
     /// `self` then `hi` as 32 bf16 (one 64-byte line), streaming when `dst`
     /// is 64-byte aligned. Only whole lines are streamed: a partly written
-    /// write-combining line goes to memory as slow partial writes.
-    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]);
+    /// write-combining line goes to memory as slow partial writes. The
+    /// default stores the two halves (lanes without streaming stores).
+    #[inline(always)]
+    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            self.store_bf16(a);
+            hi.store_bf16(b);
+        }
+    }
     /// `stream2_bf16` for f16.
-    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]);
+    #[inline(always)]
+    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+        let (a, b) = dst.split_at_mut(GROUP);
+        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+            self.store_f16(a);
+            hi.store_f16(b);
+        }
+    }
     /// Orders this thread's streaming stores before its later stores
     /// (`sfence` on x86_64), so a block's outputs are complete when it
     /// returns.

@@ -338,22 +338,6 @@ impl<const HW_BF16: bool> Lanes for NeonLanes<HW_BF16> {
         self.store(dst)
     }
     #[inline(always)]
-    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
-        let (a, b) = dst.split_at_mut(GROUP);
-        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-            self.store_bf16(a);
-            hi.store_bf16(b);
-        }
-    }
-    #[inline(always)]
-    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
-        let (a, b) = dst.split_at_mut(GROUP);
-        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-            self.store_f16(a);
-            hi.store_f16(b);
-        }
-    }
-    #[inline(always)]
     fn prefetch(p: *const u8) {
         // SAFETY: PRFM is a hint: it never faults, whatever `p` is.
         unsafe {

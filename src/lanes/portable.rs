@@ -100,22 +100,6 @@ impl Lanes for Portable {
         self.store(dst)
     }
     #[inline(always)]
-    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
-        let (a, b) = dst.split_at_mut(GROUP);
-        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-            self.store_bf16(a);
-            hi.store_bf16(b);
-        }
-    }
-    #[inline(always)]
-    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
-        let (a, b) = dst.split_at_mut(GROUP);
-        if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-            self.store_f16(a);
-            hi.store_f16(b);
-        }
-    }
-    #[inline(always)]
     fn add(self, o: Self) -> Self {
         Portable(self.0 + o.0, self.1 + o.1)
     }
