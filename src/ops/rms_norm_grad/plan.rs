@@ -44,6 +44,24 @@ pub(crate) struct GradOutputs {
     pub dgamma_cast: Option<RawTensor>,
 }
 
+/// A dgamma-like output `c`: gamma's shape, and disjoint from `others` (the
+/// inputs, then the earlier outputs, checked in that order).
+fn gamma_shaped_out<'a>(
+    c: &Checked,
+    gamma: &Checked,
+    others: impl IntoIterator<Item = &'a Checked>,
+) -> Result<()> {
+    if c.shape != gamma.shape {
+        return Err(invalid_fmt!(
+            c.name,
+            "shape {} differs from gamma's {}",
+            c.shape,
+            gamma.shape
+        ));
+    }
+    no_overlap(c, others)
+}
+
 /// Validates everything and builds the call.
 pub(crate) fn prepare(
     ins: &GradTensors,
@@ -86,18 +104,7 @@ pub(crate) fn prepare(
         if g.dtype != DType::F32 {
             return Err(dtype_err!("dgamma", "dtype {} is not f32", g.dtype));
         }
-        if c.shape != gc.shape {
-            return Err(invalid_fmt!(
-                "dgamma",
-                "shape {} differs from gamma's {}",
-                c.shape,
-                gc.shape
-            ));
-        }
-        no_overlap(&c, ins.iter())?;
-        for o in &outs[..n_outs] {
-            no_overlap(&c, [o])?;
-        }
+        gamma_shaped_out(&c, &gc, ins.iter().chain(&outs[..n_outs]))?;
         outs[n_outs] = c;
         n_outs += 1;
         dg_t = *g;
@@ -113,18 +120,7 @@ pub(crate) fn prepare(
                 gamma.dtype
             ));
         }
-        if c.shape != gc.shape {
-            return Err(invalid_fmt!(
-                "dgamma_cast",
-                "shape {} differs from gamma's {}",
-                c.shape,
-                gc.shape
-            ));
-        }
-        no_overlap(&c, ins.iter())?;
-        for o in &outs[..n_outs] {
-            no_overlap(&c, [o])?;
-        }
+        gamma_shaped_out(&c, &gc, ins.iter().chain(&outs[..n_outs]))?;
         dgc_t = *g;
     }
     if opts.dgamma_mode == DgammaMode::Accumulate && dgamma.is_none() {
