@@ -30,7 +30,7 @@ fn run<T: Float>(op: &str, m: usize, n: usize, reps: usize) -> Result<()> {
         TensorRef::new(&g, &[n])?,
     );
     let (mut y, mut s) = (vec![T::from_f32(0.0); m * n], vec![T::from_f32(0.0); m * n]);
-    let mut rstd = vec![0.7f32; m];
+    let rstd = vec![0.7f32; m];
     let opts = RmsNormOptions::default();
     let gopts = RmsNormGradOptions::default();
     let mut dg = vec![0f32; n];
@@ -65,7 +65,6 @@ fn run<T: Float>(op: &str, m: usize, n: usize, reps: usize) -> Result<()> {
             }
         }
     }
-    rstd.clear();
     std::hint::black_box((&y, &s, &dg));
     Ok(())
 }

@@ -77,8 +77,13 @@ impl ExecConfig {
             raw => Some(Isa::from_raw(raw).ok_or_else(|| invalid("isa", "not an npk_isa value"))?),
         };
         // A forced ISA is checked whichever backend runs, so the same exec
-        // fails the same way everywhere.
-        cfg.isa = resolve_isa(forced)?;
+        // fails the same way everywhere (one above the NPK_MAX_CPU_ISA
+        // ceiling is unavailable, like one the CPU lacks); `None` lets the
+        // CPU backend detect.
+        cfg.isa = match forced {
+            None => None,
+            Some(i) => Some(detect::resolve(Some(i))?.isa()),
+        };
         cfg.kind = match e.backend {
             0 => Kind::Cpu,
             1 => Kind::Reference,
@@ -122,21 +127,6 @@ impl ExecConfig {
             Some(e) => Err(e),
             None => r,
         }
-    }
-}
-
-/// What `NPK_ISA_AUTO` runs: the best available ISA at or below the
-/// `NPK_MAX_CPU_ISA` ceiling (`lanes::detect`).
-pub(crate) fn auto_isa() -> Isa {
-    detect::detected()
-}
-
-/// Resolves `npk_exec.isa`: `None` lets the CPU backend detect, `Some` pins
-/// the ISA (one above the ceiling is unavailable, like one the CPU lacks).
-fn resolve_isa(forced: Option<Isa>) -> Result<Option<Isa>> {
-    match forced {
-        None => Ok(None),
-        Some(i) => detect::resolve(Some(i)).map(|a| Some(a.isa())),
     }
 }
 

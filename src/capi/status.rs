@@ -182,7 +182,7 @@ pub extern "C" fn npk_isa_name(isa: RawIsa) -> *const c_char {
 /// `NPK_MAX_CPU_ISA` ceiling, if set).
 #[no_mangle]
 pub extern "C" fn npk_detected_isa() -> npk_isa {
-    npk_isa::of(super::exec::auto_isa())
+    npk_isa::of(crate::lanes::Isa::detected())
 }
 
 #[cfg(test)]

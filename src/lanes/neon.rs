@@ -58,6 +58,15 @@ pub type NeonBf16 = NeonLanes<true>;
 /// where the CPU lacks AFP, so clearing them is harmless).
 const FPCR_MODES: u64 = 1 << 26 | 1 << 25 | 1 << 24 | 3 << 22 | 1 << 19 | 0b111;
 
+/// Reads the FPCR.
+#[inline(always)]
+fn fpcr() -> u64 {
+    let v: u64;
+    // SAFETY: FPCR is readable at EL0.
+    unsafe { asm!("mrs {}, fpcr", out(reg) v, options(nomem, nostack, preserves_flags)) };
+    v
+}
+
 /// Writes the FPCR.
 #[inline(always)]
 fn set_fpcr(v: u64) {
@@ -78,9 +87,7 @@ impl Drop for RestoreFpcr {
 /// Runs `f` under the default FPCR modes (see the module note).
 #[inline(always)]
 fn default_fpcr<R>(f: impl FnOnce() -> R) -> R {
-    let saved: u64;
-    // SAFETY: FPCR is readable at EL0.
-    unsafe { asm!("mrs {}, fpcr", out(reg) saved, options(nomem, nostack, preserves_flags)) };
+    let saved = fpcr();
     if saved & FPCR_MODES == 0 {
         return f();
     }
@@ -135,8 +142,7 @@ fn subnormal4(v: float32x4_t) -> uint32x4_t {
 #[inline(always)]
 fn bf16_bits8<const HW_BF16: bool>(a: float32x4_t, b: float32x4_t) -> uint16x8_t {
     // SAFETY: value-only NEON intrinsics (NEON is this module's build condition).
-    let any_subnormal = unsafe { vmaxvq_u32(vorrq_u32(subnormal4(a), subnormal4(b))) } != 0;
-    if !HW_BF16 || any_subnormal {
+    if !HW_BF16 || unsafe { vmaxvq_u32(vorrq_u32(subnormal4(a), subnormal4(b))) } != 0 {
         return bf16_bits8_int(a, b);
     }
     let r: uint16x8_t;
@@ -440,13 +446,6 @@ mod tests {
             }
         }
         bad
-    }
-
-    fn fpcr() -> u64 {
-        let v: u64;
-        // SAFETY: FPCR is readable at EL0.
-        unsafe { asm!("mrs {}, fpcr", out(reg) v, options(nomem, nostack, preserves_flags)) };
-        v
     }
 
     /// A host thread with FPCR.FZ (flush-to-zero) set gets the library's
