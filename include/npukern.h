@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 1
+#define NPK_ABI_VERSION_MINOR 2
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /**
@@ -206,6 +206,21 @@ typedef enum npk_index_policy {
    */
   NPK_INDEX_IGNORE = 1,
 } npk_index_policy;
+
+/**
+ * Where an elementwise operator (SwiGLU, RoPE) rounds (the header's
+ * `npk_elem_rounding`; the library's own type is `ElemRounding`). ABI 2.2.
+ */
+typedef enum npk_elem_rounding {
+  /**
+   * fp32 inside, one rounding of each output.
+   */
+  NPK_ELEM_ROUNDING_FUSED = 0,
+  /**
+   * Eager PyTorch's intermediate roundings (Hugging Face's bits).
+   */
+  NPK_ELEM_ROUNDING_EAGER = 1,
+} npk_elem_rounding;
 
 /**
  * A block task: `task(task_ctx, block)`.
@@ -655,6 +670,205 @@ typedef struct npk_embedding_dense_grad_call {
 } npk_embedding_dense_grad_call;
 
 /**
+ * Tiling of an elementwise operator (SwiGLU, RoPE): `rows` rows of `cols`
+ * elements, cut into units of `rows_per_unit` rows by `chunk_cols`
+ * columns — the tile one Unified Buffer holds, `streams` f32 tiles of it.
+ * Units, in row-major order, are split evenly over `blocks`. Elementwise
+ * operators need no workspace: `workspace_bytes` is 0, kept so every plan
+ * answers the two-phase size call the same way.
+ */
+typedef struct npk_elt_tiling {
+  /**
+   * Rows.
+   */
+  uint64_t rows;
+  /**
+   * Elements per row.
+   */
+  uint64_t cols;
+  /**
+   * Rows per unit (1 when a row is cut into chunks).
+   */
+  uint64_t rows_per_unit;
+  /**
+   * Columns per unit: `cols` when whole rows fit, else a multiple of 32.
+   */
+  uint64_t chunk_cols;
+  /**
+   * Units per row group (`ceil(cols / chunk_cols)`).
+   */
+  uint64_t chunks_per_row;
+  /**
+   * All units: `ceil(rows / rows_per_unit) * chunks_per_row`.
+   */
+  uint64_t units;
+  /**
+   * Units per block (`ceil(units / blocks)`); the last block may have fewer.
+   */
+  uint64_t units_per_block;
+  /**
+   * Blocks (0 when there is nothing to do).
+   */
+  uint32_t blocks;
+  /**
+   * f32 tiles per unit the UB must hold (inputs and outputs).
+   */
+  uint32_t streams;
+  /**
+   * `NORM_FLAG_STREAM` / `NORM_FLAG_SERIAL`, as for the norms: hints that
+   * never change a result bit.
+   */
+  uint32_t flags;
+  /**
+   * Zero.
+   */
+  uint32_t reserved;
+  /**
+   * Always 0.
+   */
+  uint64_t workspace_bytes;
+} npk_elt_tiling;
+
+/**
+ * The validated arguments of one SwiGLU (`npk_swiglu_call`).
+ */
+typedef struct npk_swiglu_call {
+  /**
+   * The gate `a`; in the split form, `x` itself.
+   */
+  struct npk_tensor a;
+  /**
+   * The up projection `b`; empty in the split form.
+   */
+  struct npk_tensor b;
+  /**
+   * Output: `a`'s shape (the split form: `x`'s with `dim` halved).
+   */
+  struct npk_tensor y;
+  /**
+   * 1: row `r` of `a` is `x[r * 2L ..][..L]` and of `b` `x[r * 2L + L ..][..L]`
+   * (L = `tiling.cols`); 0: rows of `a` and `b` are `L` apart.
+   */
+  uint32_t split;
+  /**
+   * Where y is rounded.
+   */
+  npk_elem_rounding rounding;
+  /**
+   * The tiling plan: rows x cols of the output.
+   */
+  struct npk_elt_tiling tiling;
+  /**
+   * The caller's workspace (none is needed).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_swiglu_call;
+
+/**
+ * The validated arguments of one SwiGluGrad (`npk_swiglu_grad_call`).
+ */
+typedef struct npk_swiglu_grad_call {
+  /**
+   * The output gradient: the forward's `y` shape.
+   */
+  struct npk_tensor dy;
+  /**
+   * The forward's `a` (the split form: `x`).
+   */
+  struct npk_tensor a;
+  /**
+   * The forward's `b`; empty in the split form.
+   */
+  struct npk_tensor b;
+  /**
+   * Gradient of `a` (the split form: of `x`, both halves).
+   */
+  struct npk_tensor da;
+  /**
+   * Gradient of `b`; empty in the split form.
+   */
+  struct npk_tensor db;
+  /**
+   * As `SwigluCall::split` (for the inputs and the outputs alike).
+   */
+  uint32_t split;
+  /**
+   * Fused, or eager PyTorch's bits.
+   */
+  npk_elem_rounding rounding;
+  /**
+   * The tiling plan: rows x cols of `dy`.
+   */
+  struct npk_elt_tiling tiling;
+  /**
+   * The caller's workspace (none is needed).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_swiglu_grad_call;
+
+/**
+ * The validated arguments of one RoPE (`npk_rope_call`).
+ */
+typedef struct npk_rope_call {
+  /**
+   * q (or dq's dy), `[..., head_dim]`.
+   */
+  struct npk_tensor q;
+  /**
+   * k, the same dtype and head_dim; empty when absent.
+   */
+  struct npk_tensor k;
+  /**
+   * cos, broadcast to q and k from the right; q's dtype or f32.
+   */
+  struct npk_tensor cos;
+  /**
+   * sin, cos's shape and dtype.
+   */
+  struct npk_tensor sin;
+  /**
+   * Output of q's shape and dtype.
+   */
+  struct npk_tensor q_out;
+  /**
+   * Output of k's shape and dtype; empty when k is.
+   */
+  struct npk_tensor k_out;
+  /**
+   * Rows of q: plan rows `0..q_rows` are q's, the rest k's.
+   */
+  uint64_t q_rows;
+  /**
+   * 1: the backward rotation.
+   */
+  uint32_t backward;
+  /**
+   * Where outputs are rounded.
+   */
+  npk_elem_rounding rounding;
+  /**
+   * The tiling plan: rows of head_dim, never cut.
+   */
+  struct npk_elt_tiling tiling;
+  /**
+   * The caller's workspace (none is needed).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_rope_call;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -698,6 +912,21 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*embedding_dense_grad)(void *ctx,
                                      const struct npk_embedding_dense_grad_call *call);
+  /**
+   * SwiGLU (ABI 2.2).
+   */
+  npk_status (*swiglu)(void *ctx,
+                       const struct npk_swiglu_call *call);
+  /**
+   * SwiGluGrad (ABI 2.2).
+   */
+  npk_status (*swiglu_grad)(void *ctx,
+                            const struct npk_swiglu_grad_call *call);
+  /**
+   * RoPE, forward and backward (ABI 2.2).
+   */
+  npk_status (*rope)(void *ctx,
+                     const struct npk_rope_call *call);
 } npk_foreign_backend;
 
 /**
@@ -822,6 +1051,35 @@ typedef struct npk_rms_norm_grad_options {
    */
   uint8_t accumulate_dgamma;
 } npk_rms_norm_grad_options;
+
+/**
+ * Options of RoPE. NULL options = `{ NPK_ELEM_ROUNDING_FUSED, 0 }`. ABI 2.2.
+ */
+typedef struct npk_rope_options {
+  /**
+   * Fused, or eager PyTorch's bits (each product rounded, then the sum).
+   */
+  npk_elem_rounding rounding;
+  /**
+   * Nonzero: the backward (q and k are output gradients).
+   */
+  uint32_t backward;
+} npk_rope_options;
+
+/**
+ * Options of SwiGLU and SwiGluGrad. NULL options = `{ -1,
+ * NPK_ELEM_ROUNDING_FUSED }`. ABI 2.2.
+ */
+typedef struct npk_swiglu_options {
+  /**
+   * The split dimension when `b` is NULL (negative counts from the end).
+   */
+  int64_t dim;
+  /**
+   * Fused, or eager PyTorch's bits (silu rounded to the dtype, then the product).
+   */
+  npk_elem_rounding rounding;
+} npk_swiglu_options;
 
 /**
  * What `npk_grad_stats` measures over all elements of all tensors.
@@ -1049,6 +1307,105 @@ enum npk_status npk_rms_norm_grad(const struct npk_tensor *dy,
                                   void *workspace,
                                   size_t workspace_bytes,
                                   const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_rope` needs (0; the same arguments as the run).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_rope_workspace_size(const struct npk_tensor *q,
+                                        const struct npk_tensor *k,
+                                        const struct npk_tensor *cos,
+                                        const struct npk_tensor *sin,
+                                        const struct npk_rope_options *opts,
+                                        const struct npk_exec *exec,
+                                        size_t *workspace_bytes);
+
+/**
+ * RoPE (rotate-half) of `q` and, if not NULL, `k` (`[..., head_dim]`, one
+ * dtype, head_dim even) by `cos` and `sin` (one shape, q's dtype or f32,
+ * broadcast to q and k from the right): `q_out` and `k_out` (NULL exactly
+ * when `k` is). With `opts->backward`, q and k are gradients. Outputs may
+ * not overlap inputs. On error nothing is written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_rope(const struct npk_tensor *q,
+                         const struct npk_tensor *k,
+                         const struct npk_tensor *cos,
+                         const struct npk_tensor *sin,
+                         const struct npk_rope_options *opts,
+                         const struct npk_tensor *q_out,
+                         const struct npk_tensor *k_out,
+                         void *workspace,
+                         size_t workspace_bytes,
+                         const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_swiglu` needs (0; the same arguments as the run).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_swiglu_workspace_size(const struct npk_tensor *a,
+                                          const struct npk_tensor *b,
+                                          const struct npk_swiglu_options *opts,
+                                          const struct npk_exec *exec,
+                                          size_t *workspace_bytes);
+
+/**
+ * SwiGLU: `y = silu(a) * b`. With `b` NULL, `a` is torch_npu's `x`, split
+ * in halves along `opts->dim` (`a` the first) and `y` has x's shape with
+ * that dim halved; else `a` (gate) and `b` (up) share one shape and dtype,
+ * which `y` has. f32, f16 or bf16. On error nothing is written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_swiglu(const struct npk_tensor *a,
+                           const struct npk_tensor *b,
+                           const struct npk_swiglu_options *opts,
+                           const struct npk_tensor *y,
+                           void *workspace,
+                           size_t workspace_bytes,
+                           const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_swiglu_grad` needs (0; the same arguments as the run).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_swiglu_grad_workspace_size(const struct npk_tensor *dy,
+                                               const struct npk_tensor *a,
+                                               const struct npk_tensor *b,
+                                               const struct npk_swiglu_options *opts,
+                                               const struct npk_exec *exec,
+                                               size_t *workspace_bytes);
+
+/**
+ * SwiGluGrad: with `b` NULL (the split form), `da` is the gradient of `x`
+ * (x's shape, both halves) and `db` must be NULL; else `da` and `db` are
+ * the gradients of gate and up. `dy` has the forward's `y` shape. Outputs
+ * may not overlap inputs or each other. On error nothing is written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_swiglu_grad(const struct npk_tensor *dy,
+                                const struct npk_tensor *a,
+                                const struct npk_tensor *b,
+                                const struct npk_swiglu_options *opts,
+                                const struct npk_tensor *da,
+                                const struct npk_tensor *db,
+                                void *workspace,
+                                size_t workspace_bytes,
+                                const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these

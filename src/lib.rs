@@ -64,6 +64,7 @@ pub use lanes::Isa;
 pub use ops::add_rms_norm::{
     add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,
 };
+pub use ops::elementwise::ElemRounding;
 pub use ops::embedding_dense_grad::{
     embedding_dense_grad, embedding_dense_grad_workspace_size, EmbeddingDenseGradCall,
     EmbeddingGradOptions, IndexPolicy,
@@ -79,14 +80,22 @@ pub use ops::rms_norm_grad::{
     rms_norm_grad, rms_norm_grad_in_place, rms_norm_grad_workspace_size, DgammaMode, DgammaOut,
     RmsNormGradCall, RmsNormGradInputs, RmsNormGradOptions,
 };
+pub use ops::rope::{rope, rope_workspace_size, RopeCall, RopeOptions};
+pub use ops::swiglu::{
+    silu_mul, silu_mul_workspace_size, swiglu, swiglu_workspace_size, SwigluCall, SwigluOptions,
+};
+pub use ops::swiglu_grad::{
+    silu_mul_grad, silu_mul_grad_workspace_size, swiglu_grad, swiglu_grad_workspace_size,
+    SwigluGradCall,
+};
 pub use ops::{Exec, Op, OpId};
 #[cfg(feature = "std")]
 pub use runner::Threads;
 pub use runner::{Runner, Serial};
 pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
 pub use tiling::{
-    EmbeddingTiling, NormTiling, UbConfig, NORM_FLAG_SERIAL, NORM_FLAG_STREAM, SERIAL_MAX_BYTES,
-    STREAM_MIN_BYTES,
+    EltTiling, EltUnit, EmbeddingTiling, NormTiling, UbConfig, NORM_FLAG_SERIAL, NORM_FLAG_STREAM,
+    SERIAL_MAX_BYTES, STREAM_MIN_BYTES,
 };
 
 #[doc = include_str!("../README.md")]

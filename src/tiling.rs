@@ -382,3 +382,124 @@ impl EmbeddingTiling {
         Ok(t)
     }
 }
+
+/// Tiling of an elementwise operator (SwiGLU, RoPE): `rows` rows of `cols`
+/// elements, cut into units of `rows_per_unit` rows by `chunk_cols`
+/// columns — the tile one Unified Buffer holds, `streams` f32 tiles of it.
+/// Units, in row-major order, are split evenly over `blocks`. Elementwise
+/// operators need no workspace: `workspace_bytes` is 0, kept so every plan
+/// answers the two-phase size call the same way.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EltTiling {
+    /// Rows.
+    pub rows: u64,
+    /// Elements per row.
+    pub cols: u64,
+    /// Rows per unit (1 when a row is cut into chunks).
+    pub rows_per_unit: u64,
+    /// Columns per unit: `cols` when whole rows fit, else a multiple of 32.
+    pub chunk_cols: u64,
+    /// Units per row group (`ceil(cols / chunk_cols)`).
+    pub chunks_per_row: u64,
+    /// All units: `ceil(rows / rows_per_unit) * chunks_per_row`.
+    pub units: u64,
+    /// Units per block (`ceil(units / blocks)`); the last block may have fewer.
+    pub units_per_block: u64,
+    /// Blocks (0 when there is nothing to do).
+    pub blocks: u32,
+    /// f32 tiles per unit the UB must hold (inputs and outputs).
+    pub streams: u32,
+    /// `NORM_FLAG_STREAM` / `NORM_FLAG_SERIAL`, as for the norms: hints that
+    /// never change a result bit.
+    pub flags: u32,
+    /// Zero.
+    pub reserved: u32,
+    /// Always 0.
+    pub workspace_bytes: u64,
+}
+
+/// One unit of an `EltTiling`: rows `row..row + rows`, columns `col..col + cols`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EltUnit {
+    /// First row.
+    pub row: usize,
+    /// Rows in the unit.
+    pub rows: usize,
+    /// First column.
+    pub col: usize,
+    /// Columns in the unit.
+    pub cols: usize,
+}
+
+impl EltTiling {
+    /// Plans `rows` x `cols` elements with `streams` f32 tiles per unit;
+    /// `whole_rows` keeps rows uncut (RoPE pairs column j with j + cols/2).
+    /// `in_bytes` / `out_bytes` size the largest input and the output (for
+    /// the serial and streaming hints).
+    pub fn new(
+        rows: usize,
+        cols: usize,
+        streams: usize,
+        whole_rows: bool,
+        in_bytes: usize,
+        out_bytes: usize,
+        cfg: &UbConfig,
+    ) -> Result<EltTiling> {
+        cfg.validate()?;
+        let mut t = EltTiling {
+            rows: rows as u64,
+            cols: cols as u64,
+            streams: streams as u32,
+            ..Default::default()
+        };
+        if rows == 0 || cols == 0 {
+            return Ok(t);
+        }
+        let cap = (cfg.ub_bytes / (streams.max(1) * 4) / (2 * GROUP) * (2 * GROUP)).max(2 * GROUP);
+        let (chunk, per_unit) = if whole_rows || cols <= cap {
+            let padded = round_up(cols, GROUP).ok_or(Error::SizeOverflow { arg: "cols" })?;
+            (cols, (cap / padded).max(1))
+        } else {
+            (cap, 1)
+        };
+        t.chunk_cols = chunk as u64;
+        t.rows_per_unit = per_unit.min(rows) as u64;
+        t.chunks_per_row = cols.div_ceil(chunk) as u64;
+        let units = rows.div_ceil(per_unit.min(rows)) * cols.div_ceil(chunk);
+        t.units = units as u64;
+        let blocks0 = (cfg.blocks as usize).min(units);
+        let upb = units.div_ceil(blocks0);
+        t.units_per_block = upb as u64;
+        t.blocks = units.div_ceil(upb) as u32;
+        if out_bytes >= STREAM_MIN_BYTES {
+            t.flags |= NORM_FLAG_STREAM;
+        }
+        if in_bytes < SERIAL_MAX_BYTES {
+            t.flags |= NORM_FLAG_SERIAL;
+        }
+        Ok(t)
+    }
+
+    /// The units of block `b`: `start..end`.
+    pub fn block_units(&self, b: usize) -> (usize, usize) {
+        let upb = self.units_per_block as usize;
+        let start = (b * upb).min(self.units as usize);
+        (start, (start + upb).min(self.units as usize))
+    }
+
+    /// Unit `u` (< `units`).
+    pub fn unit(&self, u: usize) -> EltUnit {
+        let cpr = (self.chunks_per_row as usize).max(1);
+        let (g, c) = (u / cpr, u % cpr);
+        let rpu = self.rows_per_unit as usize;
+        let row = g * rpu;
+        let col = c * self.chunk_cols as usize;
+        EltUnit {
+            row,
+            rows: rpu.min((self.rows as usize).saturating_sub(row)),
+            col,
+            cols: (self.chunk_cols as usize).min((self.cols as usize).saturating_sub(col)),
+        }
+    }
+}

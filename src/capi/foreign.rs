@@ -17,6 +17,9 @@ use crate::ops::add_rms_norm::AddRmsNormCall;
 use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
 use crate::ops::rms_norm::RmsNormCall;
 use crate::ops::rms_norm_grad::RmsNormGradCall;
+use crate::ops::rope::RopeCall;
+use crate::ops::swiglu::SwigluCall;
+use crate::ops::swiglu_grad::SwigluGradCall;
 use crate::ops::Op;
 
 /// An adapter's operator table (`exec->foreign`). Set `struct_size` to
@@ -52,6 +55,14 @@ pub struct npk_foreign_backend {
     pub embedding_dense_grad: Option<
         unsafe extern "C" fn(ctx: *mut c_void, call: *const EmbeddingDenseGradCall) -> RawStatus,
     >,
+    /// SwiGLU (ABI 2.2).
+    pub swiglu:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const SwigluCall) -> RawStatus>,
+    /// SwiGluGrad (ABI 2.2).
+    pub swiglu_grad:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const SwigluGradCall) -> RawStatus>,
+    /// RoPE, forward and backward (ABI 2.2).
+    pub rope: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const RopeCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -90,6 +101,9 @@ impl npk_foreign_backend {
             add_rms_norm: None,
             rms_norm_grad: None,
             embedding_dense_grad: None,
+            swiglu: None,
+            swiglu_grad: None,
+            rope: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -115,6 +129,9 @@ impl npk_foreign_backend {
                 Op::AddRmsNorm(c) => self.add_rms_norm.map(|f| f(ctx, c)),
                 Op::RmsNormGrad(c) => self.rms_norm_grad.map(|f| f(ctx, c)),
                 Op::EmbeddingDenseGrad(c) => self.embedding_dense_grad.map(|f| f(ctx, c)),
+                Op::Swiglu(c) => self.swiglu.map(|f| f(ctx, c)),
+                Op::SwigluGrad(c) => self.swiglu_grad.map(|f| f(ctx, c)),
+                Op::Rope(c) => self.rope.map(|f| f(ctx, c)),
             }
         }
     }

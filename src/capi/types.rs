@@ -144,6 +144,17 @@ pub enum npk_rounding {
     NPK_ROUNDING_CAST_BEFORE_GAMMA = 1,
 }
 
+/// Where an elementwise operator (SwiGLU, RoPE) rounds (the header's
+/// `npk_elem_rounding`; the library's own type is `ElemRounding`). ABI 2.2.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum npk_elem_rounding {
+    /// fp32 inside, one rounding of each output.
+    NPK_ELEM_ROUNDING_FUSED = 0,
+    /// Eager PyTorch's intermediate roundings (Hugging Face's bits).
+    NPK_ELEM_ROUNDING_EAGER = 1,
+}
+
 /// What EmbeddingDenseGrad does with an index outside its vocab shard.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,6 +177,10 @@ const _: () = {
     assert!(
         npk_rounding::NPK_ROUNDING_CAST_BEFORE_GAMMA as u32 == Rounding::CastBeforeGamma as u32
     );
+    assert!(
+        npk_elem_rounding::NPK_ELEM_ROUNDING_EAGER as u32
+            == crate::ops::elementwise::ElemRounding::Eager as u32
+    );
     // A C enum is int-sized; the raw aliases below must be too.
     assert!(core::mem::size_of::<npk_status>() == core::mem::size_of::<RawStatus>());
     assert!(core::mem::size_of::<DType>() == core::mem::size_of::<RawDtype>());
@@ -182,6 +197,8 @@ pub type RawIsa = u32;
 pub type RawBackendKind = u32;
 /// An `npk_rounding` as the C side may pass it (printed as `npk_rounding`).
 pub type RawRounding = u32;
+/// An `npk_elem_rounding` as the C side may pass it (printed as `npk_elem_rounding`).
+pub type RawElemRounding = u32;
 /// An `npk_index_policy` as the C side may pass it (printed as `npk_index_policy`).
 pub type RawIndexPolicy = u32;
 
@@ -369,6 +386,13 @@ pub(crate) unsafe fn read_norm_options(p: *const npk_rms_norm_options) -> Result
         eps: eps_from_f64(o.eps)?,
         gamma_offset: o.gamma_offset,
         rounding,
+    })
+}
+
+/// An `npk_elem_rounding` value read from C.
+pub(crate) fn elem_rounding(v: RawElemRounding) -> Result<crate::ops::elementwise::ElemRounding> {
+    crate::ops::elementwise::ElemRounding::from_u32(v).ok_or_else(|| {
+        crate::error::invalid_fmt!("rounding", "{v} is not an npk_elem_rounding value")
     })
 }
 

@@ -209,7 +209,16 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn max(self, o: Self) -> Self;
     /// The fixed fold: lanes `i + 8` onto `i`, then `i + 4`, `i + 2`, `i + 1`.
     fn fold(self) -> f32;
+    /// Lane-wise `if self < o { a } else { b }` with IEEE `<` (false when
+    /// either side is NaN), so NaN lanes take `b` on every ISA.
+    fn select_lt(self, o: Self, a: Self, b: Self) -> Self;
+    /// Lane-wise `2^n` for lanes holding an integral `n` in -126..=127,
+    /// exact (the exponent field `n + 127`). Other lanes give a power of two
+    /// or +Inf, never NaN (math.rs keeps its lanes in range).
+    fn pow2i(self) -> Self;
 }
+
+pub mod math;
 
 /// The lanes' loads and stores of one float element type (internal; the
 /// public face of these types is the sealed `Float`, which requires this).

@@ -397,6 +397,24 @@ impl<const HW_BF16: bool> Lanes for NeonLanes<HW_BF16> {
             vget_lane_f32::<0>(u) + vget_lane_f32::<1>(u)
         }
     }
+    #[inline(always)]
+    fn select_lt(self, o: Self, a: Self, b: Self) -> Self {
+        let (x, y, t, f) = (self.0, o.0, a.0, b.0);
+        // SAFETY: value-only NEON intrinsics (NEON is this module's build condition).
+        NeonLanes(core::array::from_fn(|i| unsafe {
+            vbslq_f32(vcltq_f32(x[i], y[i]), t[i], f[i])
+        }))
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        // FCVTZS gives 0 for NaN and saturates out of range; the mask keeps
+        // the exponent field.
+        // SAFETY: value-only NEON intrinsics (NEON is this module's build condition).
+        NeonLanes(self.0.map(|v| unsafe {
+            let k = vaddq_s32(vcvtq_s32_f32(v), vdupq_n_s32(127));
+            vreinterpretq_f32_s32(vshlq_n_s32::<23>(vandq_s32(k, vdupq_n_s32(0xff))))
+        }))
+    }
 }
 
 #[cfg(test)]

@@ -134,4 +134,19 @@ impl Lanes for Portable {
         let u = [t[0] + t[2], t[1] + t[3]];
         u[0] + u[1]
     }
+    #[inline(always)]
+    fn select_lt(self, o: Self, a: Self, b: Self) -> Self {
+        Portable(
+            self.0.simd_lt(o.0).select(a.0, b.0),
+            self.1.simd_lt(o.1).select(a.1, b.1),
+        )
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        // trunc_int maps NaN to 0; the mask keeps the exponent field.
+        let e = |v: f32x8| -> f32x8 {
+            bytemuck::cast(((v.trunc_int() + i32x8::splat(127)) & i32x8::splat(0xff)) << 23u32)
+        };
+        Portable(e(self.0), e(self.1))
+    }
 }

@@ -210,6 +210,23 @@ unsafe fn bf16_bits8(v: __m256) -> __m128i {
     }
 }
 
+/// `Lanes::pow2i` on eight lanes: cvtt gives 0x80000000 for NaN and out of
+/// range; the mask keeps the exponent field.
+///
+/// # Safety
+/// AVX2 present.
+#[inline(always)]
+unsafe fn pow2i8(v: __m256) -> __m256 {
+    // SAFETY: AVX2 present (this function's contract).
+    unsafe {
+        let k = _mm256_add_epi32(_mm256_cvttps_epi32(v), _mm256_set1_epi32(127));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_and_si256(
+            k,
+            _mm256_set1_epi32(0xff),
+        )))
+    }
+}
+
 impl Lanes for Avx2 {
     const ISA: Isa = Isa::Avx2;
 
@@ -384,6 +401,23 @@ impl Lanes for Avx2 {
         unsafe { _mm256_storeu_ps(s.as_mut_ptr(), _mm256_add_ps(self.0, self.1)) };
         fold8(s)
     }
+    #[inline(always)]
+    fn select_lt(self, o: Self, a: Self, b: Self) -> Self {
+        // SAFETY: AVX present.
+        unsafe {
+            let m0 = _mm256_cmp_ps::<_CMP_LT_OQ>(self.0, o.0);
+            let m1 = _mm256_cmp_ps::<_CMP_LT_OQ>(self.1, o.1);
+            Avx2(
+                _mm256_blendv_ps(b.0, a.0, m0),
+                _mm256_blendv_ps(b.1, a.1, m1),
+            )
+        }
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        // SAFETY: AVX2 present.
+        unsafe { Avx2(pow2i8(self.0), pow2i8(self.1)) }
+    }
 }
 
 impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
@@ -550,5 +584,24 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
             _mm256_storeu_ps(s.as_mut_ptr(), _mm256_add_ps(lo, hi));
         }
         fold8(s)
+    }
+    #[inline(always)]
+    fn select_lt(self, o: Self, a: Self, b: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe {
+            let m = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(self.0, o.0);
+            Self(_mm512_mask_blend_ps(m, b.0, a.0))
+        }
+    }
+    #[inline(always)]
+    fn pow2i(self) -> Self {
+        // SAFETY: AVX-512F present. cvtt gives 0x80000000 for NaN and out of
+        // range; the mask keeps the exponent field.
+        unsafe {
+            let k = _mm512_add_epi32(_mm512_cvttps_epi32(self.0), _mm512_set1_epi32(127));
+            Self(_mm512_castsi512_ps(_mm512_slli_epi32::<23>(
+                _mm512_and_si512(k, _mm512_set1_epi32(0xff)),
+            )))
+        }
     }
 }

@@ -99,6 +99,9 @@ pub mod add_rms_norm;
 pub mod embedding_dense_grad;
 pub mod rms_norm;
 pub mod rms_norm_grad;
+pub mod rope;
+pub mod swiglu;
+pub mod swiglu_grad;
 
 operators! {
     /// RmsNorm (`RmsNormCall`).
@@ -109,7 +112,15 @@ operators! {
     RmsNormGrad = 2 => rms_norm_grad::RmsNormGradCall, "rms_norm_grad";
     /// EmbeddingDenseGrad (`EmbeddingDenseGradCall`).
     EmbeddingDenseGrad = 3 => embedding_dense_grad::EmbeddingDenseGradCall, "embedding_dense_grad";
+    /// SwiGLU (`SwigluCall`).
+    Swiglu = 4 => swiglu::SwigluCall, "swiglu";
+    /// SwiGluGrad (`SwigluGradCall`).
+    SwigluGrad = 5 => swiglu_grad::SwigluGradCall, "swiglu_grad";
+    /// RoPE, forward and backward (`RopeCall`).
+    Rope = 6 => rope::RopeCall, "rope";
 }
+
+pub mod elementwise;
 
 pub mod grad_stats;
 pub mod norm;

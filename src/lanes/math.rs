@@ -1,0 +1,210 @@
+//! Transcendentals written once over `Lanes` (SiLU needs `exp`): range
+//! reduction and a polynomial from IEEE add, sub, mul and div alone — no FMA,
+//! no libm, no table — so every ISA and the portable lanes give the same bits.
+//! Error against f64 over every f32 input: tests/exp_accuracy.rs.
+
+use super::Lanes;
+
+/// ln 2 split so that `n * LN2_HI` is exact for |n| <= 2^8 (Cody-Waite).
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const LOG2E: f32 = core::f32::consts::LOG2_E;
+/// 1.5 * 2^23: adding and subtracting it rounds |t| < 2^22 to the nearest
+/// integer, ties to even, with plain IEEE addition.
+const ROUND: f32 = 12_582_912.0;
+/// Inputs are clamped to [LO, HI]: exp(HI) overflows to +Inf and exp(LO)
+/// rounds to +0, so the clamp changes no result, and the scale exponents
+/// stay inside `pow2i`'s range.
+const HI: f32 = 89.0;
+const LO: f32 = -104.0;
+/// Cephes `expf`'s minimax coefficients for e^r - 1 - r on |r| <= ln2 / 2.
+const P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
+/// Lane-wise `e^x`: +Inf above 88.72, +0 below -103.97, subnormal results
+/// rounded once, NaN in -> NaN out (the input's payload, quieted).
+#[inline(always)]
+pub fn exp<L: Lanes>(x: L) -> L {
+    let (lo, hi) = (L::splat(LO), L::splat(HI));
+    // NaN compares false both times and stays NaN.
+    let x = x.select_lt(lo, lo, x);
+    let x = hi.select_lt(x, hi, x);
+    let round = L::splat(ROUND);
+    let n = x.mul(L::splat(LOG2E)).add(round).sub(round);
+    let r = x.sub(n.mul(L::splat(LN2_HI))).sub(n.mul(L::splat(LN2_LO)));
+    let mut p = L::splat(P[0]);
+    for c in &P[1..] {
+        p = p.mul(r).add(L::splat(*c));
+    }
+    let e = p.mul(r.mul(r)).add(r).add(L::splat(1.0));
+    // 2^n in two exact factors (n is in -150..=129; each half in range):
+    // the first product is exact, the second rounds once, so a subnormal
+    // result is rounded like any other.
+    let h = n.mul(L::splat(0.5)).add(round).sub(round);
+    e.mul(h.pow2i()).mul(n.sub(h).pow2i())
+}
+
+/// Lane-wise SiLU, `x / (1 + e^-x)` (PyTorch's formula: the same special
+/// values, e.g. -Inf -> NaN, -100 -> -0).
+#[inline(always)]
+pub fn silu<L: Lanes>(x: L) -> L {
+    x.div(L::splat(1.0).add(exp(L::splat(0.0).sub(x))))
+}
+
+/// `e^x` in f64 for the golden models (no libm in `no_std`): Cody-Waite
+/// reduction to |r| <= ln2/2, a degree-18 Taylor sum (truncation < 1e-25
+/// relative), and an exact scale by 2^n in two steps; within 2 ulp of f64.
+pub fn exp_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    if x > 709.8 {
+        return f64::INFINITY;
+    }
+    if x < -745.2 {
+        return 0.0;
+    }
+    const R: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
+    const HI64: f64 = 6.931_471_803_691_238e-1;
+    const LO64: f64 = 1.908_214_929_270_587_7e-10;
+    let n = (x * core::f64::consts::LOG2_E + R) - R;
+    let r = (x - n * HI64) - n * LO64;
+    let mut s = 1.0f64;
+    for k in (1..=18).rev() {
+        s = 1.0 + s * r / k as f64;
+    }
+    let n = n as i64;
+    let h = n / 2;
+    let pow = |k: i64| f64::from_bits(((k + 1023) as u64) << 52);
+    s * pow(h) * pow(n - h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lanes::{Portable, GROUP};
+
+    fn exp1(x: f32) -> f32 {
+        let mut o = [0f32; GROUP];
+        exp(Portable::splat(x)).store(&mut o);
+        o[0]
+    }
+
+    #[test]
+    fn edges() {
+        assert_eq!(exp1(0.0), 1.0);
+        assert_eq!(exp1(-0.0), 1.0);
+        assert_eq!(exp1(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp1(f32::NEG_INFINITY).to_bits(), 0);
+        assert_eq!(exp1(88.8), f32::INFINITY);
+        assert_eq!(exp1(-104.5).to_bits(), 0);
+        assert!(exp1(f32::NAN).is_nan());
+        // Subnormal results: e^-100 = 3.72e-44 (26 * 2^-149).
+        let s = exp1(-100.0);
+        assert!(s > 0.0 && s < f32::MIN_POSITIVE, "{s}");
+        assert_eq!(s.to_bits(), (exp_f64(-100.0) as f32).to_bits());
+        assert!((exp_f64(1.0) - core::f64::consts::E).abs() < 1e-15);
+        assert_eq!(exp_f64(-800.0), 0.0);
+        assert!(exp_f64(-740.0) > 0.0);
+    }
+
+    /// Max error in f32 ulps of `got` against the f64 `want` (ulps of the
+    /// f32 nearest `want`; +Inf is right above f32::MAX's rounding range).
+    #[cfg(feature = "std")]
+    fn ulps(got: f32, want: f64) -> f64 {
+        if got.is_nan() || want.is_nan() {
+            return if got.is_nan() && want.is_nan() {
+                0.0
+            } else {
+                f64::INFINITY
+            };
+        }
+        let w32 = want as f32;
+        let ulp = if w32.is_infinite() || w32 >= f32::MAX {
+            2f64.powi(104)
+        } else {
+            let e = (w32.to_bits() >> 23) as i32 & 0xff;
+            2f64.powi(e.max(1) - 150)
+        };
+        let g = if got.is_infinite() {
+            2f64.powi(128)
+        } else {
+            got as f64
+        };
+        let w = if w32.is_infinite() {
+            2f64.powi(128)
+        } else {
+            want
+        };
+        ((g - w) / ulp).abs()
+    }
+
+    /// Every `stride`-th f32 bit pattern (from `start`): every ISA this CPU
+    /// has gives Portable's bits, and the largest error against f64 `exp`.
+    #[cfg(feature = "std")]
+    fn sweep(start: u32, stride: u32) -> (f64, u32, u64) {
+        use crate::lanes::{detect, Isa};
+        let mut worst = (0f64, 0u32);
+        let mut differ = 0u64;
+        let mut x = [0f32; GROUP];
+        let mut want = [0f32; GROUP];
+        let mut got = [0f32; GROUP];
+        let mut b = start as u64;
+        while b <= u32::MAX as u64 {
+            for (i, v) in x.iter_mut().enumerate() {
+                *v = f32::from_bits(((b + i as u64 * stride as u64) & 0xffff_ffff) as u32);
+            }
+            exp(Portable::load(&x)).store(&mut want);
+            for (i, v) in x.iter().enumerate() {
+                let e = ulps(want[i], (*v as f64).exp());
+                if e > worst.0 {
+                    worst = (e, v.to_bits());
+                }
+            }
+            for isa in Isa::ALL {
+                let Ok(a) = detect::resolve(Some(isa)) else {
+                    continue;
+                };
+                // SAFETY: `a` proves the ISA is available.
+                dispatch_isa!(a, L => unsafe { L::enter(|| exp(L::load(&x)).store(&mut got)) });
+                differ += got
+                    .iter()
+                    .zip(&want)
+                    .filter(|(g, w)| g.to_bits() != w.to_bits())
+                    .count() as u64;
+            }
+            b += GROUP as u64 * stride as u64;
+        }
+        (worst.0, worst.1, differ)
+    }
+
+    /// 2^32 / 61 inputs spread over every exponent: within 1 ulp of f64
+    /// `exp`, the same bits on every ISA.
+    #[test]
+    #[cfg(feature = "std")]
+    fn dense_sweep_within_one_ulp_on_every_isa() {
+        let (worst, at, differ) = sweep(7, 61);
+        assert_eq!(differ, 0, "lanes whose bits differ from Portable's");
+        assert!(worst <= 1.0, "{worst} ulp at {at:#x}");
+    }
+
+    /// All 2^32 inputs (about a minute in release, one thread):
+    /// `cargo test --release -p npukern --lib -- --ignored exp_all_inputs --nocapture`.
+    #[test]
+    #[cfg(feature = "std")]
+    #[ignore = "2^32 inputs: run with --release --ignored"]
+    fn exp_all_inputs() {
+        let (worst, at, differ) = sweep(0, 1);
+        std::println!(
+            "exp: max error {worst:.3} ulp (at {at:#010x}); {differ} lanes differ across ISAs"
+        );
+        assert_eq!(differ, 0);
+        assert!(worst <= 1.0, "{worst} ulp at {at:#x}");
+    }
+}

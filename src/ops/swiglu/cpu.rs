@@ -1,0 +1,118 @@
+//! SwiGLU on the CPU: one pass, `y = silu(a) * b` per window, in the ISA's
+//! lanes (`lanes::math::silu`: the same bits on every ISA).
+
+use super::*;
+use crate::lanes::detect::Available;
+use crate::lanes::math::silu;
+use crate::lanes::{dispatch_isa, Lanes};
+use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, ld};
+use crate::ops::norm::{for_lines, put_pair, store_at};
+use crate::runner::{for_plan, Runner};
+use crate::tiling::NORM_FLAG_STREAM;
+use crate::workspace::{Dst, Src};
+
+/// What a block needs, copied into registers.
+#[derive(Clone, Copy)]
+struct Kern<T> {
+    a: Src<T>,
+    b: Src<T>,
+    y: Dst<T>,
+    stride: usize,
+    eager: bool,
+    t: EltTiling,
+}
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &SwigluCall, isa: Available, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { dispatch_isa!(isa, L => dispatch_t!(call.a.dtype, run::<L>(call, runner))) }
+}
+
+/// y at one window: silu(a) (rounded to T when eager) times b.
+#[inline(always)]
+fn y_of<L: Lanes, T: Float>(a: L, b: L, eager: bool) -> L {
+    eager_round::<L, T>(silu(a), eager).mul(b)
+}
+
+unsafe fn run<L: Lanes, T: Float>(call: &SwigluCall, runner: &dyn Runner) {
+    let t = call.tiling;
+    let o = operands(call.split, t.cols as usize);
+    let a = call.a.data as *const T;
+    let b = if call.split != 0 {
+        a.wrapping_add(o.b_offset)
+    } else {
+        call.b.data as *const T
+    };
+    let k = Kern {
+        a: Src(a),
+        b: Src(b),
+        y: Dst(call.y.data as *mut T),
+        stride: o.stride,
+        eager: call.rounding == ElemRounding::Eager,
+        t,
+    };
+    let stream = t.flags & NORM_FLAG_STREAM != 0;
+    for_plan(runner, t.flags).parallel_for(t.blocks as usize, &|blk| {
+        // SAFETY: the caller picked L among the ISAs this CPU has.
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || {
+                    if stream {
+                        block::<L, T, true>(&k, blk)
+                    } else {
+                        block::<L, T, false>(&k, blk)
+                    }
+                },
+            )
+        }
+    });
+}
+
+#[inline(always)]
+fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
+    let k = &{ *k };
+    let cols = k.t.cols as usize;
+    for_block_rows!(&k.t, blk, |r, c, n| {
+        let (ia, iy) = (r * k.stride + c, r * cols + c);
+        let head = if STREAM { k.y.line_head(iy, n) } else { 0 };
+        for_lines!(
+            n,
+            head,
+            |j, len| {
+                // SAFETY: columns c + j.. of row r, inside every operand
+                // (validated shapes); the block owns this output row range.
+                unsafe {
+                    let v = y_of::<L, T>(
+                        ld::<L, T>(k.a, ia + j, len),
+                        ld::<L, T>(k.b, ia + j, len),
+                        k.eager,
+                    );
+                    store_at::<L, T>(v, k.y, iy + j, len)
+                }
+            },
+            |p| {
+                // SAFETY: as above, 32 columns.
+                unsafe {
+                    let y0 = y_of::<L, T>(
+                        ld::<L, T>(k.a, ia + p, G),
+                        ld::<L, T>(k.b, ia + p, G),
+                        k.eager,
+                    );
+                    let y1 = y_of::<L, T>(
+                        ld::<L, T>(k.a, ia + p + G, G),
+                        ld::<L, T>(k.b, ia + p + G, G),
+                        k.eager,
+                    );
+                    put_pair::<L, T, STREAM>(k.y, iy + p, y0, y1)
+                }
+            }
+        );
+    });
+    if STREAM {
+        L::stream_fence();
+    }
+}

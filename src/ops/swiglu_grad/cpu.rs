@@ -1,0 +1,134 @@
+//! SwiGluGrad on the CPU: one pass over dy, a and b writing da and db.
+
+use super::*;
+use crate::lanes::detect::Available;
+use crate::lanes::math::exp;
+use crate::lanes::{dispatch_isa, Lanes};
+use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, ld};
+use crate::ops::norm::{for_lines, put_pair, store_at};
+use crate::runner::{for_plan, Runner};
+use crate::tiling::NORM_FLAG_STREAM;
+use crate::workspace::{Dst, Src};
+
+/// What a block needs, copied into registers.
+#[derive(Clone, Copy)]
+struct Kern<T> {
+    dy: Src<T>,
+    a: Src<T>,
+    b: Src<T>,
+    da: Dst<T>,
+    db: Dst<T>,
+    stride: usize,
+    eager: bool,
+    t: EltTiling,
+}
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &SwigluGradCall, isa: Available, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { dispatch_isa!(isa, L => dispatch_t!(call.a.dtype, run::<L>(call, runner))) }
+}
+
+/// (da, db) at one window. PyTorch's formulas: `silu = a / (1 + e)`,
+/// `s = 1 / (1 + e)` with `e = exp(-a)`; eager rounds `silu` and `dy * b`
+/// to T as its saved forward output and its mul backward do.
+#[inline(always)]
+fn grads<L: Lanes, T: Float>(dy: L, a: L, b: L, eager: bool) -> (L, L) {
+    let one = L::splat(1.0);
+    let den = one.add(exp(L::splat(0.0).sub(a)));
+    let s = one.div(den);
+    let silu = eager_round::<L, T>(a.div(den), eager);
+    let g = eager_round::<L, T>(dy.mul(b), eager);
+    let da = g.mul(s).mul(one.add(a.mul(one.sub(s))));
+    (da, dy.mul(silu))
+}
+
+unsafe fn run<L: Lanes, T: Float>(call: &SwigluGradCall, runner: &dyn Runner) {
+    let t = call.tiling;
+    let o = operands(call.split, t.cols as usize);
+    let (a, da) = (call.a.data as *const T, call.da.data as *mut T);
+    let (b, db) = if call.split != 0 {
+        (a.wrapping_add(o.b_offset), da.wrapping_add(o.b_offset))
+    } else {
+        (call.b.data as *const T, call.db.data as *mut T)
+    };
+    let k = Kern {
+        dy: Src(call.dy.data as *const T),
+        a: Src(a),
+        b: Src(b),
+        da: Dst(da),
+        db: Dst(db),
+        stride: o.stride,
+        eager: call.rounding == ElemRounding::Eager,
+        t,
+    };
+    let stream = t.flags & NORM_FLAG_STREAM != 0;
+    for_plan(runner, t.flags).parallel_for(t.blocks as usize, &|blk| {
+        // SAFETY: the caller picked L among the ISAs this CPU has.
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || {
+                    if stream {
+                        block::<L, T, true>(&k, blk)
+                    } else {
+                        block::<L, T, false>(&k, blk)
+                    }
+                },
+            )
+        }
+    });
+}
+
+#[inline(always)]
+fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
+    let k = &{ *k };
+    let cols = k.t.cols as usize;
+    for_block_rows!(&k.t, blk, |r, c, n| {
+        let (ia, iy) = (r * k.stride + c, r * cols + c);
+        let head = if STREAM { k.da.line_head(ia, n) } else { 0 };
+        for_lines!(
+            n,
+            head,
+            |j, len| {
+                // SAFETY: columns c + j.. of row r, inside every operand
+                // (validated shapes); the block owns these output ranges.
+                unsafe {
+                    let (da, db) = grads::<L, T>(
+                        ld::<L, T>(k.dy, iy + j, len),
+                        ld::<L, T>(k.a, ia + j, len),
+                        ld::<L, T>(k.b, ia + j, len),
+                        k.eager,
+                    );
+                    store_at::<L, T>(da, k.da, ia + j, len);
+                    store_at::<L, T>(db, k.db, ia + j, len);
+                }
+            },
+            |p| {
+                // SAFETY: as above, 32 columns.
+                unsafe {
+                    let (da0, db0) = grads::<L, T>(
+                        ld::<L, T>(k.dy, iy + p, G),
+                        ld::<L, T>(k.a, ia + p, G),
+                        ld::<L, T>(k.b, ia + p, G),
+                        k.eager,
+                    );
+                    let (da1, db1) = grads::<L, T>(
+                        ld::<L, T>(k.dy, iy + p + G, G),
+                        ld::<L, T>(k.a, ia + p + G, G),
+                        ld::<L, T>(k.b, ia + p + G, G),
+                        k.eager,
+                    );
+                    put_pair::<L, T, STREAM>(k.da, ia + p, da0, da1);
+                    put_pair::<L, T, STREAM>(k.db, ia + p, db0, db1);
+                }
+            }
+        );
+    });
+    if STREAM {
+        L::stream_fence();
+    }
+}
