@@ -22,6 +22,7 @@ pub enum ElemRounding {
 
 impl ElemRounding {
     /// The value from the C ABI's integer.
+    #[cfg(feature = "capi")]
     pub(crate) fn from_u32(v: u32) -> Option<ElemRounding> {
         match v {
             0 => Some(ElemRounding::Fused),

@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod data;
+mod elementwise;
 mod embedding;
 mod grad_health;
 pub mod hash;
@@ -26,5 +27,6 @@ pub fn run_all(out: &mut dyn core::fmt::Write, bless: bool) -> Outcome {
     norms::run(&mut c);
     embedding::run(&mut c);
     grad_health::run(&mut c);
+    elementwise::run(&mut c);
     c.outcome()
 }
