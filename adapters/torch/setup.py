@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = Path(os.environ.get("NPUKERN_ROOT", HERE.parent.parent)).resolve()
 INCLUDE = ROOT / "include"
 STATIC_LIB = ROOT / "target" / "release" / "libnpukern.a"
-SOURCES = ["glue.cpp", "norm_ops.cpp", "embedding_ops.cpp", "grad_ops.cpp", "register.cpp"]
+SOURCES = ["glue.cpp", "norm_ops.cpp", "embedding_ops.cpp", "grad_ops.cpp", "elementwise_ops.cpp", "register.cpp"]
 
 
 def static_library() -> Path:

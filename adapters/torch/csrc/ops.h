@@ -31,4 +31,13 @@ at::Tensor embedding_dense_backward_shard(const at::Tensor &grad, const at::Tens
 at::Tensor grad_stats(at::TensorList grads);
 at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, bool error_if_nonfinite);
 
+at::Tensor swiglu(const at::Tensor &x, int64_t dim, bool eager);
+at::Tensor swiglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, bool eager);
+at::Tensor silu_mul(const at::Tensor &gate, const at::Tensor &up, bool eager);
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy, const at::Tensor &gate,
+                                                     const at::Tensor &up, bool eager);
+at::Tensor rotary_mul(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, bool eager, bool backward);
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor &q, const at::Tensor &k, const at::Tensor &cos,
+                                           const at::Tensor &sin, bool eager, bool backward);
+
 }  // namespace npk_torch

@@ -29,6 +29,19 @@ TORCH_LIBRARY(npukern, m) {
         "bool scale_grad_by_freq) -> Tensor");
   m.def("embedding_dense_backward_shard(Tensor grad, Tensor indices, SymInt num_weights, SymInt vocab_start, "
         "SymInt padding_idx, bool scale_grad_by_freq) -> Tensor");
+  // torch_npu's npu_swiglu / npu_swiglu_backward, with `eager` (silu rounded
+  // to x's dtype before the product: eager PyTorch's bits); silu_mul is the
+  // two-tensor form (Hugging Face's act_fn(gate) * up).
+  m.def("swiglu(Tensor x, int dim=-1, bool eager=False) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_output, Tensor x, int dim=-1, bool eager=False) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up, bool eager=False) -> Tensor");
+  m.def("silu_mul_backward(Tensor grad_output, Tensor gate, Tensor up, bool eager=False) -> (Tensor, Tensor)");
+  // torch_npu's npu_rotary_mul(x, r1, r2) (rotate-half), and q and k in one
+  // call (Hugging Face's apply_rotary_pos_emb); `backward` runs the
+  // transposed rotation (the input gradient).
+  m.def("rotary_mul(Tensor x, Tensor r1, Tensor r2, bool eager=False, bool backward=False) -> Tensor");
+  m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool eager=False, bool backward=False) -> "
+        "(Tensor, Tensor)");
   m.def("grad_stats(Tensor[] grads) -> Tensor");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, bool error_if_nonfinite=False) -> Tensor");
 }
@@ -44,6 +57,12 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("embedding_dense_backward_shard", &npk_torch::embedding_dense_backward_shard);
   m.impl("grad_stats", &npk_torch::grad_stats);
   m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
+  m.impl("swiglu", &npk_torch::swiglu);
+  m.impl("swiglu_backward", &npk_torch::swiglu_backward);
+  m.impl("silu_mul", &npk_torch::silu_mul);
+  m.impl("silu_mul_backward", &npk_torch::silu_mul_backward);
+  m.impl("rotary_mul", &npk_torch::rotary_mul);
+  m.impl("rope_qk", &npk_torch::rope_qk);
 }
 
 // The list ops also serve an empty list (the dispatcher finds no tensor to

@@ -25,6 +25,24 @@ from conftest import record
 from hf_models import FAMILIES, NORMS, build, tokens, twin
 from npukern_torch import hf
 
+# SiLU-gated MLPs per model (Gemma's are GELU: left alone); attention layers.
+MLPS = {f: 0 if f.startswith("gemma") else 2 for f in FAMILIES}
+LAYERS = 2
+
+
+def _counts(family):
+    return {"rms_norm": NORMS[family], "embedding": 1, "mlp": MLPS[family], "rope": LAYERS}
+
+
+NONE = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
+
+
+@pytest.fixture(autouse=True)
+def _own_rope():
+    """The rotary swap is per family module: give it back after each test."""
+    yield
+    hf.unpatch_rope()
+
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -44,23 +62,25 @@ def test_patch_keeps_the_stock_bits(family, dtype):
     patched = twin(stock)
     before = {k: v.clone() for k, v in patched.state_dict().items()}
     tied = stock.lm_head.weight is stock.get_input_embeddings().weight
-    counts = hf.patch(patched)
-    assert counts == {"rms_norm": NORMS[family], "embedding": 1}
-    assert hf.patch(patched) == {"rms_norm": 0, "embedding": 0}  # a second call patches nothing
-    # The same Parameters: state_dict keys and values, tying.
-    after = patched.state_dict()
-    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
-    assert (patched.lm_head.weight is patched.get_input_embeddings().weight) == tied
-    # Every norm, fed the same inputs as the stock one.
+    # Stock first: after the patch, the family's rotary function is npukern's.
     x = tokens()
     inputs = {}
     hooks = [m.register_forward_hook(lambda m, a, o, n=n: inputs.__setitem__(n, a[0]))
              for n, m in stock.named_modules() if type(m).__name__.endswith("RMSNorm")]
     with torch.no_grad():
         ref_logits = stock(x).logits
-        logits = patched(x).logits
     for h in hooks:
         h.remove()
+    counts = hf.patch(patched)
+    assert counts == _counts(family)
+    assert hf.patch(patched) == NONE  # a second call patches nothing
+    # The same Parameters: state_dict keys and values, tying.
+    after = patched.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert (patched.lm_head.weight is patched.get_input_embeddings().weight) == tied
+    # Every norm, fed the same inputs as the stock one.
+    with torch.no_grad():
+        logits = patched(x).logits
     ours = dict(patched.named_modules())
     worst, differing, total = 0.0, 0, 0
     for name, inp in inputs.items():
@@ -82,7 +102,7 @@ def test_patch_keeps_the_stock_bits(family, dtype):
     record(f"hf {IDS[dtype]} logits rel diff ({family})", rel)
     assert rel <= (1e-5 if dtype == torch.float32 else 2**-6), rel
     # unpatch puts the originals back, same Parameters.
-    assert hf.unpatch(patched) == {"rms_norm": NORMS[family], "embedding": 1}
+    assert hf.unpatch(patched) == _counts(family)
     assert all(not isinstance(m, (npukern_torch.RMSNorm, npukern_torch.Embedding)) for m in patched.modules())
     assert all(torch.equal(patched.state_dict()[k], before[k]) for k in before)
 
@@ -132,7 +152,7 @@ def test_unknown_rmsnorm_class_is_named_and_left_alone():
 
     model = torch.nn.Sequential(MyRMSNorm(), torch.nn.Linear(8, 8))
     with pytest.warns(UserWarning, match="MyRMSNorm"):
-        assert hf.patch(model) == {"rms_norm": 0, "embedding": 0}
+        assert hf.patch(model) == NONE
     assert type(model[0]).__name__ == "MyRMSNorm"
 
 
@@ -150,7 +170,7 @@ def test_class_level_form():
             stock_norm.weight.copy_(norms[0].weight)
         x = torch.randn(4, 64).to(torch.bfloat16)
         assert torch.equal(norms[0](x), stock_norm(x))
-        assert hf.patch(model) == {"rms_norm": 0, "embedding": 1}
+        assert hf.patch(model) == {**NONE, "embedding": 1, "mlp": MLPS["llama"], "rope": LAYERS}
     finally:
         hf.revert_transformers()
     assert modeling.LlamaRMSNorm is original

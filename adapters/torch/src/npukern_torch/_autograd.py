@@ -115,6 +115,8 @@ def _dense_grad_backward(ctx, ggw):
 
 def _no_derivative(op):
     def backward(ctx, *grads):
+        if "norm" not in op:
+            raise RuntimeError(f"npukern::{op} has no derivative of its own (no double backward for it)")
         raise RuntimeError(
             f"npukern::{op} has no derivative of its own (its rstd input hides how it depends on x); to "
             "differentiate a norm twice, call backward with create_graph=True through npukern.rms_norm / "
@@ -126,6 +128,89 @@ def _no_derivative(op):
 
 def _keep(ctx, inputs, output):
     pass
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, dim, eager = inputs
+    ctx.save_for_backward(x)
+    ctx.dim, ctx.eager = dim, eager
+
+
+def _swiglu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return ops.swiglu_backward(grad, x, ctx.dim, ctx.eager), None, None
+
+
+def _silu_mul_setup(ctx, inputs, output):
+    gate, up, eager = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.eager = eager
+
+
+def _silu_mul_backward(ctx, grad):
+    gate, up = ctx.saved_tensors
+    dgate, dup = ops.silu_mul_backward(grad, gate, up, ctx.eager)
+    return dgate, dup, None
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _unrotate_half(x):
+    # The transpose of rotate_half: cat(x2, -x1).
+    h = x.shape[-1] // 2
+    return torch.cat((x[..., h:], -x[..., :h]), dim=-1)
+
+
+def _sum_to(t, like):
+    """`t` summed over the dims `like` was broadcast along (in float32), as `like`'s dtype."""
+    t = t.float()
+    while t.dim() > like.dim():
+        t = t.sum(0)
+    dims = [i for i, n in enumerate(like.shape) if n == 1 and t.shape[i] != 1]
+    return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
+
+
+def _table_grads(ctx, pairs, cos, sin):
+    """cos/sin gradients (rarely wanted: Hugging Face computes them without
+    grad) from a float32 composite: y = x*cos + rotate_half(x)*sin."""
+    if not (ctx.needs_input_grad[ctx.cos_at] or ctx.needs_input_grad[ctx.cos_at + 1]):
+        return None, None
+    if ctx.backward:
+        raise NotImplementedError("npukern: cos/sin gradients of the backward rotation are not implemented")
+    dcos = sum(_sum_to(g.float() * x.float(), cos) for g, x in pairs)
+    dsin = sum(_sum_to(g.float() * _rotate_half(x.float()), sin) for g, x in pairs)
+    return dcos.to(cos.dtype), dsin.to(sin.dtype)
+
+
+def _rotary_mul_setup(ctx, inputs, output):
+    x, cos, sin, eager, backward = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.eager, ctx.backward, ctx.cos_at = eager, backward, 1
+
+
+def _rotary_mul_backward(ctx, grad):
+    x, cos, sin = ctx.saved_tensors
+    dx = ops.rotary_mul(grad, cos, sin, ctx.eager, not ctx.backward)
+    dcos, dsin = _table_grads(ctx, [(grad, x)], cos, sin)
+    return dx, dcos, dsin, None, None
+
+
+def _rope_qk_setup(ctx, inputs, output):
+    q, k, cos, sin, eager, backward = inputs
+    ctx.save_for_backward(q, k, cos, sin)
+    ctx.eager, ctx.backward, ctx.cos_at = eager, backward, 2
+
+
+def _rope_qk_backward(ctx, gq, gk):
+    q, k, cos, sin = ctx.saved_tensors
+    gq = torch.zeros_like(q) if gq is None else gq
+    gk = torch.zeros_like(k) if gk is None else gk
+    dq, dk = ops.rope_qk(gq, gk, cos, sin, ctx.eager, not ctx.backward)
+    dcos, dsin = _table_grads(ctx, [(gq, q), (gk, k)], cos, sin)
+    return dq, dk, dcos, dsin, None, None
 
 
 torch.library.register_autograd("npukern::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
@@ -143,4 +228,12 @@ torch.library.register_autograd(
 torch.library.register_autograd("npukern::rms_norm_backward", _no_derivative("rms_norm_backward"), setup_context=_keep)
 torch.library.register_autograd(
     "npukern::add_rms_norm_backward", _no_derivative("add_rms_norm_backward"), setup_context=_keep
+)
+torch.library.register_autograd("npukern::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
+torch.library.register_autograd("npukern::silu_mul", _silu_mul_backward, setup_context=_silu_mul_setup)
+torch.library.register_autograd("npukern::rotary_mul", _rotary_mul_backward, setup_context=_rotary_mul_setup)
+torch.library.register_autograd("npukern::rope_qk", _rope_qk_backward, setup_context=_rope_qk_setup)
+torch.library.register_autograd("npukern::swiglu_backward", _no_derivative("swiglu_backward"), setup_context=_keep)
+torch.library.register_autograd(
+    "npukern::silu_mul_backward", _no_derivative("silu_mul_backward"), setup_context=_keep
 )

@@ -72,3 +72,41 @@ def _grad_stats(grads):
 @torch.library.register_fake("npukern::clip_grad_norm_")
 def _clip_grad_norm_(grads, max_norm, error_if_nonfinite=False):
     return torch.empty((), dtype=torch.float64, device=_scalar_device(grads))
+
+
+def _half_shape(x, dim):
+    d = dim + x.dim() if dim < 0 else dim
+    torch._check(0 <= d < x.dim(), lambda: f"dim {dim} is out of range for x of rank {x.dim()}")
+    shape = list(x.shape)
+    shape[d] = shape[d] // 2
+    return shape
+
+
+@torch.library.register_fake("npukern::swiglu")
+def _swiglu(x, dim=-1, eager=False):
+    return x.new_empty(_half_shape(x, dim))
+
+
+@torch.library.register_fake("npukern::swiglu_backward")
+def _swiglu_backward(grad_output, x, dim=-1, eager=False):
+    return _contiguous_like(x)
+
+
+@torch.library.register_fake("npukern::silu_mul")
+def _silu_mul(gate, up, eager=False):
+    return _contiguous_like(gate)
+
+
+@torch.library.register_fake("npukern::silu_mul_backward")
+def _silu_mul_backward(grad_output, gate, up, eager=False):
+    return _contiguous_like(gate), _contiguous_like(gate)
+
+
+@torch.library.register_fake("npukern::rotary_mul")
+def _rotary_mul(x, r1, r2, eager=False, backward=False):
+    return _contiguous_like(x)
+
+
+@torch.library.register_fake("npukern::rope_qk")
+def _rope_qk(q, k, cos, sin, eager=False, backward=False):
+    return _contiguous_like(q), _contiguous_like(k)

@@ -51,3 +51,38 @@ def normalize_padding_idx(padding_idx, num_embeddings):
     if not -num_embeddings <= padding_idx < num_embeddings:
         raise ValueError(f"padding_idx {padding_idx} must be within num_embeddings {num_embeddings}")
     return padding_idx + num_embeddings if padding_idx < 0 else padding_idx
+
+
+def swiglu(x: torch.Tensor, dim: int = -1, *, eager: bool = False) -> torch.Tensor:
+    """torch_npu's ``npu_swiglu``: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``,
+    differentiable in x. ``eager=True`` rounds silu(a) to x's dtype before the
+    product, as eager PyTorch's composite does."""
+    return ops.swiglu(x, dim, eager)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
+    """``F.silu(gate) * up`` in one pass (Hugging Face's
+    ``act_fn(gate_proj(x)) * up_proj(x)``), differentiable in both."""
+    return ops.silu_mul(gate, up, eager)
+
+
+def rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with cos/sin broadcast to x from the
+    right (torch_npu's ``npu_rotary_mul`` in "half" mode); differentiable."""
+    return ops.rotary_mul(x, cos, sin, eager)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, eager: bool = True):
+    """Hugging Face's ``apply_rotary_pos_emb`` on npukern: q and k in one call.
+    ``eager=True`` (the default) gives the composite's bits exactly (each
+    product rounded to q's dtype, then the sum). q/k laid out
+    [batch, heads, seq, head_dim] as transposed views of [batch, seq, heads,
+    head_dim] (as the attention layers make them) are read in place."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 4 and q.transpose(1, 2).is_contiguous() \
+            and k.transpose(1, 2).is_contiguous():
+        # [b, s, h, d] memory: rotate there, with cos [b, s, 1, d]; return the same views.
+        qo, ko = ops.rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2),
+                             eager)
+        return qo.transpose(1, 2), ko.transpose(1, 2)
+    return ops.rope_qk(q, k, cos, sin, eager)

@@ -3,7 +3,9 @@
 ``patch(model)`` swaps, in place, every RMSNorm of the Llama, Mistral,
 Qwen2, Qwen3 (q/k norms included), Gemma, Gemma2 and Gemma3 families and the
 input embedding (``nn.Embedding``, Gemma's scaled embedding with its scale)
-for npukern's modules, each with its family's numerics (``casting="llama"``
+for npukern's modules, the MLPs' ``act_fn(gate_proj(x)) * up_proj(x)`` (SiLU
+families) for npukern's SwiGLU, and the family's ``apply_rotary_pos_emb``
+for npukern's RoPE (q and k in one call, the composite's exact bits), each with its family's numerics (``casting="llama"``
 or ``"gemma"``), keeping the very same Parameter objects: weight tying,
 optimizer state and ``state_dict`` are unchanged. ``unpatch(model)``
 restores the original modules. ``apply_to_transformers()`` is the
@@ -14,11 +16,13 @@ its layers take their weights from the module they replace.
 """
 
 import importlib
+import types
 import warnings
 from pathlib import Path
 
 import torch
 
+from . import functional as _F
 from .modules import Embedding, RMSNorm
 
 # family -> (transformers module, RMSNorm class, casting, scaled embedding class or None)
@@ -111,15 +115,82 @@ def _swap(parent, name, old, new):
     setattr(parent, name, new)
 
 
-def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True) -> dict:
+def _swiglu_mlp_forward(self, x):
+    """An MLP's forward with ``act_fn(gate) * up`` as npukern's SwiGLU in eager
+    numerics (silu rounded to the dtype, then the product, as stock)."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.device.type != "cpu" or gate.dtype != up.dtype:
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(_F.silu_mul(gate, up, eager=True))
+
+
+def _is_silu(act):
+    # torch's nn.SiLU, or transformers' SiLUActivation (F.silu, kernels-hub decorated).
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _is_swiglu_mlp(m):
+    return all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(m, "act_fn", None))
+
+
+# family module -> its own apply_rotary_pos_emb, while npukern's stands in.
+_ORIGINAL_ROPE = {}
+
+
+def _rope_for(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        if (q.device.type != "cpu" or k.dtype != q.dtype or cos.dtype not in (q.dtype, torch.float32)
+                or sin.dtype != cos.dtype or q.shape[-1] % 2):
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return _F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, eager=True)
+
+    apply_rotary_pos_emb.__doc__ = "npukern's RoPE standing in for transformers' apply_rotary_pos_emb."
+    return apply_rotary_pos_emb
+
+
+def _patch_rope(model):
+    """Swaps the rotary function of every family module whose attention layers
+    the model has; returns how many attention layers now use npukern's."""
+    modules = {mod for mod, *_ in FAMILIES.values()}
+    count = 0
+    for m in model.modules():
+        name = type(m).__module__
+        if name in modules and type(m).__name__.endswith("Attention"):
+            mod = importlib.import_module(name)
+            if name not in _ORIGINAL_ROPE and hasattr(mod, "apply_rotary_pos_emb"):
+                _ORIGINAL_ROPE[name] = mod.apply_rotary_pos_emb
+                mod.apply_rotary_pos_emb = _rope_for(_ORIGINAL_ROPE[name])
+            if name in _ORIGINAL_ROPE and not getattr(m, "_npukern_rope", False):
+                object.__setattr__(m, "_npukern_rope", True)
+                count += 1
+    return count
+
+
+def unpatch_rope() -> None:
+    """Restores every family module's own ``apply_rotary_pos_emb``."""
+    for name, fn in list(_ORIGINAL_ROPE.items()):
+        importlib.import_module(name).apply_rotary_pos_emb = fn
+        del _ORIGINAL_ROPE[name]
+
+
+def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
+          rope: bool = True) -> dict:
     """Swaps, in place, the model's RMSNorm modules of the supported families
-    and its input embeddings for npukern's; returns the counts, e.g.
-    ``{"rms_norm": 5, "embedding": 1}``. Modules already patched are left
+    and its input embeddings for npukern's, its SiLU-gated MLPs' activation
+    for npukern's SwiGLU (``mlp``) and its families' rotary embedding for
+    npukern's RoPE (``rope``: a swap of the family module's function, shared
+    by every model of that family in the process; the composite's exact
+    bits); returns the counts, e.g. ``{"rms_norm": 5, "embedding": 1,
+    "mlp": 2, "rope": 2}``. Modules already patched are left
     alone (a second call counts 0). An RMSNorm class it does not know is left
     alone and named in a warning. Embeddings with ``max_norm`` or
     ``sparse=True`` (which npukern does not take) are left alone."""
     norms, scaled_embeddings = _family_classes()
-    counts = {"rms_norm": 0, "embedding": 0}
+    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": _patch_rope(model) if rope else 0}
+    for m in model.modules():
+        if mlp and _is_swiglu_mlp(m) and "forward" not in vars(m):
+            m.forward = types.MethodType(_swiglu_mlp_forward, m)
+            counts["mlp"] += 1
     unknown = set()
     input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for parent in list(model.modules()):
@@ -150,8 +221,17 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
 
 def unpatch(model: torch.nn.Module) -> dict:
     """Puts back the original modules :func:`patch` replaced (they share the
-    same Parameters, so training since the patch is kept); returns the counts."""
-    counts = {"rms_norm": 0, "embedding": 0}
+    same Parameters, so training since the patch is kept), the MLPs' forward,
+    and the family modules' rotary function; returns the counts."""
+    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
+    for m in model.modules():
+        fwd = vars(m).get("forward")
+        if getattr(fwd, "__func__", None) is _swiglu_mlp_forward:
+            del m.forward
+            counts["mlp"] += 1
+        if vars(m).pop("_npukern_rope", False):
+            counts["rope"] += 1
+    unpatch_rope()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, "_npukern_original", None)

@@ -7,13 +7,18 @@ runs unchanged on a CPU: ``import npukern_torch.npu as torch_npu``.
 with torch_npu's signatures and outputs: fp32 inside, one rounding of y to
 x's dtype, rstd float32 with x's shape and the normalized dims set to 1,
 differentiable in x (x1, x2) and gamma. A gamma whose dtype is neither x's
-nor float32 is used as float32."""
+nor float32 is used as float32.
+
+- ``npu_swiglu(x, dim=-1) -> silu(a) * b`` with ``a, b = x.chunk(2, dim)``
+- ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + rotate_half(x) * r2``
+
+fp32 inside, one rounding; differentiable (npu_rotary_mul in r1 and r2 too)."""
 
 import torch
 
 from . import functional as _F
 
-__all__ = ["npu_add_rms_norm", "npu_rms_norm"]
+__all__ = ["npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
 
 
 def _gamma(x, gamma):
@@ -28,3 +33,16 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
 def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
     """torch_npu.npu_add_rms_norm: ``(y, rstd, x1 + x2)``."""
     return _F.add_rms_norm(x1, x2, _gamma(x1, gamma), epsilon)
+
+
+def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """torch_npu.npu_swiglu: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``."""
+    return _F.swiglu(x, dim)
+
+
+def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half") -> torch.Tensor:
+    """torch_npu.npu_rotary_mul: ``x * r1 + rotate_half(x) * r2`` (r1, r2
+    broadcast to x; "half" mode, the one Hugging Face models use)."""
+    if rotary_mode != "half":
+        raise ValueError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not supported (only 'half')")
+    return _F.rotary_mul(x, _gamma(x, r1), _gamma(x, r2))
