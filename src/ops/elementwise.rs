@@ -1,10 +1,8 @@
-//! What the elementwise operators (SwiGLU, RoPE) share: the numerics option
-//! and the strided CopyIn / CopyOut of one window.
+//! What the elementwise operators (SwiGLU, RoPE) share: the numerics option,
+//! the dtype dispatch and the walk over a block's rows.
 
 use crate::dtype::Float;
-use crate::lanes::{Lanes, GROUP};
-use crate::ops::norm::{load_at, store_at};
-use crate::workspace::{Dst, Src};
+use crate::lanes::Lanes;
 
 /// Where an elementwise operator rounds (the C ABI's `npk_elem_rounding`).
 #[repr(u32)]
@@ -41,29 +39,6 @@ pub(crate) fn eager_round<L: Lanes, T: Float>(v: L, eager: bool) -> L {
         v
     }
 }
-
-/// Elements `at..at + len` (`len <= 16`) widened, zero-padded.
-///
-/// # Safety
-/// In bounds of a validated tensor that is not being written.
-#[inline(always)]
-pub(crate) unsafe fn ld<L: Lanes, T: Float>(src: Src<T>, at: usize, len: usize) -> L {
-    // SAFETY: forwarded.
-    unsafe { load_at::<L, T>(src, at, len) }
-}
-
-/// Stores the first `len` (<= 16) lanes at `at`.
-///
-/// # Safety
-/// In bounds of a validated output nothing else refers to.
-#[inline(always)]
-pub(crate) unsafe fn st<L: Lanes, T: Float>(v: L, dst: Dst<T>, at: usize, len: usize) {
-    // SAFETY: forwarded.
-    unsafe { store_at::<L, T>(v, dst, at, len) }
-}
-
-/// Group width, re-exported for the kernels' window arithmetic.
-pub(crate) const G: usize = GROUP;
 
 /// Calls `$f::<$L, T>($args)` for the dtype `$d` (f32, f16 or bf16).
 macro_rules! dispatch_t {

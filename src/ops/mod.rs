@@ -223,6 +223,35 @@ pub(crate) use dispatch_xg;
 
 pub(crate) use crate::lanes::dispatch_isa;
 
+/// Runs every block `$b` of a plan (`$flags`, `$blocks`) on `$runner` (the
+/// calling thread for a small plan, see `for_plan`), each inside `$L`'s
+/// ISA context, as `$f::<$L, .., STREAM>($args)` with `STREAM` the plan's
+/// `NORM_FLAG_STREAM` bit. `$L` must be available on this CPU (the caller's
+/// `dispatch_isa!` chose it). A macro so the block inlines into the context.
+macro_rules! run_blocks {
+    ($runner:expr, $flags:expr, $blocks:expr, |$b:ident| $f:ident::<$L:ty $(, $g:ty)*>($($a:expr),*)) => {{
+        let flags: u32 = $flags;
+        let stream = flags & $crate::tiling::NORM_FLAG_STREAM != 0;
+        $crate::runner::for_plan($runner, flags).parallel_for($blocks as usize, &|$b| {
+            // SAFETY: the caller's dispatch_isa! picked $L among the ISAs
+            // this CPU has.
+            unsafe {
+                <$L as $crate::lanes::Lanes>::enter(
+                    #[inline(always)]
+                    || {
+                        if stream {
+                            $f::<$L $(, $g)*, true>($($a),*)
+                        } else {
+                            $f::<$L $(, $g)*, false>($($a),*)
+                        }
+                    },
+                )
+            }
+        })
+    }};
+}
+pub(crate) use run_blocks;
+
 /// A validated `*Call` (from an operator's `prepare`) that the front end
 /// hands to a backend once the caller's workspace is attached.
 pub(crate) trait OpCall {

@@ -10,14 +10,15 @@
 //! are written with streaming stores, their windows shifted so the stores
 //! are aligned (y is elementwise, so any window gives the same bits).
 
+use crate::ops::run_blocks;
 use core::ffi::c_void;
 
 use super::{for_lines, gamma_at, put_pair, round_to, store_at, Rounding};
 use crate::dtype::Float;
 use crate::lanes::{fused_row, push_groups, rstd_f32, Lanes, RowSum, GROUP};
-use crate::runner::{for_plan, Runner};
+use crate::runner::Runner;
 use crate::tensor::RawTensor;
-use crate::tiling::{NormTiling, NORM_FLAG_STREAM};
+use crate::tiling::NormTiling;
 use crate::workspace::{Dst, Src, Workspace};
 
 /// Produces the f32 row values the norm runs on.
@@ -116,22 +117,12 @@ pub(crate) unsafe fn run_forward<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
         cast_before: o.rounding == Rounding::CastBeforeGamma,
         t: o.tiling,
     };
-    let stream = c.t.flags & NORM_FLAG_STREAM != 0;
-    for_plan(runner, c.t.flags).parallel_for(c.t.blocks as usize, &|b| {
-        // SAFETY: the caller picked L among the ISAs this CPU has.
-        unsafe {
-            L::enter(
-                #[inline(always)]
-                || {
-                    if stream {
-                        forward_block::<L, T, G, S, true>(&c, b)
-                    } else {
-                        forward_block::<L, T, G, S, false>(&c, b)
-                    }
-                },
-            )
-        }
-    });
+    run_blocks!(
+        runner,
+        c.t.flags,
+        c.t.blocks,
+        |b| forward_block::<L, T, G, S>(&c, b)
+    );
 }
 
 /// `round?(v * rstd) * gamma`: the one place y's arithmetic is defined.

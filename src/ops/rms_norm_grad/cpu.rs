@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::lanes::detect::Available;
+use crate::ops::run_blocks;
 
 #[derive(Clone, Copy)]
 struct Ctx<T, G> {
@@ -51,23 +52,7 @@ unsafe fn run<L: Lanes, T: Float, G: Float>(call: &RmsNormGradCall, runner: &dyn
         t: call.tiling,
         ws,
     };
-    let stream = c.t.flags & NORM_FLAG_STREAM != 0;
-    let runner = for_plan(runner, c.t.flags);
-    runner.parallel_for(c.t.blocks as usize, &|b| {
-        // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-        unsafe {
-            L::enter(
-                #[inline(always)]
-                || {
-                    if stream {
-                        block::<L, T, G, true>(&c, b)
-                    } else {
-                        block::<L, T, G, false>(&c, b)
-                    }
-                },
-            )
-        }
-    });
+    run_blocks!(runner, c.t.flags, c.t.blocks, |b| block::<L, T, G>(&c, b));
     if call.has_dgamma == 0 && call.has_dgamma_cast == 0 {
         return;
     }

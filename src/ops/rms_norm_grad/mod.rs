@@ -21,9 +21,9 @@ use super::{dispatch_isa, dispatch_xg, launch_into, op_call, workspace_len, Exec
 use crate::dtype::{DType, Float};
 use crate::error::{dtype_err, invalid, invalid_fmt, Result};
 use crate::lanes::{fused_row, push_groups, Lanes, RowSum, GROUP};
-use crate::runner::{for_plan, Runner};
+use crate::runner::Runner;
 use crate::tensor::{no_overlap, out_like, Checked, RawTensor, TensorMut, TensorRef};
-use crate::tiling::{NormTiling, UbConfig, NORM_FLAG_STREAM};
+use crate::tiling::{NormTiling, UbConfig};
 use crate::workspace::{Dst, Src, Workspace};
 
 /// What happens to an existing dgamma (`accumulate_dgamma` in the C ABI).

@@ -3,10 +3,11 @@
 
 use super::*;
 use crate::lanes::detect::Available;
+use crate::lanes::GROUP as G;
 use crate::lanes::{dispatch_isa, Lanes};
 use crate::ops::dispatch_xg;
-use crate::ops::elementwise::{eager_round, ld, st, G};
-use crate::ops::norm::put_pair;
+use crate::ops::elementwise::eager_round;
+use crate::ops::norm::{load_at, put_pair, store_at};
 use crate::runner::{for_plan, Runner};
 use crate::tiling::NORM_FLAG_STREAM;
 use crate::workspace::{Dst, Src};
@@ -139,12 +140,12 @@ unsafe fn rows<L: Lanes, T: Float, C: Float, const STREAM: bool>(
                     for (i, o) in [0, G].into_iter().enumerate() {
                         let j = p + o;
                         let (y1, y2) = rot::<L, T>(
-                            ld::<L, T>(x, xo + j, G),
-                            ld::<L, T>(x, xo + h + j, G),
-                            ld::<L, C>(k.cos, co + j, G),
-                            ld::<L, C>(k.cos, co + h + j, G),
-                            ld::<L, C>(k.sin, co + j, G),
-                            ld::<L, C>(k.sin, co + h + j, G),
+                            load_at::<L, T>(x, xo + j, G),
+                            load_at::<L, T>(x, xo + h + j, G),
+                            load_at::<L, C>(k.cos, co + j, G),
+                            load_at::<L, C>(k.cos, co + h + j, G),
+                            load_at::<L, C>(k.sin, co + j, G),
+                            load_at::<L, C>(k.sin, co + h + j, G),
                             k.eager,
                             k.backward,
                         );
@@ -160,17 +161,17 @@ unsafe fn rows<L: Lanes, T: Float, C: Float, const STREAM: bool>(
                 while j < h {
                     let len = (h - j).min(G);
                     let (y1, y2) = rot::<L, T>(
-                        ld::<L, T>(x, xo + j, len),
-                        ld::<L, T>(x, xo + h + j, len),
-                        ld::<L, C>(k.cos, co + j, len),
-                        ld::<L, C>(k.cos, co + h + j, len),
-                        ld::<L, C>(k.sin, co + j, len),
-                        ld::<L, C>(k.sin, co + h + j, len),
+                        load_at::<L, T>(x, xo + j, len),
+                        load_at::<L, T>(x, xo + h + j, len),
+                        load_at::<L, C>(k.cos, co + j, len),
+                        load_at::<L, C>(k.cos, co + h + j, len),
+                        load_at::<L, C>(k.sin, co + j, len),
+                        load_at::<L, C>(k.sin, co + h + j, len),
                         k.eager,
                         k.backward,
                     );
-                    st::<L, T>(y1, y, xo + j, len);
-                    st::<L, T>(y2, y, xo + h + j, len);
+                    store_at::<L, T>(y1, y, xo + j, len);
+                    store_at::<L, T>(y2, y, xo + h + j, len);
                     j += len;
                 }
             }

@@ -3,6 +3,7 @@
 use super::*;
 use crate::dtype::{gamma_dtype_ok, DType};
 use crate::error::{dtype_err, invalid, invalid_fmt};
+use crate::ops::swiglu::plan::empty;
 use crate::ops::swiglu::shaped;
 use crate::tensor::{no_overlap, Checked};
 
@@ -107,31 +108,29 @@ pub(crate) fn prepare(
     ub: &UbConfig,
 ) -> Result<RopeCall> {
     let (q_rows, tiling) = checked(q, k, cos, sin, ub)?;
-    let mut ins = [
-        Some(q.check("q")?),
-        None,
+    let qc = q.check("q")?;
+    let kc = k.map(|k| k.check("k")).transpose()?;
+    let ins = [
+        Some(qc),
+        kc,
         Some(cos.check("cos")?),
         Some(sin.check("sin")?),
     ];
-    if let Some(k) = k {
-        ins[1] = Some(k.check("k")?);
-    }
-    let qo = shaped(q_out, "q_out", q.check("q")?.shape.dims(), q.dtype)?;
+    let qo = shaped(q_out, "q_out", qc.shape.dims(), q.dtype)?;
     no_overlap(&qo, ins.iter().flatten())?;
-    let empty = RawTensor::flat(core::ptr::null_mut(), q.dtype, 0);
-    let ko = match (k, k_out) {
-        (Some(k), Some(o)) => {
-            let oc = shaped(o, "k_out", k.check("k")?.shape.dims(), q.dtype)?;
+    let ko = match (kc, k_out) {
+        (Some(kc), Some(o)) => {
+            let oc = shaped(o, "k_out", kc.shape.dims(), q.dtype)?;
             no_overlap(&oc, ins.iter().flatten().chain([&qo]))?;
             *o
         }
-        (None, None) => empty,
+        (None, None) => empty(q.dtype),
         (Some(_), None) => return Err(crate::error::Error::NullPointer { arg: "k_out" }),
         (None, Some(_)) => return Err(invalid("k_out", "given without k")),
     };
     Ok(RopeCall {
         q: *q,
-        k: k.copied().unwrap_or(empty),
+        k: k.copied().unwrap_or(empty(q.dtype)),
         cos: *cos,
         sin: *sin,
         q_out: *q_out,

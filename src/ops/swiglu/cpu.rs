@@ -5,10 +5,10 @@ use super::*;
 use crate::lanes::detect::Available;
 use crate::lanes::math::silu;
 use crate::lanes::{dispatch_isa, Lanes};
-use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, ld};
-use crate::ops::norm::{for_lines, put_pair, store_at};
-use crate::runner::{for_plan, Runner};
-use crate::tiling::NORM_FLAG_STREAM;
+use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows};
+use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
+use crate::ops::run_blocks;
+use crate::runner::Runner;
 use crate::workspace::{Dst, Src};
 
 /// What a block needs, copied into registers.
@@ -54,22 +54,7 @@ unsafe fn run<L: Lanes, T: Float>(call: &SwigluCall, runner: &dyn Runner) {
         eager: call.rounding == ElemRounding::Eager,
         t,
     };
-    let stream = t.flags & NORM_FLAG_STREAM != 0;
-    for_plan(runner, t.flags).parallel_for(t.blocks as usize, &|blk| {
-        // SAFETY: the caller picked L among the ISAs this CPU has.
-        unsafe {
-            L::enter(
-                #[inline(always)]
-                || {
-                    if stream {
-                        block::<L, T, true>(&k, blk)
-                    } else {
-                        block::<L, T, false>(&k, blk)
-                    }
-                },
-            )
-        }
-    });
+    run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T>(&k, blk));
 }
 
 #[inline(always)]
@@ -87,8 +72,8 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 // (validated shapes); the block owns this output row range.
                 unsafe {
                     let v = y_of::<L, T>(
-                        ld::<L, T>(k.a, ia + j, len),
-                        ld::<L, T>(k.b, ia + j, len),
+                        load_at::<L, T>(k.a, ia + j, len),
+                        load_at::<L, T>(k.b, ia + j, len),
                         k.eager,
                     );
                     store_at::<L, T>(v, k.y, iy + j, len)
@@ -98,13 +83,13 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 // SAFETY: as above, 32 columns.
                 unsafe {
                     let y0 = y_of::<L, T>(
-                        ld::<L, T>(k.a, ia + p, G),
-                        ld::<L, T>(k.b, ia + p, G),
+                        load_at::<L, T>(k.a, ia + p, G),
+                        load_at::<L, T>(k.b, ia + p, G),
                         k.eager,
                     );
                     let y1 = y_of::<L, T>(
-                        ld::<L, T>(k.a, ia + p + G, G),
-                        ld::<L, T>(k.b, ia + p + G, G),
+                        load_at::<L, T>(k.a, ia + p + G, G),
+                        load_at::<L, T>(k.b, ia + p + G, G),
                         k.eager,
                     );
                     put_pair::<L, T, STREAM>(k.y, iy + p, y0, y1)

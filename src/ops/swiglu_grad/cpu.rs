@@ -4,10 +4,10 @@ use super::*;
 use crate::lanes::detect::Available;
 use crate::lanes::math::exp;
 use crate::lanes::{dispatch_isa, Lanes};
-use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, ld};
-use crate::ops::norm::{for_lines, put_pair, store_at};
-use crate::runner::{for_plan, Runner};
-use crate::tiling::NORM_FLAG_STREAM;
+use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows};
+use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
+use crate::ops::run_blocks;
+use crate::runner::Runner;
 use crate::workspace::{Dst, Src};
 
 /// What a block needs, copied into registers.
@@ -65,22 +65,7 @@ unsafe fn run<L: Lanes, T: Float>(call: &SwigluGradCall, runner: &dyn Runner) {
         eager: call.rounding == ElemRounding::Eager,
         t,
     };
-    let stream = t.flags & NORM_FLAG_STREAM != 0;
-    for_plan(runner, t.flags).parallel_for(t.blocks as usize, &|blk| {
-        // SAFETY: the caller picked L among the ISAs this CPU has.
-        unsafe {
-            L::enter(
-                #[inline(always)]
-                || {
-                    if stream {
-                        block::<L, T, true>(&k, blk)
-                    } else {
-                        block::<L, T, false>(&k, blk)
-                    }
-                },
-            )
-        }
-    });
+    run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T>(&k, blk));
 }
 
 #[inline(always)]
@@ -98,9 +83,9 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 // (validated shapes); the block owns these output ranges.
                 unsafe {
                     let (da, db) = grads::<L, T>(
-                        ld::<L, T>(k.dy, iy + j, len),
-                        ld::<L, T>(k.a, ia + j, len),
-                        ld::<L, T>(k.b, ia + j, len),
+                        load_at::<L, T>(k.dy, iy + j, len),
+                        load_at::<L, T>(k.a, ia + j, len),
+                        load_at::<L, T>(k.b, ia + j, len),
                         k.eager,
                     );
                     store_at::<L, T>(da, k.da, ia + j, len);
@@ -111,15 +96,15 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 // SAFETY: as above, 32 columns.
                 unsafe {
                     let (da0, db0) = grads::<L, T>(
-                        ld::<L, T>(k.dy, iy + p, G),
-                        ld::<L, T>(k.a, ia + p, G),
-                        ld::<L, T>(k.b, ia + p, G),
+                        load_at::<L, T>(k.dy, iy + p, G),
+                        load_at::<L, T>(k.a, ia + p, G),
+                        load_at::<L, T>(k.b, ia + p, G),
                         k.eager,
                     );
                     let (da1, db1) = grads::<L, T>(
-                        ld::<L, T>(k.dy, iy + p + G, G),
-                        ld::<L, T>(k.a, ia + p + G, G),
-                        ld::<L, T>(k.b, ia + p + G, G),
+                        load_at::<L, T>(k.dy, iy + p + G, G),
+                        load_at::<L, T>(k.a, ia + p + G, G),
+                        load_at::<L, T>(k.b, ia + p + G, G),
                         k.eager,
                     );
                     put_pair::<L, T, STREAM>(k.da, ia + p, da0, da1);
