@@ -267,6 +267,105 @@ fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bo
     row("EmbeddingDenseGrad", &name, &dt, r);
 }
 
+/// SwiGLU (`silu_mul`, the two-input form) forward and backward at a LLaMA
+/// MLP shape: `tokens x inter` gate and up.
+fn swiglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usize) {
+    let sname = format!("{tokens}x{inter}");
+    let dt = format!("{:?}", T::DTYPE).to_lowercase();
+    let want = |op: &str| {
+        o.filter
+            .as_ref()
+            .is_none_or(|f| matches(&format!("{op} {sname} {dt}"), f))
+    };
+    let exec = exec_for(cpu);
+    let len = tokens * inter;
+    let tb = len * core::mem::size_of::<T>();
+    let dims = [tokens, inter];
+    let opts = SwigluOptions::default();
+    let inputs = |sets: usize, seed: u32| -> Vec<Aligned<T>> {
+        (0..sets).map(|i| data(len, seed + i as u32)).collect()
+    };
+    if want("swiglu") {
+        // Reads gate and up, writes y: the traffic of copying 1.5x one tensor.
+        let sets = sets_for(3 * tb, o.llc);
+        let (gs, us) = (inputs(sets, 200), inputs(sets, 220));
+        let mut ys: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let r = time_pair(o, sets, tb * 3 / 2, |s| {
+            let g = TensorRef::new(&gs[s], &dims).unwrap();
+            let u = TensorRef::new(&us[s], &dims).unwrap();
+            silu_mul(&exec, g, u, &opts, &mut ys[s], &mut []).unwrap()
+        });
+        row("SwiGLU", &sname, &dt, r);
+    }
+    if want("swiglu_grad") {
+        // Reads dy, gate, up; writes dgate, dup: 2.5x one tensor copied.
+        let sets = sets_for(5 * tb, o.llc);
+        let (dys, gs, us) = (inputs(sets, 240), inputs(sets, 260), inputs(sets, 280));
+        let mut das: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let mut dbs: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let r = time_pair(o, sets, tb * 5 / 2, |s| {
+            let dy = TensorRef::new(&dys[s], &dims).unwrap();
+            let g = TensorRef::new(&gs[s], &dims).unwrap();
+            let u = TensorRef::new(&us[s], &dims).unwrap();
+            silu_mul_grad(&exec, dy, g, u, &opts, &mut das[s], &mut dbs[s], &mut []).unwrap()
+        });
+        row("SwiGLUGrad", &sname, &dt, r);
+    }
+}
+
+/// RoPE on q and k `[1, heads, seq, 128]` with cos/sin `[1, 1, seq, 128]`
+/// (Hugging Face's layout), forward and backward.
+fn rope_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, heads: usize, seq: usize) {
+    let d = 128usize;
+    let sname = format!("2x{heads}x{seq}x{d}");
+    let dt = format!("{:?}", T::DTYPE).to_lowercase();
+    let exec = exec_for(cpu);
+    let len = heads * seq * d;
+    let tb = len * core::mem::size_of::<T>();
+    let dims = [1, heads, seq, d];
+    let cos = data::<T>(seq * d, 300);
+    let sin = data::<T>(seq * d, 301);
+    let cdims = [1, 1, seq, d];
+    for backward in [false, true] {
+        let op = if backward { "RoPEGrad" } else { "RoPE" };
+        let key = format!("{} {sname} {dt}", op.to_lowercase());
+        if o.filter.as_ref().is_some_and(|f| !matches(&key, f)) {
+            continue;
+        }
+        let opts = RopeOptions {
+            backward,
+            ..Default::default()
+        };
+        // Reads q and k, writes both (cos/sin stay in cache): a copy of q + k.
+        let sets = sets_for(4 * tb, o.llc);
+        let qs: Vec<Aligned<T>> = (0..sets).map(|i| data(len, 320 + i as u32)).collect();
+        let ks: Vec<Aligned<T>> = (0..sets).map(|i| data(len, 340 + i as u32)).collect();
+        let mut qo: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let mut ko: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let (ct, st) = (
+            TensorRef::new(&cos, &cdims).unwrap(),
+            TensorRef::new(&sin, &cdims).unwrap(),
+        );
+        let r = time_pair(o, sets, 2 * tb, |s| {
+            let q = TensorRef::new(&qs[s], &dims).unwrap();
+            let k = TensorRef::new(&ks[s], &dims).unwrap();
+            rope(
+                &exec,
+                q,
+                Some(k),
+                ct,
+                st,
+                &opts,
+                &mut qo[s],
+                Some(&mut ko[s]),
+                &mut [],
+            )
+            .unwrap()
+        });
+        row(op, &sname, &dt, r);
+    }
+}
+
 /// The per-call cost of a parallel launch: `Threads::parallel_for` over 2
 /// empty blocks vs the serial loop, and a 1 x 4096 bf16 RmsNorm (which the
 /// plan keeps in one block, so it runs serially on any runner).
@@ -391,4 +490,12 @@ fn main() {
     }
     embedding::<bf16, bf16>(&o, &cpu, 32000, true);
     embedding::<f32, f32>(&o, &cpu, 32000, true);
+    for inter in [11008usize, 14336] {
+        swiglu_rows::<bf16>(&o, &cpu, 4096, inter);
+        swiglu_rows::<f16>(&o, &cpu, 4096, inter);
+        swiglu_rows::<f32>(&o, &cpu, 4096, inter);
+    }
+    rope_rows::<bf16>(&o, &cpu, 32, 4096);
+    rope_rows::<f16>(&o, &cpu, 32, 4096);
+    rope_rows::<f32>(&o, &cpu, 32, 4096);
 }

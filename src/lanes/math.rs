@@ -9,12 +9,9 @@ use super::Lanes;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 const LOG2E: f32 = core::f32::consts::LOG2_E;
-/// 1.5 * 2^23: adding and subtracting it rounds |t| < 2^22 to the nearest
-/// integer, ties to even, with plain IEEE addition.
-const ROUND: f32 = 12_582_912.0;
 /// Inputs are clamped to [LO, HI]: exp(HI) overflows to +Inf and exp(LO)
 /// rounds to +0, so the clamp changes no result, and the scale exponents
-/// stay inside `pow2i`'s range.
+/// stay inside `ldexp`'s range.
 const HI: f32 = 89.0;
 const LO: f32 = -104.0;
 /// Cephes `expf`'s minimax coefficients for e^r - 1 - r on |r| <= ln2 / 2.
@@ -31,23 +28,18 @@ const P: [f32; 6] = [
 /// rounded once, NaN in -> NaN out (the input's payload, quieted).
 #[inline(always)]
 pub fn exp<L: Lanes>(x: L) -> L {
-    let (lo, hi) = (L::splat(LO), L::splat(HI));
-    // NaN compares false both times and stays NaN.
-    let x = x.select_lt(lo, lo, x);
-    let x = hi.select_lt(x, hi, x);
-    let round = L::splat(ROUND);
-    let n = x.mul(L::splat(LOG2E)).add(round).sub(round);
+    // NaN stays NaN.
+    let x = x.clamp(L::splat(LO), L::splat(HI));
+    let n = x.mul(L::splat(LOG2E)).round_even();
     let r = x.sub(n.mul(L::splat(LN2_HI))).sub(n.mul(L::splat(LN2_LO)));
     let mut p = L::splat(P[0]);
     for c in &P[1..] {
         p = p.mul(r).add(L::splat(*c));
     }
     let e = p.mul(r.mul(r)).add(r).add(L::splat(1.0));
-    // 2^n in two exact factors (n is in -150..=129; each half in range):
-    // the first product is exact, the second rounds once, so a subnormal
-    // result is rounded like any other.
-    let h = n.mul(L::splat(0.5)).add(round).sub(round);
-    e.mul(h.pow2i()).mul(n.sub(h).pow2i())
+    // n is in -150..=129: one rounding, so subnormal results are rounded
+    // like any other.
+    e.ldexp(n)
 }
 
 /// Lane-wise SiLU, `x / (1 + e^-x)` (PyTorch's formula: the same special

@@ -216,7 +216,36 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// exact (the exponent field `n + 127`). Other lanes give a power of two
     /// or +Inf, never NaN (math.rs keeps its lanes in range).
     fn pow2i(self) -> Self;
+    /// Lane-wise `if self < lo { lo } else if hi < self { hi } else { self }`
+    /// (two `select_lt`s: NaN lanes stay NaN). x86 does it with max and min,
+    /// whose NaN rule (the second operand) gives the same lanes.
+    #[inline(always)]
+    fn clamp(self, lo: Self, hi: Self) -> Self {
+        let v = self.select_lt(lo, lo, self);
+        hi.select_lt(v, hi, v)
+    }
+    /// Lane-wise nearest integer, ties to even, for |self| < 2^22: adding
+    /// and subtracting 1.5 * 2^23 (AVX-512: one `vrndscaleps`, the same
+    /// values; only the sign of a zero may differ, which `math` never sees).
+    #[inline(always)]
+    fn round_even(self) -> Self {
+        let r = Self::splat(ROUND_BIAS);
+        self.add(r).sub(r)
+    }
+    /// Lane-wise `self * 2^n` rounded once, for `self` in [0.5, 2) and `n`
+    /// integral in -252..=254: `2^h` then `2^(n-h)` with `h = n / 2` rounded
+    /// (the first product is exact, the second rounds once, so subnormal
+    /// results are rounded like any other). AVX-512's `vscalefps` computes
+    /// the same correctly rounded product in one instruction.
+    #[inline(always)]
+    fn ldexp(self, n: Self) -> Self {
+        let h = n.mul(Self::splat(0.5)).round_even();
+        self.mul(h.pow2i()).mul(n.sub(h).pow2i())
+    }
 }
+
+/// 1.5 * 2^23 (`Lanes::round_even`).
+const ROUND_BIAS: f32 = 12_582_912.0;
 
 pub mod math;
 

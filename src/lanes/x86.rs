@@ -418,6 +418,16 @@ impl Lanes for Avx2 {
         // SAFETY: AVX2 present.
         unsafe { Avx2(pow2i8(self.0), pow2i8(self.1)) }
     }
+    #[inline(always)]
+    fn clamp(self, lo: Self, hi: Self) -> Self {
+        // max(lo, v) is `lo > v ? lo : v` and min(hi, v) is `hi < v ? hi :
+        // v`: a NaN v falls through both, as in the trait's selects.
+        // SAFETY: AVX present.
+        unsafe {
+            let c = |v, l, h| _mm256_min_ps(h, _mm256_max_ps(l, v));
+            Avx2(c(self.0, lo.0, hi.0), c(self.1, lo.1, hi.1))
+        }
+    }
 }
 
 impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
@@ -603,5 +613,27 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
                 _mm512_and_si512(k, _mm512_set1_epi32(0xff)),
             )))
         }
+    }
+    #[inline(always)]
+    fn clamp(self, lo: Self, hi: Self) -> Self {
+        // As Avx2's: the NaN rule of max/min (the second operand) keeps NaN.
+        // SAFETY: AVX-512F present.
+        unsafe { Self(_mm512_min_ps(hi.0, _mm512_max_ps(lo.0, self.0))) }
+    }
+    #[inline(always)]
+    fn round_even(self) -> Self {
+        // SAFETY: AVX-512F present. Nearest-even, exceptions suppressed.
+        unsafe {
+            Self(_mm512_roundscale_ps::<
+                { _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC },
+            >(self.0))
+        }
+    }
+    #[inline(always)]
+    fn ldexp(self, n: Self) -> Self {
+        // SAFETY: AVX-512F present. self * 2^floor(n), rounded once under
+        // the thread's MXCSR, as every other lane operation is (the host's
+        // flush-to-zero, if set, changes subnormal results alike).
+        unsafe { Self(_mm512_scalef_ps(self.0, n.0)) }
     }
 }

@@ -6,7 +6,7 @@ use crate::lanes::detect::Available;
 use crate::lanes::GROUP as G;
 use crate::lanes::{dispatch_isa, Lanes};
 use crate::ops::dispatch_xg;
-use crate::ops::elementwise::eager_round;
+use crate::ops::elementwise::{eager_round, prefetch_ahead};
 use crate::ops::norm::{load_at, put_pair, store_at};
 use crate::runner::{for_plan, Runner};
 use crate::tiling::NORM_FLAG_STREAM;
@@ -136,6 +136,8 @@ unsafe fn rows<L: Lanes, T: Float, C: Float, const STREAM: bool>(
             if h % (2 * G) == 0 {
                 let mut p = 0;
                 while p < h {
+                    prefetch_ahead::<L, T>(x, xo + p);
+                    prefetch_ahead::<L, T>(x, xo + h + p);
                     let mut out = [[L::splat(0.0); 2]; 2];
                     for (i, o) in [0, G].into_iter().enumerate() {
                         let j = p + o;

@@ -4,7 +4,7 @@ use super::*;
 use crate::lanes::detect::Available;
 use crate::lanes::math::exp;
 use crate::lanes::{dispatch_isa, Lanes};
-use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows};
+use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, prefetch_ahead};
 use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
@@ -93,6 +93,9 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 }
             },
             |p| {
+                prefetch_ahead::<L, T>(k.dy, iy + p);
+                prefetch_ahead::<L, T>(k.a, ia + p);
+                prefetch_ahead::<L, T>(k.b, ia + p);
                 // SAFETY: as above, 32 columns.
                 unsafe {
                     let (da0, db0) = grads::<L, T>(
