@@ -18,7 +18,6 @@ struct Kern<T> {
     b: Src<T>,
     y: Dst<T>,
     stride: usize,
-    eager: bool,
     t: EltTiling,
 }
 
@@ -51,14 +50,22 @@ unsafe fn run<L: Lanes, T: Float>(call: &SwigluCall, runner: &dyn Runner) {
         b: Src(b),
         y: Dst(call.y.data as *mut T),
         stride: o.stride,
-        eager: call.rounding == ElemRounding::Eager,
         t,
     };
-    run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T>(&k, blk));
+    // Eager is a type-level choice so its roundings leave the loop entirely.
+    if call.rounding == ElemRounding::Eager {
+        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, true>(
+            &k, blk
+        ));
+    } else {
+        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, false>(
+            &k, blk
+        ));
+    }
 }
 
 #[inline(always)]
-fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
+fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>, blk: usize) {
     let k = &{ *k };
     let cols = k.t.cols as usize;
     for_block_rows!(&k.t, blk, |r, c, n| {
@@ -74,7 +81,7 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                     let v = y_of::<L, T>(
                         load_at::<L, T>(k.a, ia + j, len),
                         load_at::<L, T>(k.b, ia + j, len),
-                        k.eager,
+                        EAGER,
                     );
                     store_at::<L, T>(v, k.y, iy + j, len)
                 }
@@ -87,12 +94,12 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                     let y0 = y_of::<L, T>(
                         load_at::<L, T>(k.a, ia + p, G),
                         load_at::<L, T>(k.b, ia + p, G),
-                        k.eager,
+                        EAGER,
                     );
                     let y1 = y_of::<L, T>(
                         load_at::<L, T>(k.a, ia + p + G, G),
                         load_at::<L, T>(k.b, ia + p + G, G),
-                        k.eager,
+                        EAGER,
                     );
                     put_pair::<L, T, STREAM>(k.y, iy + p, y0, y1)
                 }

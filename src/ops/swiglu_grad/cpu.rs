@@ -19,7 +19,6 @@ struct Kern<T> {
     da: Dst<T>,
     db: Dst<T>,
     stride: usize,
-    eager: bool,
     t: EltTiling,
 }
 
@@ -62,14 +61,22 @@ unsafe fn run<L: Lanes, T: Float>(call: &SwigluGradCall, runner: &dyn Runner) {
         da: Dst(da),
         db: Dst(db),
         stride: o.stride,
-        eager: call.rounding == ElemRounding::Eager,
         t,
     };
-    run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T>(&k, blk));
+    // Eager is a type-level choice so its roundings leave the loop entirely.
+    if call.rounding == ElemRounding::Eager {
+        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, true>(
+            &k, blk
+        ));
+    } else {
+        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, false>(
+            &k, blk
+        ));
+    }
 }
 
 #[inline(always)]
-fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
+fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>, blk: usize) {
     let k = &{ *k };
     let cols = k.t.cols as usize;
     for_block_rows!(&k.t, blk, |r, c, n| {
@@ -86,7 +93,7 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                         load_at::<L, T>(k.dy, iy + j, len),
                         load_at::<L, T>(k.a, ia + j, len),
                         load_at::<L, T>(k.b, ia + j, len),
-                        k.eager,
+                        EAGER,
                     );
                     store_at::<L, T>(da, k.da, ia + j, len);
                     store_at::<L, T>(db, k.db, ia + j, len);
@@ -102,13 +109,13 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                         load_at::<L, T>(k.dy, iy + p, G),
                         load_at::<L, T>(k.a, ia + p, G),
                         load_at::<L, T>(k.b, ia + p, G),
-                        k.eager,
+                        EAGER,
                     );
                     let (da1, db1) = grads::<L, T>(
                         load_at::<L, T>(k.dy, iy + p + G, G),
                         load_at::<L, T>(k.a, ia + p + G, G),
                         load_at::<L, T>(k.b, ia + p + G, G),
-                        k.eager,
+                        EAGER,
                     );
                     put_pair::<L, T, STREAM>(k.da, ia + p, da0, da1);
                     put_pair::<L, T, STREAM>(k.db, ia + p, db0, db1);
