@@ -5,23 +5,12 @@
 //!
 //! Run: `cargo bench -p npukern-benches --bench elementwise` (add `-- --quick` for a short run).
 
-use std::hint::black_box;
+mod common;
 
+use common::copy_baseline;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use npukern::*;
-use npukern_benches::{data, zeros, Aligned};
-
-/// Copies `bytes` bytes (read + write = the kernel's traffic).
-fn copy_baseline(
-    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
-    bytes: usize,
-) {
-    let src = Aligned::filled(1u8, bytes);
-    let mut dst = Aligned::filled(0u8, bytes);
-    c.bench_function("memcpy", |b| {
-        b.iter(|| dst.copy_from_slice(black_box(&src)))
-    });
-}
+use npukern_benches::{data, zeros};
 
 /// `silu_mul(gate, up)` on `tokens x inter`, then its backward.
 fn swiglu<T: Float>(c: &mut Criterion, tokens: usize, inter: usize) {

@@ -5,23 +5,12 @@
 //!
 //! Run: `cargo bench -p npukern-benches --bench rms_norm` (add `-- --quick` for a short run).
 
-use std::hint::black_box;
+mod common;
 
+use common::copy_baseline;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use npukern::*;
-use npukern_benches::{data, zeros, Aligned};
-
-/// Copies `bytes` bytes (read + write = the kernel's traffic).
-fn copy_baseline(
-    c: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
-    bytes: usize,
-) {
-    let src = Aligned::filled(1u8, bytes);
-    let mut dst = Aligned::filled(0u8, bytes);
-    c.bench_function("memcpy", |b| {
-        b.iter(|| dst.copy_from_slice(black_box(&src)))
-    });
-}
+use npukern_benches::{data, zeros};
 
 fn forward<T: Float>(c: &mut Criterion, m: usize, n: usize) {
     let name = format!("rms_norm/{:?}/{m}x{n}", T::DTYPE);
