@@ -229,7 +229,7 @@ pub(crate) use crate::lanes::dispatch_isa;
 /// `NORM_FLAG_STREAM` bit. `$L` must be available on this CPU (the caller's
 /// `dispatch_isa!` chose it). A macro so the block inlines into the context.
 macro_rules! run_blocks {
-    ($runner:expr, $flags:expr, $blocks:expr, |$b:ident| $f:ident::<$L:ty $(, $g:tt)*>($($a:expr),*)) => {{
+    ($runner:expr, $flags:expr, $blocks:expr, |$b:ident| $f:ident::<$L:ty $(, $g:ty)*>($($a:expr),*)) => {{
         let flags: u32 = $flags;
         let stream = flags & $crate::tiling::NORM_FLAG_STREAM != 0;
         $crate::runner::for_plan($runner, flags).parallel_for($blocks as usize, &|$b| {

@@ -18,6 +18,7 @@ struct Kern<T> {
     b: Src<T>,
     y: Dst<T>,
     stride: usize,
+    eager: bool,
     t: EltTiling,
 }
 
@@ -50,22 +51,14 @@ unsafe fn run<L: Lanes, T: Float>(call: &SwigluCall, runner: &dyn Runner) {
         b: Src(b),
         y: Dst(call.y.data as *mut T),
         stride: o.stride,
+        eager: call.rounding == ElemRounding::Eager,
         t,
     };
-    // Eager is a type-level choice so its roundings leave the loop entirely.
-    if call.rounding == ElemRounding::Eager {
-        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, true>(
-            &k, blk
-        ));
-    } else {
-        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, false>(
-            &k, blk
-        ));
-    }
+    run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T>(&k, blk));
 }
 
 #[inline(always)]
-fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>, blk: usize) {
+fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
     let k = &{ *k };
     let cols = k.t.cols as usize;
     for_block_rows!(&k.t, blk, |r, c, n| {
@@ -81,7 +74,7 @@ fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>,
                     let v = y_of::<L, T>(
                         load_at::<L, T>(k.a, ia + j, len),
                         load_at::<L, T>(k.b, ia + j, len),
-                        EAGER,
+                        k.eager,
                     );
                     store_at::<L, T>(v, k.y, iy + j, len)
                 }
@@ -94,12 +87,12 @@ fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>,
                     let y0 = y_of::<L, T>(
                         load_at::<L, T>(k.a, ia + p, G),
                         load_at::<L, T>(k.b, ia + p, G),
-                        EAGER,
+                        k.eager,
                     );
                     let y1 = y_of::<L, T>(
                         load_at::<L, T>(k.a, ia + p + G, G),
                         load_at::<L, T>(k.b, ia + p + G, G),
-                        EAGER,
+                        k.eager,
                     );
                     put_pair::<L, T, STREAM>(k.y, iy + p, y0, y1)
                 }

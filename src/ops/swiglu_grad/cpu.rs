@@ -19,6 +19,7 @@ struct Kern<T> {
     da: Dst<T>,
     db: Dst<T>,
     stride: usize,
+    eager: bool,
     t: EltTiling,
 }
 
@@ -61,22 +62,14 @@ unsafe fn run<L: Lanes, T: Float>(call: &SwigluGradCall, runner: &dyn Runner) {
         da: Dst(da),
         db: Dst(db),
         stride: o.stride,
+        eager: call.rounding == ElemRounding::Eager,
         t,
     };
-    // Eager is a type-level choice so its roundings leave the loop entirely.
-    if call.rounding == ElemRounding::Eager {
-        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, true>(
-            &k, blk
-        ));
-    } else {
-        run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T, false>(
-            &k, blk
-        ));
-    }
+    run_blocks!(runner, t.flags, t.blocks, |blk| block::<L, T>(&k, blk));
 }
 
 #[inline(always)]
-fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>, blk: usize) {
+fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
     let k = &{ *k };
     let cols = k.t.cols as usize;
     for_block_rows!(&k.t, blk, |r, c, n| {
@@ -93,7 +86,7 @@ fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>,
                         load_at::<L, T>(k.dy, iy + j, len),
                         load_at::<L, T>(k.a, ia + j, len),
                         load_at::<L, T>(k.b, ia + j, len),
-                        EAGER,
+                        k.eager,
                     );
                     store_at::<L, T>(da, k.da, ia + j, len);
                     store_at::<L, T>(db, k.db, ia + j, len);
@@ -109,13 +102,13 @@ fn block<L: Lanes, T: Float, const EAGER: bool, const STREAM: bool>(k: &Kern<T>,
                         load_at::<L, T>(k.dy, iy + p, G),
                         load_at::<L, T>(k.a, ia + p, G),
                         load_at::<L, T>(k.b, ia + p, G),
-                        EAGER,
+                        k.eager,
                     );
                     let (da1, db1) = grads::<L, T>(
                         load_at::<L, T>(k.dy, iy + p + G, G),
                         load_at::<L, T>(k.a, ia + p + G, G),
                         load_at::<L, T>(k.b, ia + p + G, G),
-                        EAGER,
+                        k.eager,
                     );
                     put_pair::<L, T, STREAM>(k.da, ia + p, da0, da1);
                     put_pair::<L, T, STREAM>(k.db, ia + p, db0, db1);
