@@ -38,35 +38,23 @@ def median_ms(fn, reps):
     return 1e3 * statistics.median(times)
 
 
-def copy_of(read, write):
+def copy_of(read, write, fresh=False):
     """Reads `read` bytes and writes `write` bytes, as torch's copy does (one
-    source buffer per output byte, the rest read by a sum-free second copy)."""
+    source buffer per output byte, the rest read by a sum-free second copy).
+    `fresh`: into new outputs each call, as an op returning a new tensor does
+    (torch.empty + copy_): large outputs come from mmap, so each call also
+    pays the first-touch page faults npukern's and eager's ops pay."""
     src = torch.empty(write, dtype=torch.uint8)
-    dst = torch.empty(write, dtype=torch.uint8)
     extra = torch.empty(max(read - write, 0), dtype=torch.uint8)
-    sink = torch.empty(max(read - write, 0) // 2, dtype=torch.uint8)
+    kept = [torch.empty(write, dtype=torch.uint8), torch.empty(extra.numel() // 2, dtype=torch.uint8)]
 
     def run():
+        dst, sink = [torch.empty_like(t) for t in kept] if fresh else kept
         dst.copy_(src)
         if extra.numel():
             # Reads the other input bytes (and writes half as many: a copy
             # cannot only read); counted as the floor's part.
             sink.copy_(extra[: sink.numel()])
-
-    return run
-
-
-def fresh_copy_of(read, write):
-    """`copy_of` into a fresh output each call, as an op returning a new
-    tensor does (torch.empty + copy_): large outputs come from mmap, so each
-    call also pays the first-touch page faults npukern's and eager's ops pay."""
-    src = torch.empty(write, dtype=torch.uint8)
-    extra = torch.empty(max(read - write, 0), dtype=torch.uint8)
-
-    def run():
-        torch.empty(write, dtype=torch.uint8).copy_(src)
-        if extra.numel():
-            torch.empty(extra.numel() // 2, dtype=torch.uint8).copy_(extra[: extra.numel() // 2])
 
     return run
 
@@ -92,14 +80,14 @@ def swiglu_rows(reps):
         comp_bwd = torch.compile(comp_bwd_fn)
         fwd = {
             "copy": median_ms(copy_of(2 * b, b), reps),
-            "fresh": median_ms(fresh_copy_of(2 * b, b), reps),
+            "fresh": median_ms(copy_of(2 * b, b, fresh=True), reps),
             "eager": median_ms(lambda: torch.nn.functional.silu(g) * u, reps),
             "compile": median_ms(lambda: comp(g, u), reps),
             "npukern": median_ms(lambda: ops.silu_mul(g, u, False), reps),
         }
         bwd = {
             "copy": median_ms(copy_of(3 * b, 2 * b), reps),
-            "fresh": median_ms(fresh_copy_of(3 * b, 2 * b), reps),
+            "fresh": median_ms(copy_of(3 * b, 2 * b, fresh=True), reps),
             "eager": median_ms(lambda: comp_bwd_fn(dy, g, u), reps),
             "compile": median_ms(lambda: comp_bwd(dy, g, u), reps),
             "npukern": median_ms(lambda: ops.silu_mul_backward(dy, g, u, False), reps),
@@ -122,7 +110,7 @@ def rope_rows(reps):
     for name, bwd in (("fwd", False), ("bwd", True)):
         row = {
             "copy": median_ms(copy_of(b, b), reps),
-            "fresh": median_ms(fresh_copy_of(b, b), reps),
+            "fresh": median_ms(copy_of(b, b, fresh=True), reps),
             "eager": median_ms(lambda: composite(q, k, cos, -sin if bwd else sin), reps),
             "compile": median_ms(lambda: comp(q, k, cos, -sin if bwd else sin), reps),
             "npukern": median_ms(lambda: ops.rope_qk(q, k, cos, sin, False, bwd), reps),
