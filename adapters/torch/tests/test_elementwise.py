@@ -19,6 +19,7 @@ import torch
 import npukern_torch  # noqa: F401
 from conftest import record
 from npukern_torch import functional as F
+from npukern_torch import hf
 from npukern_torch import npu
 
 ops = torch.ops.npukern
@@ -91,7 +92,7 @@ def test_swiglu_gradients_match_autograd(dtype):
 def test_rope_eager_is_hugging_faces_bits(dtype):
     import transformers.models.llama.modeling_llama as modeling
 
-    original = getattr(npukern_torch.hf, "_ORIGINAL_ROPE", {}).get(modeling.__name__, modeling.apply_rotary_pos_emb)
+    original = getattr(hf, "_ORIGINAL_ROPE", {}).get(modeling.__name__, modeling.apply_rotary_pos_emb)
     b, h, kh, s, d = 2, 4, 2, 9, 32
     # As the attention layers make them: [b, s, heads, d] memory, transposed views.
     q = rand(b, s, h, d, dtype=dtype).transpose(1, 2).requires_grad_(True)
