@@ -144,6 +144,16 @@ impl<T> Src<T> {
         // SAFETY: guaranteed by the caller.
         unsafe { &*(self.0.add(start) as *const [T; GROUP]) }
     }
+
+    /// The 32 elements from `start`.
+    ///
+    /// # Safety
+    /// As for `get` with `len = 2 * GROUP`.
+    #[inline(always)]
+    pub unsafe fn pair<'a>(&self, start: usize) -> &'a [T; 2 * GROUP] {
+        // SAFETY: guaranteed by the caller.
+        unsafe { &*(self.0.add(start) as *const [T; 2 * GROUP]) }
+    }
 }
 
 impl<T> Dst<T> {

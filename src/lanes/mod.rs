@@ -167,6 +167,35 @@ pub trait Lanes: Copy + Send + Sync + 'static {
             hi.store_f16(b);
         }
     }
+    /// Whether `load_line_bf16` and `put_line_bf16` keep a line's elements
+    /// in order (`lo` = elements 0..16, `hi` = 16..32). AVX-512 does not:
+    /// its line order is the even elements then the odd ones.
+    const BF16_LINE_IN_ORDER: bool = true;
+    /// One line of 32 bf16 widened exactly into two vectors in this ISA's
+    /// *line order* (`BF16_LINE_IN_ORDER`). AVX-512's even/odd order widens
+    /// a whole line with one shift and one mask, where in-order lanes take a
+    /// word-to-dword permute per group. Only elementwise code may use it, with
+    /// every operand in the same order (a row sum's lanes are fixed).
+    #[inline(always)]
+    fn load_line_bf16(src: &[bf16; 2 * GROUP]) -> (Self, Self) {
+        let (g, _) = src.as_chunks::<GROUP>();
+        (Self::load_bf16(&g[0]), Self::load_bf16(&g[1]))
+    }
+    /// The inverse of `load_line_bf16`: `lo`, `hi` in line order rounded as
+    /// `store_bf16` and stored as one line; with `STREAM`, streamed as
+    /// `stream2_bf16` does. Every output bit is that of `store_bf16`.
+    #[inline(always)]
+    fn put_line_bf16<const STREAM: bool>(lo: Self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+        if STREAM {
+            lo.stream2_bf16(hi, dst);
+        } else {
+            let (a, b) = dst.split_at_mut(GROUP);
+            if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+                lo.store_bf16(a);
+                hi.store_bf16(b);
+            }
+        }
+    }
     /// Orders this thread's streaming stores before its later stores
     /// (`sfence` on x86_64), so a block's outputs are complete when it
     /// returns.
@@ -256,14 +285,39 @@ pub trait LaneElem: Sized {
     fn load<L: Lanes>(src: &[Self; GROUP]) -> L;
     /// Stores sixteen lanes rounded to this type.
     fn store<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
-    /// Whether one group fills a 64-byte line (f32) or two groups do (f16, bf16).
-    const LINE_GROUPS: usize;
-    /// Two groups, streamed as whole lines when `dst` is 64-byte aligned.
+    /// Two groups in order, streamed as whole lines when `dst` is 64-byte
+    /// aligned.
     fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]);
-    /// One group streamed when it is a whole aligned line (f32), else stored.
-    fn stream_line<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
     /// Every lane rounded to this type and widened back (identity for f32).
     fn round<L: Lanes>(v: L) -> L;
+    /// Whether `load_line` / `put_line` keep elements in order on `L`
+    /// (`Lanes::BF16_LINE_IN_ORDER` for bf16; f32 and f16 always do). Two
+    /// types whose answers agree have the same line order.
+    #[inline(always)]
+    fn line_in_order<L: Lanes>() -> bool {
+        true
+    }
+    /// 32 elements widened into two vectors in `L`'s line order for this
+    /// type (`Lanes::load_line_bf16`); in order by default.
+    #[inline(always)]
+    fn load_line<L: Lanes>(src: &[Self; 2 * GROUP]) -> (L, L) {
+        let (g, _) = src.as_chunks::<GROUP>();
+        (Self::load(&g[0]), Self::load(&g[1]))
+    }
+    /// The inverse of `load_line`, rounding; streamed as `stream2` with
+    /// `STREAM`.
+    #[inline(always)]
+    fn put_line<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]) {
+        if STREAM {
+            Self::stream2(lo, hi, dst);
+        } else {
+            let (a, b) = dst.split_at_mut(GROUP);
+            if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
+                Self::store(lo, a);
+                Self::store(hi, b);
+            }
+        }
+    }
 }
 
 impl LaneElem for f32 {
@@ -274,11 +328,6 @@ impl LaneElem for f32 {
     #[inline(always)]
     fn store<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
         v.store(dst)
-    }
-    const LINE_GROUPS: usize = 1;
-    #[inline(always)]
-    fn stream_line<L: Lanes>(v: L, dst: &mut [f32; GROUP]) {
-        v.stream(dst)
     }
     #[inline(always)]
     fn round<L: Lanes>(v: L) -> L {
@@ -303,11 +352,6 @@ impl LaneElem for bf16 {
     fn store<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
         v.store_bf16(dst)
     }
-    const LINE_GROUPS: usize = 2;
-    #[inline(always)]
-    fn stream_line<L: Lanes>(v: L, dst: &mut [bf16; GROUP]) {
-        Self::store(v, dst)
-    }
     #[inline(always)]
     fn round<L: Lanes>(v: L) -> L {
         v.round_bf16()
@@ -315,6 +359,18 @@ impl LaneElem for bf16 {
     #[inline(always)]
     fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
         lo.stream2_bf16(hi, dst)
+    }
+    #[inline(always)]
+    fn line_in_order<L: Lanes>() -> bool {
+        L::BF16_LINE_IN_ORDER
+    }
+    #[inline(always)]
+    fn load_line<L: Lanes>(src: &[bf16; 2 * GROUP]) -> (L, L) {
+        L::load_line_bf16(src)
+    }
+    #[inline(always)]
+    fn put_line<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
+        L::put_line_bf16::<STREAM>(lo, hi, dst)
     }
 }
 
@@ -326,11 +382,6 @@ impl LaneElem for f16 {
     #[inline(always)]
     fn store<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
         v.store_f16(dst)
-    }
-    const LINE_GROUPS: usize = 2;
-    #[inline(always)]
-    fn stream_line<L: Lanes>(v: L, dst: &mut [f16; GROUP]) {
-        Self::store(v, dst)
     }
     #[inline(always)]
     fn round<L: Lanes>(v: L) -> L {
@@ -645,6 +696,86 @@ mod tests {
             let f = L::load(&sums).fold();
             let p = Portable::load(&sums).fold();
             assert!(f.to_bits() == p.to_bits() || (f.is_nan() && p.is_nan()));
+        }
+    }
+
+    /// Where `L`'s bf16 line order puts each element: lane `k` of
+    /// `(lo, hi)` (k < 16 in `lo`) holds element `perm[k]`.
+    pub(crate) fn line_perm<L: Lanes>() -> [usize; 2 * GROUP] {
+        let idx: [bf16; 2 * GROUP] = core::array::from_fn(|i| bf16::from_f32(i as f32));
+        let (lo, hi) = L::load_line_bf16(&idx);
+        let (mut a, mut b) = ([0f32; GROUP], [0f32; GROUP]);
+        lo.store(&mut a);
+        hi.store(&mut b);
+        core::array::from_fn(|k| if k < GROUP { a[k] } else { b[k - GROUP] } as usize)
+    }
+
+    /// The line functions on 32 f32 bit patterns: `put_line_bf16` (ordinary
+    /// and streaming) writes element `i` as `bf16_bits_rne`, and
+    /// `load_line_bf16` widens what it wrote exactly, in the same order.
+    /// Returns the number of elements that differ.
+    fn line_mismatches<L: Lanes>(perm: &[usize; 2 * GROUP], x: &[u32; 2 * GROUP]) -> u64 {
+        let lanes: [f32; 2 * GROUP] = core::array::from_fn(|k| f32::from_bits(x[perm[k]]));
+        let (lo_a, hi_a) = lanes.split_at(GROUP);
+        let (lo, hi) = match (lo_a.try_into(), hi_a.try_into()) {
+            (Ok(a), Ok(b)) => (L::load(a), L::load(b)),
+            _ => return u64::MAX,
+        };
+        let mut bad = 0;
+        #[repr(align(64))]
+        struct Line([bf16; 2 * GROUP]);
+        let (mut o, mut s) = (Line([bf16::ZERO; 2 * GROUP]), Line([bf16::ZERO; 2 * GROUP]));
+        L::put_line_bf16::<false>(lo, hi, &mut o.0);
+        L::put_line_bf16::<true>(lo, hi, &mut s.0);
+        L::stream_fence();
+        for ((xi, a), b) in x.iter().zip(&o.0).zip(&s.0) {
+            let want = crate::dtype::bf16_bits_rne(*xi);
+            bad += u64::from(a.to_bits() != want) + u64::from(b.to_bits() != want);
+        }
+        let (wl, wh) = L::load_line_bf16(&o.0);
+        let (mut a, mut b) = ([0f32; GROUP], [0f32; GROUP]);
+        wl.store(&mut a);
+        wh.store(&mut b);
+        for k in 0..2 * GROUP {
+            let got = if k < GROUP { a[k] } else { b[k - GROUP] };
+            bad += u64::from(got.to_bits() != u32::from(o.0[perm[k]].to_bits()) << 16);
+        }
+        bad
+    }
+
+    /// Every ISA's line order is a permutation, and its line functions
+    /// round and widen like the scalar definitions on specials and random
+    /// bit patterns (exhaustively for AVX-512: `lanes::x86`'s tests).
+    #[test]
+    fn every_isa_line_functions_match_scalar() {
+        for isa in Isa::ALL {
+            let Ok(a) = detect::resolve(Some(isa)) else {
+                continue;
+            };
+            // SAFETY: `a` proves the ISA is available.
+            dispatch_isa!(a, L => unsafe {
+                L::enter(|| {
+                    let perm = line_perm::<L>();
+                    let mut seen = [false; 2 * GROUP];
+                    for &p in &perm {
+                        seen[p] = true;
+                    }
+                    assert!(seen.iter().all(|&s| s), "{isa:?}: {perm:?}");
+                    let specials = [
+                        0x7f80_0000u32, 0xff80_0000, 0x7fc0_0001, 0xffff_ffff, 0x7f7f_ffff,
+                        0x3f80_8000, 0x3f81_8000, 0x0000_0001, 0x8000_0000, 0x007f_ffff,
+                        0x0000_8000, 0x8001_8000, 0x7f7f_8000, 0xff80_0001,
+                    ];
+                    let mut bits = bits_stream(99, 1 << 16);
+                    for r in 0..(1 << 11) {
+                        let x: [u32; 2 * GROUP] = core::array::from_fn(|i| {
+                            let b = bits.next().unwrap_or(0);
+                            if r == 0 { specials.get(i).copied().unwrap_or(b) } else { b }
+                        });
+                        assert_eq!(line_mismatches::<L>(&perm, &x), 0, "{isa:?}: {x:x?}");
+                    }
+                })
+            });
         }
     }
 

@@ -25,6 +25,17 @@ impl<T: Float> FwdSource<T> for AddSource<T> {
         round_to::<L, T>(a.add(b))
     }
     #[inline(always)]
+    unsafe fn line<L: Lanes>(&self, at: usize) -> (L, L) {
+        // SAFETY: forwarded; the range of x1 is not written before this read.
+        let ((a0, a1), (b0, b1)) = unsafe {
+            (
+                load_line::<L, T>(self.x1, at),
+                load_line::<L, T>(self.x2, at),
+            )
+        };
+        (round_to::<L, T>(a0.add(b0)), round_to::<L, T>(a1.add(b1)))
+    }
+    #[inline(always)]
     fn side(&self) -> Option<Dst<T>> {
         self.x_sum
     }

@@ -14,7 +14,8 @@ use core::ffi::c_void;
 
 use super::norm::forward::{fwd_out, run_forward, FwdSource};
 use super::norm::{
-    load_at, norm_dims, prefetch_pair, round_to, rstd_check, same_shape, RmsNormOptions, Rounding,
+    load_at, load_line, norm_dims, prefetch_pair, round_to, rstd_check, same_shape, RmsNormOptions,
+    Rounding,
 };
 use super::{dispatch_isa, dispatch_xg, launch_into, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};

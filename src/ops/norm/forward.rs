@@ -13,7 +13,9 @@
 use crate::ops::run_blocks;
 use core::ffi::c_void;
 
-use super::{for_lines, gamma_at, put_pair, round_to, store_at, Rounding};
+use super::{
+    for_lines, gamma_at, gamma_line, lines_agree, put_line, put_pair, round_to, store_at, Rounding,
+};
 use crate::dtype::Float;
 use crate::lanes::{fused_row, push_groups, rstd_f32, Lanes, RowSum, GROUP};
 use crate::runner::Runner;
@@ -29,6 +31,12 @@ pub(crate) trait FwdSource<T>: Sync + Copy {
     /// # Safety
     /// The range lies in one row of the call's tensors.
     unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L;
+    /// The values at flat elements `at..at + 32`, in `T`'s line order on
+    /// `L` (`LaneElem::load_line`).
+    ///
+    /// # Safety
+    /// As for `at`.
+    unsafe fn line<L: Lanes>(&self, at: usize) -> (L, L);
     /// The side output (x_sum) of the values, if any: each window is
     /// written after `at` read it.
     fn side(&self) -> Option<Dst<T>>;
@@ -187,7 +195,9 @@ unsafe fn y_window<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
 }
 
 /// Pass 2 at columns `p..p + 32` of the row at `row`: two groups, stored as
-/// whole lines (streamed with `STREAM`), each written after it was read.
+/// whole lines (streamed with `STREAM`), each written after it was read. In
+/// line order when x's and gamma's agree (bf16 on AVX-512: even/odd lanes,
+/// no word permutes), else in groups.
 ///
 /// # Safety
 /// As for `y_window`.
@@ -199,18 +209,37 @@ unsafe fn y_pair<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bo
     vr: L,
     off: L,
 ) {
+    let lines = lines_agree::<L, T, G>();
     // SAFETY: forwarded from the caller.
     unsafe {
-        let v0 = c.src.at::<L>(row + p, GROUP);
-        let v1 = c.src.at::<L>(row + p + GROUP, GROUP);
-        let g0 = gamma_at::<L, G>(c.gamma, p, GROUP, off);
-        let g1 = gamma_at::<L, G>(c.gamma, p + GROUP, GROUP, off);
+        let ((v0, v1), (g0, g1)) = if lines {
+            (
+                c.src.line::<L>(row + p),
+                gamma_line::<L, G>(c.gamma, p, off),
+            )
+        } else {
+            (
+                (
+                    c.src.at::<L>(row + p, GROUP),
+                    c.src.at::<L>(row + p + GROUP, GROUP),
+                ),
+                (
+                    gamma_at::<L, G>(c.gamma, p, GROUP, off),
+                    gamma_at::<L, G>(c.gamma, p + GROUP, GROUP, off),
+                ),
+            )
+        };
+        let put = if lines {
+            put_line::<L, T, STREAM>
+        } else {
+            put_pair::<L, T, STREAM>
+        };
         if let Some(o) = c.src.side() {
-            put_pair::<L, T, STREAM>(o, row + p, v0, v1);
+            put(o, row + p, v0, v1);
         }
         let y0 = y_of::<L, T>(v0, vr, g0, c.cast_before);
         let y1 = y_of::<L, T>(v1, vr, g1, c.cast_before);
-        put_pair::<L, T, STREAM>(c.y, row + p, y0, y1);
+        put(c.y, row + p, y0, y1);
     }
 }
 

@@ -277,6 +277,52 @@ pub(crate) unsafe fn put_pair<L: Lanes, T: Float, const STREAM: bool>(
     }
 }
 
+/// Elements `at..at + 32` of `src` widened, in `T`'s line order on `L`
+/// (`LaneElem::load_line`): elementwise passes only.
+///
+/// # Safety
+/// The range is inside `src`'s tensor and not being written.
+#[inline(always)]
+pub(crate) unsafe fn load_line<L: Lanes, T: Float>(src: Src<T>, at: usize) -> (L, L) {
+    // SAFETY: forwarded from the caller.
+    T::load_line(unsafe { src.pair(at) })
+}
+
+/// `gamma + offset` at columns `j..j + 32`, in `G`'s line order on `L`.
+///
+/// # Safety
+/// The columns are inside gamma.
+#[inline(always)]
+pub(crate) unsafe fn gamma_line<L: Lanes, G: Float>(gamma: Src<G>, j: usize, off: L) -> (L, L) {
+    // SAFETY: forwarded from the caller.
+    let (a, b) = unsafe { load_line::<L, G>(gamma, j) };
+    (a.add(off), b.add(off))
+}
+
+/// Stores `lo`, `hi` (in `T`'s line order on `L`) at `at..at + 32` of
+/// `dst`, streamed with `STREAM` as `put_pair`.
+///
+/// # Safety
+/// As for `store_at` with 32 elements.
+#[inline(always)]
+pub(crate) unsafe fn put_line<L: Lanes, T: Float, const STREAM: bool>(
+    dst: Dst<T>,
+    at: usize,
+    lo: L,
+    hi: L,
+) {
+    // SAFETY: forwarded from the caller.
+    T::put_line::<L, STREAM>(lo, hi, unsafe { dst.pair(at) })
+}
+
+/// Whether an elementwise pass over `T` data with a `G` operand can work in
+/// line order: the two types' line orders on `L` agree (else it loads
+/// groups in order).
+#[inline(always)]
+pub(crate) fn lines_agree<L: Lanes, T: Float, G: Float>() -> bool {
+    T::line_in_order::<L>() == G::line_in_order::<L>()
+}
+
 /// Hints that elements `at..at + 32` of `src` will be read soon: the next
 /// row's, while this row is computed from cache (one 64-byte line of 16-bit
 /// elements, two of f32). `at` may be past the tensor.

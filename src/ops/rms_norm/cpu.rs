@@ -14,6 +14,11 @@ impl<T: Float> FwdSource<T> for XSource<T> {
         unsafe { load_at::<L, T>(self.0, at, len) }
     }
     #[inline(always)]
+    unsafe fn line<L: Lanes>(&self, at: usize) -> (L, L) {
+        // SAFETY: forwarded; x is never written.
+        unsafe { load_line::<L, T>(self.0, at) }
+    }
+    #[inline(always)]
     fn side(&self) -> Option<Dst<T>> {
         None
     }
