@@ -146,21 +146,22 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// stores skip the destination's read-for-ownership and do not displace
     /// cached data; a kernel issues `stream_fence` after its last one.
     fn stream(self, dst: &mut [f32; GROUP]);
-    /// `self` then `hi` as 32 bf16 (one 64-byte line), streaming when `dst`
-    /// is 64-byte aligned. Only whole lines are streamed: a partly written
+    /// `self` then `hi` as 32 bf16 (one 64-byte line), converted and stored
+    /// as one line where the ISA can; with `STREAM`, streamed when `dst` is
+    /// 64-byte aligned. Only whole lines are streamed: a partly written
     /// write-combining line goes to memory as slow partial writes. The
     /// default stores the two halves (lanes without streaming stores).
     #[inline(always)]
-    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+    fn put2_bf16<const STREAM: bool>(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         let (a, b) = dst.split_at_mut(GROUP);
         if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
             self.store_bf16(a);
             hi.store_bf16(b);
         }
     }
-    /// `stream2_bf16` for f16.
+    /// `put2_bf16` for f16.
     #[inline(always)]
-    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+    fn put2_f16<const STREAM: bool>(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
         let (a, b) = dst.split_at_mut(GROUP);
         if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
             self.store_f16(a);
@@ -183,18 +184,10 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     }
     /// The inverse of `load_line_bf16`: `lo`, `hi` in line order rounded as
     /// `store_bf16` and stored as one line; with `STREAM`, streamed as
-    /// `stream2_bf16` does. Every output bit is that of `store_bf16`.
+    /// `put2_bf16` does. Every output bit is that of `store_bf16`.
     #[inline(always)]
     fn put_line_bf16<const STREAM: bool>(lo: Self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
-        if STREAM {
-            lo.stream2_bf16(hi, dst);
-        } else {
-            let (a, b) = dst.split_at_mut(GROUP);
-            if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-                lo.store_bf16(a);
-                hi.store_bf16(b);
-            }
-        }
+        lo.put2_bf16::<STREAM>(hi, dst)
     }
     /// Orders this thread's streaming stores before its later stores
     /// (`sfence` on x86_64), so a block's outputs are complete when it
@@ -285,9 +278,9 @@ pub trait LaneElem: Sized {
     fn load<L: Lanes>(src: &[Self; GROUP]) -> L;
     /// Stores sixteen lanes rounded to this type.
     fn store<L: Lanes>(v: L, dst: &mut [Self; GROUP]);
-    /// Two groups in order, streamed as whole lines when `dst` is 64-byte
-    /// aligned.
-    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]);
+    /// Two groups in order, as one line where the ISA can; with `STREAM`,
+    /// streamed as whole lines when `dst` is 64-byte aligned.
+    fn put2<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]);
     /// Every lane rounded to this type and widened back (identity for f32).
     fn round<L: Lanes>(v: L) -> L;
     /// Whether `load_line` / `put_line` keep elements in order on `L`
@@ -304,19 +297,11 @@ pub trait LaneElem: Sized {
         let (g, _) = src.as_chunks::<GROUP>();
         (Self::load(&g[0]), Self::load(&g[1]))
     }
-    /// The inverse of `load_line`, rounding; streamed as `stream2` with
+    /// The inverse of `load_line`, rounding; streamed as `put2` with
     /// `STREAM`.
     #[inline(always)]
     fn put_line<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]) {
-        if STREAM {
-            Self::stream2(lo, hi, dst);
-        } else {
-            let (a, b) = dst.split_at_mut(GROUP);
-            if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-                Self::store(lo, a);
-                Self::store(hi, b);
-            }
-        }
+        Self::put2::<L, STREAM>(lo, hi, dst)
     }
 }
 
@@ -334,11 +319,16 @@ impl LaneElem for f32 {
         v
     }
     #[inline(always)]
-    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f32; 2 * GROUP]) {
+    fn put2<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [f32; 2 * GROUP]) {
         let (a, b) = dst.split_at_mut(GROUP);
         if let (Ok(a), Ok(b)) = (a.try_into(), b.try_into()) {
-            lo.stream(a);
-            hi.stream(b);
+            if STREAM {
+                lo.stream(a);
+                hi.stream(b);
+            } else {
+                lo.store(a);
+                hi.store(b);
+            }
         }
     }
 }
@@ -357,8 +347,8 @@ impl LaneElem for bf16 {
         v.round_bf16()
     }
     #[inline(always)]
-    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
-        lo.stream2_bf16(hi, dst)
+    fn put2<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
+        lo.put2_bf16::<STREAM>(hi, dst)
     }
     #[inline(always)]
     fn line_in_order<L: Lanes>() -> bool {
@@ -388,8 +378,8 @@ impl LaneElem for f16 {
         v.round_f16()
     }
     #[inline(always)]
-    fn stream2<L: Lanes>(lo: L, hi: L, dst: &mut [f16; 2 * GROUP]) {
-        lo.stream2_f16(hi, dst)
+    fn put2<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [f16; 2 * GROUP]) {
+        lo.put2_f16::<STREAM>(hi, dst)
     }
 }
 

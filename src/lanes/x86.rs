@@ -124,19 +124,20 @@ fn aligned<T>(p: &T, a: usize) -> bool {
     (p as *const T as usize).is_multiple_of(a)
 }
 
-/// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming when aligned.
+/// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming with `STREAM`
+/// when aligned.
 #[inline(always)]
-unsafe fn put_line(p: *mut __m512i, lo: __m256i, hi: __m256i) {
+unsafe fn put_line<const STREAM: bool>(p: *mut __m512i, lo: __m256i, hi: __m256i) {
     // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
-    unsafe { put_zmm(p, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)) }
+    unsafe { put_zmm::<STREAM>(p, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)) }
 }
 
-/// Stores one 64-byte line at `p`, streaming when aligned.
+/// Stores one 64-byte line at `p`, streaming with `STREAM` when aligned.
 #[inline(always)]
-unsafe fn put_zmm(p: *mut __m512i, v: __m512i) {
+unsafe fn put_zmm<const STREAM: bool>(p: *mut __m512i, v: __m512i) {
     // SAFETY: called inside an AVX-512F context with 64 writable bytes at p.
     unsafe {
-        if (p as usize).is_multiple_of(64) {
+        if STREAM && (p as usize).is_multiple_of(64) {
             _mm512_stream_si512(p, v);
         } else {
             _mm512_storeu_si512(p, v);
@@ -144,13 +145,13 @@ unsafe fn put_zmm(p: *mut __m512i, v: __m512i) {
     }
 }
 
-/// Stores four 16-byte parts (one 64-byte line) at `p`, streaming when the
-/// line is aligned.
+/// Stores four 16-byte parts (one 64-byte line) at `p`, streaming with
+/// `STREAM` when the line is aligned.
 #[inline(always)]
-unsafe fn put_line4(p: *mut __m128i, v: [__m128i; 4]) {
+unsafe fn put_line4<const STREAM: bool>(p: *mut __m128i, v: [__m128i; 4]) {
     // SAFETY: called with 64 writable bytes at p; SSE2 is baseline.
     unsafe {
-        let stream = (p as usize).is_multiple_of(64);
+        let stream = STREAM && (p as usize).is_multiple_of(64);
         for (i, w) in v.into_iter().enumerate() {
             if stream {
                 _mm_stream_si128(p.add(i), w);
@@ -306,7 +307,7 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
-    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+    fn put2_bf16<const STREAM: bool>(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; AVX2 present.
         unsafe {
             let p = dst.as_mut_ptr() as *mut __m128i;
@@ -316,7 +317,7 @@ impl Lanes for Avx2 {
                 bf16_bits8(hi.0),
                 bf16_bits8(hi.1),
             ];
-            put_line4(p, v);
+            put_line4::<STREAM>(p, v);
         }
     }
     #[inline(always)]
@@ -359,7 +360,7 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
-    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+    fn put2_f16<const STREAM: bool>(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; F16C present.
         unsafe {
             let p = dst.as_mut_ptr() as *mut __m128i;
@@ -369,7 +370,7 @@ impl Lanes for Avx2 {
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0),
                 _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.1),
             ];
-            put_line4(p, v);
+            put_line4::<STREAM>(p, v);
         }
     }
     #[inline(always)]
@@ -497,14 +498,14 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
         unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bits16::<HW_BF16>(self.0)) }
     }
     #[inline(always)]
-    fn stream2_bf16(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
+    fn put2_bf16<const STREAM: bool>(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; AVX-512F/BW present.
         unsafe {
             let p = dst.as_mut_ptr() as *mut __m512i;
             if HW_BF16 {
-                put_zmm(p, hw::bits32(self.0, hi.0))
+                put_zmm::<STREAM>(p, hw::bits32(self.0, hi.0))
             } else {
-                put_line(p, bf16_bits16(self.0), bf16_bits16(hi.0))
+                put_line::<STREAM>(p, bf16_bits16(self.0), bf16_bits16(hi.0))
             }
         }
     }
@@ -546,12 +547,7 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
                 let even = _mm512_srli_epi32::<16>(bf16_round16(lo.0));
                 _mm512_mask_blend_epi16(0xAAAA_AAAA, even, bf16_round16(hi.0))
             };
-            let p = dst.as_mut_ptr() as *mut __m512i;
-            if STREAM {
-                put_zmm(p, v)
-            } else {
-                _mm512_storeu_si512(p, v)
-            }
+            put_zmm::<STREAM>(dst.as_mut_ptr() as *mut __m512i, v)
         }
     }
     #[inline(always)]
@@ -592,12 +588,12 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
         }
     }
     #[inline(always)]
-    fn stream2_f16(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
+    fn put2_f16<const STREAM: bool>(self, hi: Self, dst: &mut [f16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; AVX-512F present. Round to nearest even.
         unsafe {
             let lo = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
             let hi = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(hi.0);
-            put_line(dst.as_mut_ptr() as *mut __m512i, lo, hi)
+            put_line::<STREAM>(dst.as_mut_ptr() as *mut __m512i, lo, hi)
         }
     }
     #[inline(always)]

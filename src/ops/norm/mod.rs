@@ -267,14 +267,7 @@ pub(crate) unsafe fn put_pair<L: Lanes, T: Float, const STREAM: bool>(
     hi: L,
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe {
-        if STREAM {
-            T::stream2(lo, hi, dst.pair(at));
-        } else {
-            T::store(lo, dst.group(at));
-            T::store(hi, dst.group(at + GROUP));
-        }
-    }
+    T::put2::<L, STREAM>(lo, hi, unsafe { dst.pair(at) })
 }
 
 /// Elements `at..at + 32` of `src` widened, in `T`'s line order on `L`

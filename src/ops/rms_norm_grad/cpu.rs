@@ -134,7 +134,7 @@ struct RowCtx<L> {
 }
 
 /// dx at columns `j..j + len` of the row, with the row's `dy * xh` added to
-/// the block's dgamma partial.
+/// the block's dgamma partial; `g` is `gamma + offset` at those columns.
 ///
 /// # Safety
 /// The columns are inside the row, which belongs to the calling block; dy's
@@ -145,13 +145,14 @@ unsafe fn dx_window<L: Lanes, T: Float, G: Float>(
     w: &RowCtx<L>,
     j: usize,
     len: usize,
+    g: L,
 ) -> L {
     let at = w.row + j;
     // SAFETY: forwarded from the caller.
     unsafe {
         let dy = load_at::<L, T>(c.dy, at, len);
         let xh = load_at::<L, T>(c.x, at, len).mul(w.rs);
-        let mut d = dx_of(dy, xh, gamma_at::<L, G>(c.gamma, j, len, w.off), w.rs, w.cc);
+        let mut d = dx_of(dy, xh, g, w.rs, w.cc);
         if let Some(dres) = c.dres {
             d = d.add(load_at::<L, T>(dres, at, len));
         }
@@ -163,26 +164,26 @@ unsafe fn dx_window<L: Lanes, T: Float, G: Float>(
 
 /// The pass-1 term of columns `j..j + len` (`len <= 16`) of the row at
 /// `row`: `(dy * g) * (x * rstd)`, padding lanes masked (0 * Inf would be
-/// NaN; see `first_lanes`).
+/// NaN; see `first_lanes`); `g` is `gamma + offset` at those columns.
 ///
 /// # Safety
 /// The columns are inside the row; dx's row (possibly dy's) is not written
 /// before this read.
 #[inline(always)]
-unsafe fn dot_term<L: Lanes, T: Float, G: Float>(
-    c: &Ctx<T, G>,
+unsafe fn dot_term<L: Lanes, T: Float>(
+    dy: Src<T>,
+    x: Src<T>,
     row: usize,
     j: usize,
     len: usize,
     rs: L,
-    off: L,
+    g: L,
 ) -> L {
     // SAFETY: forwarded from the caller.
     let v = unsafe {
-        let dy = load_at::<L, T>(c.dy, row + j, len);
-        let x = load_at::<L, T>(c.x, row + j, len);
-        dy.mul(gamma_at::<L, G>(c.gamma, j, len, off))
-            .mul(x.mul(rs))
+        let dy = load_at::<L, T>(dy, row + j, len);
+        let x = load_at::<L, T>(x, row + j, len);
+        dy.mul(g).mul(x.mul(rs))
     };
     if len < GROUP {
         first_lanes(v, len)
@@ -208,11 +209,17 @@ unsafe fn row_dot<L: Lanes, T: Float, G: Float>(
     let mut s = RowSum::<L>::new();
     push_groups!(s, full, |k| {
         // SAFETY: group k of the row, forwarded from the caller.
-        unsafe { dot_term::<L, T, G>(c, row, k * GROUP, GROUP, rs, off) }
+        unsafe {
+            let g = gamma_at::<L, G>(c.gamma, k * GROUP, GROUP, off);
+            dot_term::<L, T>(c.dy, c.x, row, k * GROUP, GROUP, rs, g)
+        }
     });
     if tail > 0 {
         // SAFETY: the row's last elements, forwarded from the caller.
-        s.push(unsafe { dot_term::<L, T, G>(c, row, full * GROUP, tail, rs, off) });
+        s.push(unsafe {
+            let g = gamma_at::<L, G>(c.gamma, full * GROUP, tail, off);
+            dot_term::<L, T>(c.dy, c.x, row, full * GROUP, tail, rs, g)
+        });
     }
     s.finish()
 }
@@ -246,12 +253,15 @@ unsafe fn dx_row_fused<L: Lanes, T: Float, G: Float, const STREAM: bool>(
                 prefetch_pair::<L, T>(dres, next + p);
             }
             // SAFETY: columns p..p+32 of both rows. The next row is read
-            // before this row's stores (4K aliasing: see `norm_fwd`).
+            // before this row's stores (4K aliasing: see `norm_fwd`). Both
+            // rows use the same columns of gamma: widened once.
             unsafe {
-                let a = dot_term::<L, T, G>(c, next, p, GROUP, rs_next, w.off);
-                let b = dot_term::<L, T, G>(c, next, p + GROUP, GROUP, rs_next, w.off);
-                let d0 = dx_window(c, w, p, GROUP);
-                let d1 = dx_window(c, w, p + GROUP, GROUP);
+                let g0 = gamma_at::<L, G>(c.gamma, p, GROUP, w.off);
+                let g1 = gamma_at::<L, G>(c.gamma, p + GROUP, GROUP, w.off);
+                let a = dot_term::<L, T>(c.dy, c.x, next, p, GROUP, rs_next, g0);
+                let b = dot_term::<L, T>(c.dy, c.x, next, p + GROUP, GROUP, rs_next, g1);
+                let d0 = dx_window(c, w, p, GROUP, g0);
+                let d1 = dx_window(c, w, p + GROUP, GROUP, g1);
                 put_pair::<L, T, STREAM>(c.dx, row + p, d0, d1);
                 (a, b)
             }
@@ -259,8 +269,9 @@ unsafe fn dx_row_fused<L: Lanes, T: Float, G: Float, const STREAM: bool>(
         |j, len| {
             // SAFETY: the rows' last columns, as above.
             unsafe {
-                let t = dot_term::<L, T, G>(c, next, j, len, rs_next, w.off);
-                let d = dx_window(c, w, j, len);
+                let g = gamma_at::<L, G>(c.gamma, j, len, w.off);
+                let t = dot_term::<L, T>(c.dy, c.x, next, j, len, rs_next, g);
+                let d = dx_window(c, w, j, len, g);
                 store_at::<L, T>(d, c.dx, row + j, len);
                 t
             }
@@ -322,7 +333,7 @@ fn block<L: Lanes, T: Float, G: Float, const STREAM: bool>(c: &Ctx<T, G>, b: usi
             head,
             |j, len| {
                 // SAFETY: columns j..j+len of row r, which belongs to this block.
-                let d = unsafe { dx_window(c, &w, j, len) };
+                let d = unsafe { dx_window(c, &w, j, len, gamma_at(c.gamma, j, len, off)) };
                 // SAFETY: as above.
                 unsafe { store_at::<L, T>(d, c.dx, row + j, len) };
             },
@@ -335,8 +346,14 @@ fn block<L: Lanes, T: Float, G: Float, const STREAM: bool>(c: &Ctx<T, G>, b: usi
                 // SAFETY: columns p..p+32 of row r, as above.
                 let (d0, d1) = unsafe {
                     (
-                        dx_window(c, &w, p, GROUP),
-                        dx_window(c, &w, p + GROUP, GROUP),
+                        dx_window(c, &w, p, GROUP, gamma_at(c.gamma, p, GROUP, off)),
+                        dx_window(
+                            c,
+                            &w,
+                            p + GROUP,
+                            GROUP,
+                            gamma_at(c.gamma, p + GROUP, GROUP, off),
+                        ),
                     )
                 };
                 // SAFETY: as above.
