@@ -201,15 +201,17 @@ pub trait Lanes: Copy + Send + Sync + 'static {
         };
     }
     /// Hints that the cache line at `p` will be read soon, fetching it into
-    /// the core's L2 (no effect on results; `p` need not be dereferenceable).
-    /// L2, not L1: the kernels prefetch a whole row ahead, more than L1
-    /// holds beside the row being computed.
+    /// L1 (no effect on results; `p` need not be dereferenceable). L1, not
+    /// L2: the kernels prefetch 2-4 KiB ahead per stream, which L1 holds
+    /// beside the rows being computed, and on a Zen 5 the L2 hint left the
+    /// next row's loads missing (f32 norms 10-15% slower, 16-bit no better;
+    /// docs/performance.md).
     #[inline(always)]
     fn prefetch(p: *const u8) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: prefetch is SSE (baseline on x86_64) and never faults.
         unsafe {
-            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T1 }>(p as *const i8)
+            core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
         };
         #[cfg(not(target_arch = "x86_64"))]
         let _ = p;
