@@ -189,6 +189,21 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn put_line_bf16<const STREAM: bool>(lo: Self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         lo.put2_bf16::<STREAM>(hi, dst)
     }
+    /// `lo`, `hi` in line order rounded to bf16: stored as `put_line_bf16`
+    /// stores them when `dst` is given, and returned widened (each the
+    /// value `round_bf16` gives), so one conversion serves a rounded side
+    /// output and the arithmetic that goes on with the rounded values.
+    #[inline(always)]
+    fn round_line_bf16<const STREAM: bool>(
+        lo: Self,
+        hi: Self,
+        dst: Option<&mut [bf16; 2 * GROUP]>,
+    ) -> (Self, Self) {
+        if let Some(d) = dst {
+            Self::put_line_bf16::<STREAM>(lo, hi, d);
+        }
+        (lo.round_bf16(), hi.round_bf16())
+    }
     /// Orders this thread's streaming stores before its later stores
     /// (`sfence` on x86_64), so a block's outputs are complete when it
     /// returns.
@@ -305,6 +320,20 @@ pub trait LaneElem: Sized {
     fn put_line<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [Self; 2 * GROUP]) {
         Self::put2::<L, STREAM>(lo, hi, dst)
     }
+    /// `lo`, `hi` (in line order) rounded to this type: stored as `put_line`
+    /// stores them when `dst` is given, and returned widened (`round` of
+    /// each). One conversion serves both where the ISA can.
+    #[inline(always)]
+    fn round_line<L: Lanes, const STREAM: bool>(
+        lo: L,
+        hi: L,
+        dst: Option<&mut [Self; 2 * GROUP]>,
+    ) -> (L, L) {
+        if let Some(d) = dst {
+            Self::put_line::<L, STREAM>(lo, hi, d);
+        }
+        (Self::round(lo), Self::round(hi))
+    }
 }
 
 impl LaneElem for f32 {
@@ -363,6 +392,14 @@ impl LaneElem for bf16 {
     #[inline(always)]
     fn put_line<L: Lanes, const STREAM: bool>(lo: L, hi: L, dst: &mut [bf16; 2 * GROUP]) {
         L::put_line_bf16::<STREAM>(lo, hi, dst)
+    }
+    #[inline(always)]
+    fn round_line<L: Lanes, const STREAM: bool>(
+        lo: L,
+        hi: L,
+        dst: Option<&mut [bf16; 2 * GROUP]>,
+    ) -> (L, L) {
+        L::round_line_bf16::<STREAM>(lo, hi, dst)
     }
 }
 
@@ -731,6 +768,26 @@ mod tests {
         for k in 0..2 * GROUP {
             let got = if k < GROUP { a[k] } else { b[k - GROUP] };
             bad += u64::from(got.to_bits() != u32::from(o.0[perm[k]].to_bits()) << 16);
+        }
+        // round_line_bf16: the same line stored (or not), and each lane's
+        // round_bf16 returned.
+        let mut r = Line([bf16::ZERO; 2 * GROUP]);
+        let (rl, rh) = L::round_line_bf16::<false>(lo, hi, Some(&mut r.0));
+        let (sl, sh) = L::round_line_bf16::<true>(lo, hi, None);
+        bad +=
+            r.0.iter()
+                .zip(&o.0)
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count() as u64;
+        for (got, want) in [(rl, lo), (rh, hi), (sl, lo), (sh, hi)] {
+            let (mut g, mut w) = ([0f32; GROUP], [0f32; GROUP]);
+            got.store(&mut g);
+            want.round_bf16().store(&mut w);
+            bad += g
+                .iter()
+                .zip(&w)
+                .filter(|(p, q)| p.to_bits() != q.to_bits())
+                .count() as u64;
         }
         bad
     }

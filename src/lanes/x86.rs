@@ -124,6 +124,25 @@ fn aligned<T>(p: &T, a: usize) -> bool {
     (p as *const T as usize).is_multiple_of(a)
 }
 
+/// `lo`, `hi` (even and odd elements of a line) rounded to bf16, as the
+/// line's 32 words in memory order.
+#[inline(always)]
+unsafe fn line_bits<const HW_BF16: bool>(lo: __m512, hi: __m512) -> __m512i {
+    // SAFETY: called inside an AVX-512F/BW context (BF16 too when HW_BF16).
+    unsafe {
+        if HW_BF16 {
+            // Words [even 0..16, odd 0..16] interleaved by one permute.
+            let idx: __m512i = core::mem::transmute(INTERLEAVE_WORDS);
+            _mm512_permutexvar_epi16(idx, hw::bits32(lo, hi))
+        } else {
+            // Each rounded value is the upper half of its lane: the even
+            // ones shift down, the odd ones are kept in place.
+            let even = _mm512_srli_epi32::<16>(bf16_round16(lo));
+            _mm512_mask_blend_epi16(0xAAAA_AAAA, even, bf16_round16(hi))
+        }
+    }
+}
+
 /// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming with `STREAM`
 /// when aligned.
 #[inline(always)]
@@ -537,17 +556,33 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     fn put_line_bf16<const STREAM: bool>(lo: Self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; AVX-512F/BW (and BF16 on its level) present.
         unsafe {
-            let v = if HW_BF16 {
-                // Words [even 0..16, odd 0..16] interleaved by one permute.
-                let idx: __m512i = core::mem::transmute(INTERLEAVE_WORDS);
-                _mm512_permutexvar_epi16(idx, hw::bits32(lo.0, hi.0))
-            } else {
-                // Each rounded value is the upper half of its lane: the
-                // even ones shift down, the odd ones are kept in place.
-                let even = _mm512_srli_epi32::<16>(bf16_round16(lo.0));
-                _mm512_mask_blend_epi16(0xAAAA_AAAA, even, bf16_round16(hi.0))
-            };
-            put_zmm::<STREAM>(dst.as_mut_ptr() as *mut __m512i, v)
+            put_zmm::<STREAM>(
+                dst.as_mut_ptr() as *mut __m512i,
+                line_bits::<HW_BF16>(lo.0, hi.0),
+            )
+        }
+    }
+    #[inline(always)]
+    fn round_line_bf16<const STREAM: bool>(
+        lo: Self,
+        hi: Self,
+        dst: Option<&mut [bf16; 2 * GROUP]>,
+    ) -> (Self, Self) {
+        // SAFETY: AVX-512F/BW (and BF16 on its level) present; 64 writable
+        // bytes at dst. The line's words are the rounded values in memory
+        // order: even elements widen by a shift, odd ones by a mask.
+        unsafe {
+            let v = line_bits::<HW_BF16>(lo.0, hi.0);
+            if let Some(d) = dst {
+                put_zmm::<STREAM>(d.as_mut_ptr() as *mut __m512i, v);
+            }
+            (
+                Self(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))),
+                Self(_mm512_castsi512_ps(_mm512_and_si512(
+                    v,
+                    _mm512_set1_epi32(-0x1_0000),
+                ))),
+            )
         }
     }
     #[inline(always)]

@@ -25,15 +25,17 @@ impl<T: Float> FwdSource<T> for AddSource<T> {
         round_to::<L, T>(a.add(b))
     }
     #[inline(always)]
-    unsafe fn line<L: Lanes>(&self, at: usize) -> (L, L) {
-        // SAFETY: forwarded; the range of x1 is not written before this read.
-        let ((a0, a1), (b0, b1)) = unsafe {
-            (
+    unsafe fn line_out<L: Lanes, const STREAM: bool>(&self, at: usize) -> (L, L) {
+        // SAFETY: forwarded; x1 and x2 are read before x_sum (possibly x1)
+        // is written, and the line lies in x_sum when there is one.
+        unsafe {
+            let ((a0, a1), (b0, b1)) = (
                 load_line::<L, T>(self.x1, at),
                 load_line::<L, T>(self.x2, at),
-            )
-        };
-        (round_to::<L, T>(a0.add(b0)), round_to::<L, T>(a1.add(b1)))
+            );
+            // One rounding serves x_sum's store and the values y uses.
+            T::round_line::<L, STREAM>(a0.add(b0), a1.add(b1), self.x_sum.map(|d| d.pair(at)))
+        }
     }
     #[inline(always)]
     fn side(&self) -> Option<Dst<T>> {

@@ -32,11 +32,12 @@ pub(crate) trait FwdSource<T>: Sync + Copy {
     /// The range lies in one row of the call's tensors.
     unsafe fn at<L: Lanes>(&self, at: usize, len: usize) -> L;
     /// The values at flat elements `at..at + 32`, in `T`'s line order on
-    /// `L` (`LaneElem::load_line`).
+    /// `L` (`LaneElem::load_line`), with the side output (if any) of that
+    /// line written (streamed with `STREAM`) after the inputs' were read.
     ///
     /// # Safety
-    /// As for `at`.
-    unsafe fn line<L: Lanes>(&self, at: usize) -> (L, L);
+    /// As for `at`; with a side output, the line lies in it too.
+    unsafe fn line_out<L: Lanes, const STREAM: bool>(&self, at: usize) -> (L, L);
     /// The side output (x_sum) of the values, if any: each window is
     /// written after `at` read it.
     fn side(&self) -> Option<Dst<T>>;
@@ -212,34 +213,33 @@ unsafe fn y_pair<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bo
     let lines = lines_agree::<L, T, G>();
     // SAFETY: forwarded from the caller.
     unsafe {
-        let ((v0, v1), (g0, g1)) = if lines {
+        // Gamma first: every load of the iteration before its stores.
+        let ((g0, g1), (v0, v1)) = if lines {
             (
-                c.src.line::<L>(row + p),
                 gamma_line::<L, G>(c.gamma, p, off),
+                c.src.line_out::<L, STREAM>(row + p),
             )
         } else {
-            (
-                (
-                    c.src.at::<L>(row + p, GROUP),
-                    c.src.at::<L>(row + p + GROUP, GROUP),
-                ),
-                (
-                    gamma_at::<L, G>(c.gamma, p, GROUP, off),
-                    gamma_at::<L, G>(c.gamma, p + GROUP, GROUP, off),
-                ),
-            )
+            let gv = (
+                gamma_at::<L, G>(c.gamma, p, GROUP, off),
+                gamma_at::<L, G>(c.gamma, p + GROUP, GROUP, off),
+            );
+            let (v0, v1) = (
+                c.src.at::<L>(row + p, GROUP),
+                c.src.at::<L>(row + p + GROUP, GROUP),
+            );
+            if let Some(o) = c.src.side() {
+                put_pair::<L, T, STREAM>(o, row + p, v0, v1);
+            }
+            (gv, (v0, v1))
         };
-        let put = if lines {
-            put_line::<L, T, STREAM>
-        } else {
-            put_pair::<L, T, STREAM>
-        };
-        if let Some(o) = c.src.side() {
-            put(o, row + p, v0, v1);
-        }
         let y0 = y_of::<L, T>(v0, vr, g0, c.cast_before);
         let y1 = y_of::<L, T>(v1, vr, g1, c.cast_before);
-        put(c.y, row + p, y0, y1);
+        if lines {
+            put_line::<L, T, STREAM>(c.y, row + p, y0, y1);
+        } else {
+            put_pair::<L, T, STREAM>(c.y, row + p, y0, y1);
+        }
     }
 }
 

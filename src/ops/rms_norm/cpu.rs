@@ -14,8 +14,8 @@ impl<T: Float> FwdSource<T> for XSource<T> {
         unsafe { load_at::<L, T>(self.0, at, len) }
     }
     #[inline(always)]
-    unsafe fn line<L: Lanes>(&self, at: usize) -> (L, L) {
-        // SAFETY: forwarded; x is never written.
+    unsafe fn line_out<L: Lanes, const STREAM: bool>(&self, at: usize) -> (L, L) {
+        // SAFETY: forwarded; x is never written (RmsNorm has no side output).
         unsafe { load_line::<L, T>(self.0, at) }
     }
     #[inline(always)]
