@@ -44,11 +44,15 @@ pub(super) unsafe fn bits32(lo: __m512, hi: __m512) -> __m512i {
     // SAFETY: called only inside `in_avx512bf16` (see `Lanes::enter`).
     unsafe {
         let h: __m512i = transmute(_mm512_cvtne2ps_pbh(hi, lo));
-        let fix = _mm512_fpclass_ps_mask::<FIX_UP>(lo) as u32
-            | (_mm512_fpclass_ps_mask::<FIX_UP>(hi) as u32) << 16;
-        if fix == 0 {
+        let (fl, fh) = (
+            _mm512_fpclass_ps_mask::<FIX_UP>(lo),
+            _mm512_fpclass_ps_mask::<FIX_UP>(hi),
+        );
+        // One `kortestw` tests both masks; the rare fix-up joins them.
+        if _kortestz_mask16_u8(fl, fh) != 0 {
             h
         } else {
+            let fix = fl as u32 | (fh as u32) << 16;
             let soft =
                 _mm512_inserti64x4::<1>(_mm512_castsi256_si512(bf16_bits16(lo)), bf16_bits16(hi));
             _mm512_mask_blend_epi16(fix, h, soft)
