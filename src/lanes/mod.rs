@@ -517,8 +517,8 @@ impl<L: Lanes> RowSum<L> {
         let mut p = self.acc;
         let mut c = self.segments;
         while c & 1 == 1 && self.depth > 0 {
+            p = self.slot(self.depth - 1).add(p);
             self.depth -= 1;
-            p = self.slot(self.depth).add(p);
             c >>= 1;
         }
         if let Some(slot) = self.stack.get_mut(self.depth) {
