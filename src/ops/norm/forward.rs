@@ -14,7 +14,8 @@ use crate::ops::run_blocks;
 use core::ffi::c_void;
 
 use super::{
-    for_lines, gamma_at, gamma_line, lines_agree, put_line, put_pair, round_to, store_at, Rounding,
+    for_lines, fuse_rows, gamma_at, gamma_line, lines_agree, put_line, put_pair, round_to,
+    store_at, Rounding,
 };
 use crate::dtype::Float;
 use crate::lanes::{fused_row, push_groups, rstd_f32, Lanes, RowSum, GROUP};
@@ -294,10 +295,11 @@ unsafe fn y_row_fused<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREA
 }
 
 /// One block: per row, the sum of squares, rstd, then y (with `STREAM`,
-/// in streaming stores of whole lines). A row's pass 2 carries the next
-/// row's pass 1 when its output starts on a line (any row when not
-/// streaming), and prefetches the row after, so neither pass waits on
-/// memory alone.
+/// in streaming stores of whole lines). For 16-bit data a row's pass 2
+/// carries the next row's pass 1 when its output starts on a line (any row
+/// when not streaming), and prefetches the row after, so neither pass
+/// waits on memory alone; for f32 the passes run one after the other, pass
+/// 2 prefetching the next row (`fuse_rows`).
 #[inline(always)]
 fn forward_block<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bool>(
     c: &FwdCtx<T, G, S>,
@@ -323,7 +325,7 @@ fn forward_block<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bo
         }
         let vr = L::splat(rs);
         let head = if STREAM { c.y.line_head(row, n) } else { 0 };
-        if r + 1 < r1 && head == 0 {
+        if r + 1 < r1 && head == 0 && fuse_rows::<T>() {
             // SAFETY: rows r and r + 1 belong to this block.
             carried = Some(unsafe { y_row_fused::<L, T, G, S, STREAM>(c, row, n, vr, off) });
             continue;

@@ -316,6 +316,19 @@ pub(crate) fn lines_agree<L: Lanes, T: Float, G: Float>() -> bool {
     T::line_in_order::<L>() == G::line_in_order::<L>()
 }
 
+/// Whether a row's pass 2 carries the next row's pass 1 (`fused_row!`) for
+/// data of type `T`, or the two passes run one after the other with pass 2
+/// prefetching the next row. Both give the same bits. Measured on a Zen 5
+/// (docs/performance.md): carrying pays for 16-bit data, whose widening
+/// and rounding make pass 2 long enough to hide the next row's sum under;
+/// for f32 the separate passes were faster (RmsNormGrad f32 1.48-1.66 ->
+/// 1.23-1.30 of a copy, RmsNorm and AddRmsNorm f32 ~0.1 less): a whole row
+/// prefetched ahead and pass 1 from cache beat two rows interleaved in L1.
+#[inline(always)]
+pub(crate) const fn fuse_rows<T>() -> bool {
+    core::mem::size_of::<T>() == 2
+}
+
 /// Hints that elements `at..at + 32` of `src` will be read soon: the next
 /// row's, while this row is computed from cache (one 64-byte line of 16-bit
 /// elements, two of f32). `at` may be past the tensor.

@@ -285,7 +285,8 @@ unsafe fn dx_row_fused<L: Lanes, T: Float, G: Float, const STREAM: bool>(
 /// block's dgamma partial (pass 2, rows in order, dy and x again from L1/L2).
 /// The UB arena is not needed on a CPU (see `norm::forward`); the bits are those
 /// of staging the rows in it. dx goes out in streaming stores with `STREAM`;
-/// the next row is prefetched while this one's dx is computed from cache.
+/// the next row is prefetched while this one's dx is computed from cache,
+/// and for 16-bit data its pass 1 runs in the same loop (`fuse_rows`).
 #[inline(always)]
 fn block<L: Lanes, T: Float, G: Float, const STREAM: bool>(c: &Ctx<T, G>, b: usize) {
     // A local copy: the kernel's stores through raw pointers cannot then
@@ -319,7 +320,7 @@ fn block<L: Lanes, T: Float, G: Float, const STREAM: bool>(c: &Ctx<T, G>, b: usi
             pr: Src(part.as_ptr()),
             pp,
         };
-        if r + 1 < r1 && head == 0 {
+        if r + 1 < r1 && head == 0 && fuse_rows::<T>() {
             // SAFETY: rstd has one element per row; rows r and r + 1 belong
             // to this block.
             carried = Some(unsafe {

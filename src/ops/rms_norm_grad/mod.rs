@@ -14,8 +14,8 @@ pub(crate) use plan::{plan, prepare, GradOutputs, GradTensors};
 use core::ffi::c_void;
 
 use super::norm::{
-    arena_group, first_lanes, for_lines, gamma_at, load_at, load_group, norm_dims, prefetch_pair,
-    put_pair, rstd_check, same_shape, store_at, store_tail,
+    arena_group, first_lanes, for_lines, fuse_rows, gamma_at, load_at, load_group, norm_dims,
+    prefetch_pair, put_pair, rstd_check, same_shape, store_at, store_tail,
 };
 use super::{dispatch_isa, dispatch_xg, launch_into, op_call, workspace_len, Exec};
 use crate::dtype::{DType, Float};
