@@ -143,6 +143,25 @@ unsafe fn line_bits<const HW_BF16: bool>(lo: __m512, hi: __m512) -> __m512i {
     }
 }
 
+/// A line of 32 bf16 in memory order widened exactly into AVX-512's line
+/// order: a bf16 is the upper half of its f32, so the even elements shift
+/// up and the odd ones are masked.
+#[inline(always)]
+unsafe fn widen_line<const HW_BF16: bool>(
+    v: __m512i,
+) -> (Avx512Lanes<HW_BF16>, Avx512Lanes<HW_BF16>) {
+    // SAFETY: called inside an AVX-512F context.
+    unsafe {
+        (
+            Avx512Lanes(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))),
+            Avx512Lanes(_mm512_castsi512_ps(_mm512_and_si512(
+                v,
+                _mm512_set1_epi32(-0x1_0000),
+            ))),
+        )
+    }
+}
+
 /// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming with `STREAM`
 /// when aligned.
 #[inline(always)]
@@ -539,18 +558,8 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     const BF16_LINE_IN_ORDER: bool = false;
     #[inline(always)]
     fn load_line_bf16(src: &[bf16; 2 * GROUP]) -> (Self, Self) {
-        // SAFETY: 64 readable bytes; AVX-512F present. A bf16 is the upper
-        // half of its f32: even elements shift up, odd ones are masked.
-        unsafe {
-            let v = _mm512_loadu_si512(src.as_ptr() as *const __m512i);
-            (
-                Self(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))),
-                Self(_mm512_castsi512_ps(_mm512_and_si512(
-                    v,
-                    _mm512_set1_epi32(-0x1_0000),
-                ))),
-            )
-        }
+        // SAFETY: 64 readable bytes; AVX-512F present.
+        unsafe { widen_line(_mm512_loadu_si512(src.as_ptr() as *const __m512i)) }
     }
     #[inline(always)]
     fn put_line_bf16<const STREAM: bool>(lo: Self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
@@ -570,19 +579,13 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     ) -> (Self, Self) {
         // SAFETY: AVX-512F/BW (and BF16 on its level) present; 64 writable
         // bytes at dst. The line's words are the rounded values in memory
-        // order: even elements widen by a shift, odd ones by a mask.
+        // order, widened as `load_line_bf16` widens a loaded line.
         unsafe {
             let v = line_bits::<HW_BF16>(lo.0, hi.0);
             if let Some(d) = dst {
                 put_zmm::<STREAM>(d.as_mut_ptr() as *mut __m512i, v);
             }
-            (
-                Self(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(v))),
-                Self(_mm512_castsi512_ps(_mm512_and_si512(
-                    v,
-                    _mm512_set1_epi32(-0x1_0000),
-                ))),
-            )
+            widen_line(v)
         }
     }
     #[inline(always)]
