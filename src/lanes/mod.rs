@@ -219,10 +219,12 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     }
     /// Hints that the cache line at `p` will be read soon, fetching it into
     /// L1 (no effect on results; `p` need not be dereferenceable). L1, not
-    /// L2: the kernels prefetch 2-4 KiB ahead per stream, which L1 holds
-    /// beside the rows being computed, and on a Zen 5 the L2 hint left the
-    /// next row's loads missing (f32 norms 10-15% slower, 16-bit no better;
-    /// docs/performance.md).
+    /// L2: the fused norm loops prefetch 4 KiB ahead per stream and the
+    /// elementwise loops 2 KiB, which L1 holds beside the rows being
+    /// computed, and on a Zen 5 the L2 hint left the next row's loads
+    /// missing (f32 norms 10-15% slower, 16-bit no better;
+    /// docs/performance.md). The norms' separate-pass loops (f32) prefetch
+    /// the whole next row; what L1 cannot hold of it stays in L2.
     #[inline(always)]
     fn prefetch(p: *const u8) {
         #[cfg(target_arch = "x86_64")]
