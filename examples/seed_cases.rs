@@ -198,25 +198,71 @@ fn main() {
         Isa::detected()
     );
     println!(
-        "{:<18} {:>7} {:>10} {:>9} {:>11} {:>9} {:>9}",
+        "RmsNorm forward and RmsNormGrad backward per case, each error against the f64 reference:"
+    );
+    println!("  y ulps      largest error of y in bf16 ulps (bound {Y_ULPS})");
+    println!("  rstd rel    largest relative error of rstd (bound {RSTD_REL:e})");
+    println!("  dx score    largest dx error in units of 1 bf16 ulp + 1e-5 of the row's gradient scale (bound {DX_SCORE})");
+    println!("  dgamma rel  largest dgamma error relative to sum |dy * x * rstd| of its column (bound {DGAMMA_REL:e})");
+    println!("  fwd / bwd   best of 3 wall-clock times");
+    println!(
+        "{:<18} {:>7} {:>10} {:>9} {:>11} {:>9} {:>9}  verdict",
         "x shape", "y ulps", "rstd rel", "dx score", "dgamma rel", "fwd ms", "bwd ms"
     );
+    let mut all_ok = true;
     for case in &CASES {
         let r = run(case, &exec);
+        let ok = r.y_ulps <= Y_ULPS
+            && r.rstd_rel <= RSTD_REL
+            && r.dx_score <= DX_SCORE
+            && r.dgamma_rel <= DGAMMA_REL;
+        all_ok &= ok;
         println!(
-            "{:<18} {:>7} {:>10.2e} {:>9.3} {:>11.2e} {:>9.2} {:>9.2}",
+            "{:<18} {:>7} {:>10.2e} {:>9.3} {:>11.2e} {:>9.2} {:>9.2}  {}",
             format!("{:?}", case.shape),
             r.y_ulps,
             r.rstd_rel,
             r.dx_score,
             r.dgamma_rel,
             r.fwd_s * 1e3,
-            r.bwd_s * 1e3
+            r.bwd_s * 1e3,
+            if ok { "within bounds" } else { "OUT OF BOUNDS" }
         );
     }
-    println!("(errors against the f64 reference; dx score <= 1 means within 1 ulp + 1e-5 of the row's gradient scale)");
-    embedding_case(&exec);
+    let worst = embedding_case(&exec);
+    all_ok &= worst <= EMBEDDING_ULPS;
+    println!(
+        "embedding verdict: {} (bound {EMBEDDING_ULPS} bf16 ulp)",
+        if worst <= EMBEDDING_ULPS {
+            "within bounds"
+        } else {
+            "OUT OF BOUNDS"
+        }
+    );
+    println!(
+        "overall: {}",
+        if all_ok {
+            "every case within its bound"
+        } else {
+            "SOME CASE OUT OF BOUNDS"
+        }
+    );
+    if !all_ok {
+        std::process::exit(1);
+    }
 }
+
+// The bounds the demo holds each case to; tests/seed_cases.rs asserts them.
+/// y: bf16 ulps from the f64 reference.
+pub const Y_ULPS: u32 = 1;
+/// rstd: relative error.
+pub const RSTD_REL: f64 = 1e-6;
+/// dx: 1 bf16 ulp + 1e-5 of the row's gradient scale.
+pub const DX_SCORE: f64 = 1.0;
+/// dgamma: error relative to its column's sum |dy * x * rstd|.
+pub const DGAMMA_REL: f64 = 1e-5;
+/// The embedding gradient: bf16 ulps from the f64 reference.
+pub const EMBEDDING_ULPS: u32 = 1;
 
 /// The seed's embedding case: the bf16 gradient of a 32000 x 4096 table from
 /// 8192 tokens (Zipf-like ids, so some rows repeat many times), checked

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The PyTorch adapter's tests: a virtual environment outside the clone
 # (reused when present; NPK_VENV overrides where), torch from PyPI if
-# missing (first time: a ~5 GB CUDA build, 2-3 minutes), transformers and
-# kernels pinned (the drop-in tests), the static library
+# missing (first time: a ~5 GB CUDA build, 2-3 minutes), the static library
 # rebuilt so the extension links the current code, the adapter reinstalled,
-# then pytest on adapters/torch/tests.
+# then pytest on adapters/torch/tests twice: with transformers and kernels
+# pinned as a pair (the `kernels` route), then with the newest transformers
+# on PyPI and no `kernels` package (what a new user installs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -24,6 +25,12 @@ if ! "$PY" -c "import torch, pytest, numpy, ninja" 2>/dev/null; then
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet torch pytest numpy ninja setuptools
 fi
+echo "== cargo build --release (the static library the extension links)"
+cargo build --release
+
+echo "== pip install --no-build-isolation ./adapters/torch"
+"$PY" -m pip install --quiet --no-build-isolation --no-deps --force-reinstall ./adapters/torch
+
 # Hugging Face's transformers and kernels for the drop-in tests (tiny configs,
 # no download). Pinned as a pair: transformers 5.23+ enables its kernels hub
 # decorators only with kernels >= 0.18.2, which PyPI does not have; 5.22.2
@@ -34,21 +41,25 @@ if ! "$PY" -c "import transformers, kernels, sys; sys.exit(transformers.__versio
   "$PY" -m pip install --quiet $HF_PINS
 fi
 
-echo "== cargo build --release (the static library the extension links)"
-cargo build --release
+run_suite() {
+  # From the repository root, so the installed package (not the source tree) is imported.
+  cd "$ROOT"
+  set +e
+  "$PY" -m pytest adapters/torch/tests -q -p no:cacheprovider --durations=5
+  local status=$?
+  set -e
+  if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+  fi
+  [ "$status" -eq 0 ] || exit "$status"
+}
 
-echo "== pip install --no-build-isolation ./adapters/torch"
-"$PY" -m pip install --quiet --no-build-isolation --no-deps --force-reinstall ./adapters/torch
+echo "== pytest adapters/torch/tests ($HF_PINS)"
+run_suite
 
-echo "== pytest adapters/torch/tests"
-# From the repository root, so the installed package (not the source tree) is imported.
-cd "$ROOT"
-set +e
-"$PY" -m pytest adapters/torch/tests -q -p no:cacheprovider --durations=5
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-  echo "pytest collected no tests: failing" >&2
-  exit 1
-fi
-exit "$status"
+echo "== the newest transformers on PyPI, without kernels"
+"$PY" -m pip uninstall --quiet --yes kernels
+"$PY" -m pip install --quiet --upgrade transformers
+echo "== pytest adapters/torch/tests (transformers $("$PY" -c 'import transformers; print(transformers.__version__)'), no kernels)"
+run_suite

@@ -1,33 +1,56 @@
 """Builds npukern_torch: a C++ extension on npukern's C ABI.
 
 The extension compiles against ``include/npukern.h`` and links the static
-library ``target/release/libnpukern.a`` of the repository this directory sits
-in (``NPUKERN_ROOT`` overrides where that is); when the library is missing,
-``cargo build --release`` is run at that root first. Install with
-``pip install --no-build-isolation ./adapters/torch`` into an environment
-that has torch.
+library ``libnpukern.a`` of the repository this directory sits in
+(``NPUKERN_ROOT`` overrides where that is). ``cargo build --release`` runs
+at that root on every build (a no-op when the library is fresh), and the
+library is taken from the target directory cargo itself reports
+(``CARGO_TARGET_DIR`` and ``.cargo/config.toml`` included), so a stale copy
+is never linked. The C++ objects are built in a directory of their own per
+torch build (version and install path): objects compiled against another
+torch are never linked. Install with ``pip install --no-build-isolation
+./adapters/torch`` into an environment that has torch.
 """
 
+import hashlib
+import json
 import os
 import subprocess
 from pathlib import Path
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = Path(__file__).resolve().parent
 ROOT = Path(os.environ.get("NPUKERN_ROOT", HERE.parent.parent)).resolve()
 INCLUDE = ROOT / "include"
-STATIC_LIB = ROOT / "target" / "release" / "libnpukern.a"
 SOURCES = ["glue.cpp", "norm_ops.cpp", "embedding_ops.cpp", "grad_ops.cpp", "elementwise_ops.cpp", "register.cpp"]
 
 
 def static_library() -> Path:
-    if not STATIC_LIB.exists():
-        subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
-    if not STATIC_LIB.exists():
-        raise RuntimeError(f"cargo build --release did not produce {STATIC_LIB}")
-    return STATIC_LIB
+    """Builds the C libraries (cargo decides whether anything is stale) and
+    returns the static one from cargo's own target directory."""
+    subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
+    meta = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps"], cwd=ROOT, check=True,
+                          capture_output=True, text=True)
+    lib = Path(json.loads(meta.stdout)["target_directory"]) / "release" / "libnpukern.a"
+    if not lib.exists():
+        raise RuntimeError(f"cargo build --release did not produce {lib}")
+    return lib
+
+
+STATIC_LIB = static_library()
+# One object directory per torch build: its version, where it is installed.
+TORCH_TAG = hashlib.sha256(f"{torch.__version__}|{Path(torch.__file__).resolve()}".encode()).hexdigest()[:12]
+
+
+class Build(BuildExtension):
+    """BuildExtension with the object directory keyed to the torch it builds against."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.build_temp = os.path.join(self.build_temp, f"torch-{torch.__version__}-{TORCH_TAG}")
 
 
 # Sources are passed relative to this directory (setuptools requires it).
@@ -41,7 +64,7 @@ setup(
             # The Rust standard library inside the static library needs these
             # system libraries; --exclude-libs keeps its symbols private.
             extra_link_args=[
-                str(static_library()),
+                str(STATIC_LIB),
                 "-Wl,--exclude-libs,libnpukern.a",
                 "-lgcc_s",
                 "-lutil",
@@ -53,5 +76,5 @@ setup(
             depends=[str(INCLUDE / "npukern.h"), str(STATIC_LIB), "csrc/glue.h", "csrc/ops.h"],
         )
     ],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": Build},
 )

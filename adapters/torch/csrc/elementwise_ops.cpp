@@ -29,11 +29,13 @@ std::vector<int64_t> half_shape(const at::Tensor &x, int64_t dim, const char *op
   return s;
 }
 
-// Runs the RoPE C call: k and k_out may be null.
+// Runs the RoPE C call: k and k_out may be null (rotary_mul: its x and y
+// are named so in errors, not q and q_out).
 void rope_call(const char *op, const at::Tensor &q, const at::Tensor *k, const at::Tensor &cos,
                const at::Tensor &sin, bool eager, bool backward, at::Tensor &q_out, at::Tensor *k_out) {
-  npk_tensor qt = describe(q, op, "q"), ct = describe(cos, op, "cos"), st = describe(sin, op, "sin");
-  npk_tensor qot = describe(q_out, op, "q_out");
+  const char *q_name = k ? "q" : "x", *q_out_name = k ? "q_out" : "y";
+  npk_tensor qt = describe(q, op, q_name), ct = describe(cos, op, "cos"), st = describe(sin, op, "sin");
+  npk_tensor qot = describe(q_out, op, q_out_name);
   npk_tensor kt{}, kot{};
   if (k) {
     kt = describe(*k, op, "k");
@@ -43,6 +45,7 @@ void rope_call(const char *op, const at::Tensor &q, const at::Tensor *k, const a
   o.rounding = eager ? NPK_ELEM_ROUNDING_EAGER : NPK_ELEM_ROUNDING_FUSED;
   o.backward = backward ? 1u : 0u;
   Call call(op);
+  if (!k) call.rename("q", "x", "q_out", "y");
   size_t bytes = 0;
   call.check(npk_rope_workspace_size(&qt, k ? &kt : nullptr, &ct, &st, &o, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);

@@ -4,7 +4,9 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <cctype>
 #include <cstring>
+#include <string>
 
 namespace npk_torch {
 namespace {
@@ -71,22 +73,58 @@ Call::Call(const char *op) : op_(op) {
   exec_.detail = &detail_;
 }
 
+void Call::rename(const char *from, const char *to, const char *from_out, const char *to_out) {
+  renames_[0] = from;
+  renames_[1] = to;
+  renames_[2] = from_out;
+  renames_[3] = to_out;
+}
+
+namespace {
+
+bool word_char(char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; }
+
+// `text` with every whole-word `from` replaced by `to`.
+std::string replace_word(const std::string &text, const char *from, const char *to) {
+  std::string out;
+  const size_t n = std::strlen(from);
+  for (size_t i = 0; i < text.size();) {
+    const bool at_word = text.compare(i, n, from) == 0 && (i == 0 || !word_char(text[i - 1])) &&
+                         (i + n == text.size() || !word_char(text[i + n]));
+    if (at_word) {
+      out += to;
+      i += n;
+    } else {
+      out += text[i++];
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 void Call::check(npk_status status) const {
   if (status == NPK_OK) return;
   // The detail was filled by this call; fall back to the status string if a
   // future library version leaves it empty.
-  const char *msg = detail_.message[0] ? detail_.message : npk_status_string(status);
+  std::string message = detail_.message[0] ? detail_.message : npk_status_string(status);
+  std::string argument = detail_.argument;
+  for (int i = 0; i < 4 && renames_[i]; i += 2) {
+    message = replace_word(message, renames_[i], renames_[i + 1]);
+    argument = replace_word(argument, renames_[i], renames_[i + 1]);
+  }
+  const char *msg = message.c_str();
   const char *name = npk_status_string(status);
   switch (status) {
     case NPK_ERR_INDEX_OUT_OF_RANGE:
-      TORCH_CHECK_INDEX(false, op_, ": ", msg, " (argument '", detail_.argument, "', flat position ",
+      TORCH_CHECK_INDEX(false, op_, ": ", msg, " (argument '", argument, "', flat position ",
                         detail_.position, ", value ", detail_.value, ")");
     case NPK_ERR_DTYPE_UNSUPPORTED:
-      TORCH_CHECK_TYPE(false, op_, ": ", msg, " (argument '", detail_.argument, "'; ", name, ")");
+      TORCH_CHECK_TYPE(false, op_, ": ", msg, " (argument '", argument, "'; ", name, ")");
     case NPK_ERR_PARAM_INVALID:
     case NPK_ERR_NULLPTR:
     case NPK_ERR_SIZE_OVERFLOW:
-      TORCH_CHECK_VALUE(false, op_, ": ", msg, " (argument '", detail_.argument, "'; ", name, ")");
+      TORCH_CHECK_VALUE(false, op_, ": ", msg, " (argument '", argument, "'; ", name, ")");
     default:
       TORCH_CHECK(false, op_, ": ", msg, " (", name, ")");
   }

@@ -33,6 +33,11 @@ class Call {
   const npk_exec *exec() const { return &exec_; }
   void check(npk_status status) const;
 
+  // Errors name the library's argument `from` (and `from_out`) as the
+  // caller's `to` (`to_out`): one C call serving an op whose arguments are
+  // named otherwise (rotary_mul's x is RoPE's q).
+  void rename(const char *from, const char *to, const char *from_out, const char *to_out);
+
   // A workspace of `bytes` from PyTorch's CPU allocator (kept alive by the
   // returned tensor); `data(ws)` is NULL when bytes == 0.
   static at::Tensor workspace(size_t bytes);
@@ -40,6 +45,7 @@ class Call {
 
  private:
   const char *op_;
+  const char *renames_[4] = {nullptr, nullptr, nullptr, nullptr};
   npk_error_detail detail_{};
   npk_exec exec_{};
 };

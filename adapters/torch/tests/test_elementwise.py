@@ -92,7 +92,7 @@ def test_swiglu_gradients_match_autograd(dtype):
 def test_rope_eager_is_hugging_faces_bits(dtype):
     import transformers.models.llama.modeling_llama as modeling
 
-    original = getattr(hf, "_ORIGINAL_ROPE", {}).get(modeling.__name__, modeling.apply_rotary_pos_emb)
+    original = modeling.apply_rotary_pos_emb  # never swapped: hf.patch is per model
     b, h, kh, s, d = 2, 4, 2, 9, 32
     # As the attention layers make them: [b, s, heads, d] memory, transposed views.
     q = rand(b, s, h, d, dtype=dtype).transpose(1, 2).requires_grad_(True)

@@ -37,12 +37,6 @@ def _counts(family):
 NONE = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
 
 
-@pytest.fixture(autouse=True)
-def _own_rope():
-    """The rotary swap is per family module: give it back after each test."""
-    yield
-    hf.unpatch_rope()
-
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -62,7 +56,6 @@ def test_patch_keeps_the_stock_bits(family, dtype):
     patched = twin(stock)
     before = {k: v.clone() for k, v in patched.state_dict().items()}
     tied = stock.lm_head.weight is stock.get_input_embeddings().weight
-    # Stock first: after the patch, the family's rotary function is npukern's.
     x = tokens()
     inputs = {}
     hooks = [m.register_forward_hook(lambda m, a, o, n=n: inputs.__setitem__(n, a[0]))
@@ -100,6 +93,7 @@ def test_patch_keeps_the_stock_bits(family, dtype):
         assert worst <= 8, worst
     rel = ((logits.double() - ref_logits.double()).abs().max() / ref_logits.double().abs().max()).item()
     record(f"hf {IDS[dtype]} logits rel diff ({family})", rel)
+    record(f"hf {IDS[dtype]} logits differing from stock ({family})", (logits != ref_logits).double().mean())
     assert rel <= (1e-5 if dtype == torch.float32 else 2**-6), rel
     # unpatch puts the originals back, same Parameters.
     assert hf.unpatch(patched) == _counts(family)
@@ -188,7 +182,10 @@ def test_kernels_package_route():
     """transformers decorates its Llama-family RMSNorm classes for the
     `kernels` package; kernelize with npukern's local repository for the
     "cpu" device binds npukern's layer (which reads the module's own weight
-    and eps), with the stock bits."""
+    and eps), with the stock bits. An optional route: skipped when the
+    `kernels` package is absent (scripts/torch_test.sh installs the pinned
+    pair that has it)."""
+    pytest.importorskip("kernels", reason="the optional `kernels` package is not installed")
     from kernels import LocalLayerRepository, Mode, kernelize, use_kernel_mapping
 
     stock = build("qwen3", torch.bfloat16)

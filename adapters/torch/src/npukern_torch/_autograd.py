@@ -4,10 +4,12 @@ each forward saves what its backward op needs (x or x_sum, gamma, rstd;
 the indices), and the backward calls npukern's backward op. rstd is an
 auxiliary output and not differentiable (as in torch_npu).
 
-Double backward: with ``create_graph=True`` the norms' backward runs a
-differentiable float32 torch composite (``_composite.py``); the embedding's
-backward op is linear in its gradient and has its own derivative (a lookup).
-The norm backward ops called directly have no derivative and say so."""
+Double backward: with ``create_graph=True`` the backward of the norms,
+SwiGLU (``swiglu``, ``silu_mul``) and RoPE (``rotary_mul``, ``rope_qk``,
+with or without cos/sin gradients) runs a differentiable float32 torch
+composite (``_composite.py``); the embedding's backward op is linear in its
+gradient and has its own derivative (a lookup). The backward ops called
+directly have no derivative and say so."""
 
 import torch
 
@@ -138,6 +140,8 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_backward(ctx, grad):
     (x,) = ctx.saved_tensors
+    if _building_graph(grad, x):
+        return _composite.swiglu_grad(grad, x, ctx.dim), None, None
     return ops.swiglu_backward(grad, x, ctx.dim, ctx.eager), None, None
 
 
@@ -149,40 +153,36 @@ def _silu_mul_setup(ctx, inputs, output):
 
 def _silu_mul_backward(ctx, grad):
     gate, up = ctx.saved_tensors
-    dgate, dup = ops.silu_mul_backward(grad, gate, up, ctx.eager)
+    if _building_graph(grad, gate, up):
+        dgate, dup = _composite.silu_mul_grads(grad, gate, up)
+    else:
+        dgate, dup = ops.silu_mul_backward(grad, gate, up, ctx.eager)
     return dgate, dup, None
 
 
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def _wants_tables(ctx):
+    return ctx.needs_input_grad[ctx.cos_at] or ctx.needs_input_grad[ctx.cos_at + 1]
 
 
-def _unrotate_half(x):
-    # The transpose of rotate_half: cat(x2, -x1).
-    h = x.shape[-1] // 2
-    return torch.cat((x[..., h:], -x[..., :h]), dim=-1)
-
-
-def _sum_to(t, like):
-    """`t` summed over the dims `like` was broadcast along (in float32), as `like`'s dtype."""
-    t = t.float()
-    while t.dim() > like.dim():
-        t = t.sum(0)
-    dims = [i for i, n in enumerate(like.shape) if n == 1 and t.shape[i] != 1]
-    return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
-
-
-def _table_grads(ctx, pairs, cos, sin):
-    """cos/sin gradients (rarely wanted: Hugging Face computes them without
-    grad) from a float32 composite: y = x*cos + rotate_half(x)*sin."""
-    if not (ctx.needs_input_grad[ctx.cos_at] or ctx.needs_input_grad[ctx.cos_at + 1]):
-        return None, None
-    if ctx.backward:
-        raise NotImplementedError("npukern: cos/sin gradients of the backward rotation are not implemented")
-    dcos = sum(_sum_to(g.float() * x.float(), cos) for g, x in pairs)
-    dsin = sum(_sum_to(g.float() * _rotate_half(x.float()), sin) for g, x in pairs)
-    return dcos.to(cos.dtype), dsin.to(sin.dtype)
+def _rotation_grads(ctx, pairs, cos, sin):
+    """dx per (grad, x) pair and the cos/sin gradients. The kernel rotates
+    the gradients; the tables' gradients (rarely wanted: Hugging Face
+    computes cos/sin without grad) and everything under ``create_graph=True``
+    (double backward) come from the differentiable float32 composite."""
+    if _building_graph(cos, sin, *(t for pair in pairs for t in pair)):
+        parts = [_composite.rotary_grads(g, x, cos, sin, ctx.backward) for g, x in pairs]
+        dcos = sum(p[1] for p in parts).to(cos.dtype) if _wants_tables(ctx) else None
+        dsin = sum(p[2] for p in parts).to(sin.dtype) if _wants_tables(ctx) else None
+        return [p[0] for p in parts], dcos, dsin
+    if len(pairs) == 1:
+        dxs = [ops.rotary_mul(pairs[0][0], cos, sin, ctx.eager, not ctx.backward)]
+    else:
+        dxs = list(ops.rope_qk(pairs[0][0], pairs[1][0], cos, sin, ctx.eager, not ctx.backward))
+    if not _wants_tables(ctx):
+        return dxs, None, None
+    with torch.no_grad():
+        parts = [_composite.rotary_grads(g, x, cos, sin, ctx.backward) for g, x in pairs]
+    return dxs, sum(p[1] for p in parts).to(cos.dtype), sum(p[2] for p in parts).to(sin.dtype)
 
 
 def _rotary_mul_setup(ctx, inputs, output):
@@ -193,8 +193,7 @@ def _rotary_mul_setup(ctx, inputs, output):
 
 def _rotary_mul_backward(ctx, grad):
     x, cos, sin = ctx.saved_tensors
-    dx = ops.rotary_mul(grad, cos, sin, ctx.eager, not ctx.backward)
-    dcos, dsin = _table_grads(ctx, [(grad, x)], cos, sin)
+    (dx,), dcos, dsin = _rotation_grads(ctx, [(grad, x)], cos, sin)
     return dx, dcos, dsin, None, None
 
 
@@ -208,8 +207,7 @@ def _rope_qk_backward(ctx, gq, gk):
     q, k, cos, sin = ctx.saved_tensors
     gq = torch.zeros_like(q) if gq is None else gq
     gk = torch.zeros_like(k) if gk is None else gk
-    dq, dk = ops.rope_qk(gq, gk, cos, sin, ctx.eager, not ctx.backward)
-    dcos, dsin = _table_grads(ctx, [(gq, q), (gk, k)], cos, sin)
+    (dq, dk), dcos, dsin = _rotation_grads(ctx, [(gq, q), (gk, k)], cos, sin)
     return dq, dk, dcos, dsin, None, None
 
 

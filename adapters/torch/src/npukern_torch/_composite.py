@@ -48,3 +48,56 @@ def embedding_grad_of_grad(ggw, indices, vocab_start, padding_idx, scale_grad_by
         _, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         picked = picked / counts[inverse].unsqueeze(-1).to(picked.dtype)
     return picked.reshape(*indices.shape, ggw.shape[-1]).to(grad_dtype)
+
+
+def silu_mul_grads(dy, gate, up):
+    """``(dgate, dup)`` of ``y = silu(gate) * up`` as differentiable torch ops
+    in float32, rounded to the inputs' dtypes."""
+    g, u, d = gate.float(), up.float(), dy.float()
+    s = torch.sigmoid(g)
+    dgate = d * u * (s * (1 + g * (1 - s)))
+    dup = d * (g * s)
+    return dgate.to(gate.dtype), dup.to(up.dtype)
+
+
+def swiglu_grad(dy, x, dim):
+    """dx of ``y = silu(a) * b`` with ``a, b = x.chunk(2, dim)``, differentiable."""
+    a, b = x.chunk(2, dim)
+    da, db = silu_mul_grads(dy, a, b)
+    return torch.cat((da, db), dim)
+
+
+def rotate_half(x):
+    """Hugging Face's rotate_half: ``cat(-x2, x1)`` over the last dim."""
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def unrotate_half(x):
+    """The transpose of :func:`rotate_half`: ``cat(x2, -x1)``."""
+    h = x.shape[-1] // 2
+    return torch.cat((x[..., h:], -x[..., :h]), dim=-1)
+
+
+def sum_to(t, like):
+    """`t` summed over the dims `like` was broadcast along (in float32), as `like`'s dtype."""
+    t = t.float()
+    while t.dim() > like.dim():
+        t = t.sum(0)
+    dims = [i for i, n in enumerate(like.shape) if n == 1 and t.shape[i] != 1]
+    return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
+
+
+def rotary_grads(g, x, cos, sin, backward):
+    """``(dx, dcos, dsin)`` of the rotation ``y = x*cos + rotate_half(x)*sin``
+    (or, with `backward`, of its transpose ``y = x*cos + unrotate_half(x*sin)``)
+    given dL/dy = `g`, as differentiable float32 torch ops; dx in x's dtype."""
+    gf, xf, c, s = g.float(), x.float(), cos.float(), sin.float()
+    if backward:
+        dx = gf * c + sum_to(rotate_half(gf) * s, xf)
+        dsin = sum_to(rotate_half(gf) * xf, sin)
+    else:
+        dx = gf * c + unrotate_half(gf * s)
+        dsin = sum_to(gf * rotate_half(xf), sin)
+    dcos = sum_to(gf * xf, cos)
+    return dx.to(x.dtype), dcos, dsin

@@ -72,8 +72,9 @@ def rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eager: 
     return ops.rotary_mul(x, cos, sin, eager)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *, eager: bool = True):
-    """Hugging Face's ``apply_rotary_pos_emb`` on npukern: q and k in one call.
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, eager: bool = True):
+    """Hugging Face's ``apply_rotary_pos_emb`` on npukern, with its signature
+    (``unsqueeze_dim`` the fifth positional argument): q and k in one call.
     ``eager=True`` (the default) gives the composite's bits exactly (each
     product rounded to q's dtype, then the sum). q/k laid out
     [batch, heads, seq, head_dim] as transposed views of [batch, seq, heads,

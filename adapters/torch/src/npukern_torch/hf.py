@@ -1,14 +1,17 @@
 """Hugging Face transformers models on npukern, in one call.
 
-``patch(model)`` swaps, in place, every RMSNorm of the Llama, Mistral,
-Qwen2, Qwen3 (q/k norms included), Gemma, Gemma2 and Gemma3 families and the
-input embedding (``nn.Embedding``, Gemma's scaled embedding with its scale)
-for npukern's modules, the MLPs' ``act_fn(gate_proj(x)) * up_proj(x)`` (SiLU
-families) for npukern's SwiGLU, and the family's ``apply_rotary_pos_emb``
-for npukern's RoPE (q and k in one call, the composite's exact bits), each with its family's numerics (``casting="llama"``
-or ``"gemma"``), keeping the very same Parameter objects: weight tying,
-optimizer state and ``state_dict`` are unchanged. ``unpatch(model)``
-restores the original modules. ``apply_to_transformers()`` is the
+``patch(model)`` swaps, in place and in that model alone, every RMSNorm of
+the Llama, Mistral, Qwen2, Qwen3 (q/k norms included), Gemma, Gemma2 and
+Gemma3 families and the input embedding (``nn.Embedding``, Gemma's scaled
+embedding with its scale) for npukern's modules, the MLPs'
+``act_fn(gate_proj(x)) * up_proj(x)`` (SiLU families) for npukern's SwiGLU,
+and the attention layers' ``apply_rotary_pos_emb`` for npukern's RoPE (q and
+k in one call, the composite's exact bits; the layer's own forward reads it,
+the transformers module is untouched), each with its family's numerics
+(``casting="llama"`` or ``"gemma"``), keeping the very same Parameter
+objects: weight tying, optimizer state and ``state_dict`` are unchanged.
+Nothing process-wide changes: a model that was never patched runs no
+npukern op. ``unpatch(model)`` restores that model's original modules. ``apply_to_transformers()`` is the
 class-level form (Liger's ``apply_liger_kernel_to_llama()``): models built
 after it get npukern's RMSNorm. ``KERNEL_REPO`` is a local `kernels`
 repository for transformers' own route (``KernelConfig`` / ``kernelize``):
@@ -16,6 +19,8 @@ its layers take their weights from the module they replace.
 """
 
 import importlib
+import inspect
+import sys
 import types
 import warnings
 from pathlib import Path
@@ -82,6 +87,18 @@ class HFRMSNorm(RMSNorm):
         """Llama's name for eps."""
         return self.eps
 
+    def _torch_norm(self, x):
+        """The family's own forward, for inputs the kernels do not take
+        (float64, other devices): transformers computes in float32 whatever
+        x's dtype, then Llama rounds the normalized x to x's dtype and
+        multiplies by the weight, Gemma multiplies by ``1 + weight`` in
+        float32 and rounds once."""
+        xf = x.float()
+        normalized = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_before_gamma:
+            return self.weight * normalized.to(x.dtype)
+        return (normalized * (self.offset + self.weight.float())).type_as(x)
+
     @classmethod
     def replacing(cls, module, casting):
         """A module sharing `module`'s weight Parameter (no copy)."""
@@ -115,13 +132,19 @@ def _swap(parent, name, old, new):
     setattr(parent, name, new)
 
 
-def _swiglu_mlp_forward(self, x):
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _swiglu_mlp_forward(module, x):
     """An MLP's forward with ``act_fn(gate) * up`` as npukern's SwiGLU in eager
-    numerics (silu rounded to the dtype, then the product, as stock)."""
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    if gate.device.type != "cpu" or gate.dtype != up.dtype:
-        return self.down_proj(self.act_fn(gate) * up)
-    return self.down_proj(_F.silu_mul(gate, up, eager=True))
+    numerics (silu rounded to the dtype, then the product, as stock). What the
+    kernel does not take (another device, float64, two dtypes that torch
+    would promote) runs the stock composite, with the stock result."""
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    if (gate.device.type != "cpu" or up.device.type != "cpu" or gate.dtype != up.dtype
+            or gate.dtype not in _KERNEL_DTYPES or gate.shape != up.shape):
+        return module.down_proj(module.act_fn(gate) * up)
+    return module.down_proj(_F.silu_mul(gate, up, eager=True))
 
 
 def _is_silu(act):
@@ -133,64 +156,161 @@ def _is_swiglu_mlp(m):
     return all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(m, "act_fn", None))
 
 
-# family module -> its own apply_rotary_pos_emb, while npukern's stands in.
-_ORIGINAL_ROPE = {}
+def _rope(original, q, k, cos, sin, unsqueeze_dim):
+    """transformers' ``apply_rotary_pos_emb`` on npukern, with its result
+    dtype and bits: q (k) and the tables are first promoted as torch's
+    ``q * cos`` would promote them (autocast's bfloat16 q with float32 cos
+    gives float32), then rotated in eager numerics. What the kernel does not
+    take runs `original`."""
+    rq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
+    rk = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
+    if (rq != rk or rq not in _KERNEL_DTYPES or q.shape[-1] % 2 or cos.dim() == 0 or sin.dim() == 0
+            or any(t.device.type != "cpu" for t in (q, k, cos, sin))):
+        return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q, k, cos, sin = (t if t.dtype == rq else t.to(rq) for t in (q, k, cos, sin))
+    return _F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, eager=True)
+
+
+# The signatures transformers' apply_rotary_pos_emb has had; the stand-in
+# keeps the one it replaces (a positional unsqueeze_dim must land there).
+_ROPE_SIGNATURES = {
+    ("q", "k", "cos", "sin", "unsqueeze_dim"): "new",
+    ("q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"): "old",
+}
 
 
 def _rope_for(original):
-    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-        if (q.device.type != "cpu" or k.dtype != q.dtype or cos.dtype not in (q.dtype, torch.float32)
-                or sin.dtype != cos.dtype or q.shape[-1] % 2):
-            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-        return _F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, eager=True)
-
+    """npukern's RoPE with `original`'s exact signature, or None for a
+    signature this adapter does not know (then nothing is swapped). With the
+    `kernels` package, transformers wraps the function in a module
+    (``use_kernelized_func``) whose forward carries that signature."""
+    target = original.forward if isinstance(original, torch.nn.Module) else original
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return None
+    form = _ROPE_SIGNATURES.get(tuple(params))
+    if form is None or params["unsqueeze_dim"].default != 1:
+        return None
+    if form == "new":
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            return _rope(original, q, k, cos, sin, unsqueeze_dim)
+    else:
+        def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+            return _rope(original, q, k, cos, sin, unsqueeze_dim)
+    apply_rotary_pos_emb.__module__ = getattr(target, "__module__", __name__)
     apply_rotary_pos_emb.__doc__ = "npukern's RoPE standing in for transformers' apply_rotary_pos_emb."
     return apply_rotary_pos_emb
 
 
-def _patch_rope(model):
-    """Swaps the rotary function of every family module whose attention layers
-    the model has; returns how many attention layers now use npukern's."""
-    modules = {mod for mod, *_ in FAMILIES.values()}
-    count = 0
-    for m in model.modules():
-        name = type(m).__module__
-        if name in modules and type(m).__name__.endswith("Attention"):
-            mod = importlib.import_module(name)
-            if name not in _ORIGINAL_ROPE and hasattr(mod, "apply_rotary_pos_emb"):
-                _ORIGINAL_ROPE[name] = mod.apply_rotary_pos_emb
-                mod.apply_rotary_pos_emb = _rope_for(_ORIGINAL_ROPE[name])
-            if name in _ORIGINAL_ROPE and not getattr(m, "_npukern_rope", False):
-                object.__setattr__(m, "_npukern_rope", True)
-                count += 1
-    return count
+def _with_global(fn, name, value):
+    """A copy of `fn` whose global `name` reads `value`, for this copy alone
+    (the module's own function is untouched). A wrapper (a decorator's
+    closure with ``__wrapped__``) is copied with the copy of what it wraps.
+    None when `fn` does not read `name` anywhere along that chain."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    if name in fn.__code__.co_names and name in fn.__globals__:
+        g = dict(fn.__globals__)
+        g[name] = value
+        new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        inner = getattr(fn, "__wrapped__", None)
+        copied = _with_global(inner, name, value) if inner is not None else None
+        if copied is None or not fn.__closure__:
+            return None
+        cells, replaced = [], False
+        for cell in fn.__closure__:
+            try:
+                hit = cell.cell_contents is inner
+            except ValueError:  # an empty cell
+                hit = False
+            cells.append(types.CellType(copied) if hit else cell)
+            replaced |= hit
+        if not replaced:
+            return None
+        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+        new.__wrapped__ = copied
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return new
 
 
-def unpatch_rope() -> None:
-    """Restores every family module's own ``apply_rotary_pos_emb``."""
-    for name, fn in list(_ORIGINAL_ROPE.items()):
-        importlib.import_module(name).apply_rotary_pos_emb = fn
-        del _ORIGINAL_ROPE[name]
+def _rope_forward_of(cls):
+    """`cls.forward` with npukern's RoPE in place of its family module's
+    ``apply_rotary_pos_emb``, or None (not a family attention class, or its
+    function or signature is not the one this adapter knows)."""
+    mod = sys.modules.get(cls.__module__)
+    original = getattr(mod, "apply_rotary_pos_emb", None)
+    stand_in = _rope_for(original) if original is not None else None
+    return _with_global(cls.forward, "apply_rotary_pos_emb", stand_in) if stand_in else None
+
+
+class _Forward:
+    """One patched module's own forward, kept in that module's ``__dict__``
+    so the swap belongs to that module alone (never to its class or its
+    transformers module). Picklable and deep-copyable: it holds only the
+    module and its kind, and rebuilds its function on load."""
+
+    def __init__(self, module, kind):
+        self.module, self.kind = module, kind
+        self._build()
+
+    def _build(self):
+        self.fn = _rope_forward_of(type(self.module)) if self.kind == "rope" else None
+
+    def __call__(self, *args, **kwargs):
+        if self.kind == "mlp":
+            return _swiglu_mlp_forward(self.module, *args, **kwargs)
+        return self.fn(self.module, *args, **kwargs)
+
+    def __getstate__(self):
+        return {"module": self.module, "kind": self.kind}
+
+    def __setstate__(self, state):
+        self.module, self.kind = state["module"], state["kind"]
+        self._build()
+
+
+def _patched_kind(m):
+    fwd = vars(m).get("forward")
+    return fwd.kind if isinstance(fwd, _Forward) else None
+
+
+def _is_family_attention(m):
+    return type(m).__module__ in _FAMILY_MODULES and type(m).__name__.endswith("Attention")
+
+
+_FAMILY_MODULES = {mod for mod, *_ in FAMILIES.values()}
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
           rope: bool = True) -> dict:
-    """Swaps, in place, the model's RMSNorm modules of the supported families
-    and its input embeddings for npukern's, its SiLU-gated MLPs' activation
-    for npukern's SwiGLU (``mlp``) and its families' rotary embedding for
-    npukern's RoPE (``rope``: a swap of the family module's function, shared
-    by every model of that family in the process; the composite's exact
-    bits); returns the counts, e.g. ``{"rms_norm": 5, "embedding": 1,
-    "mlp": 2, "rope": 2}``. Modules already patched are left
-    alone (a second call counts 0). An RMSNorm class it does not know is left
-    alone and named in a warning. Embeddings with ``max_norm`` or
-    ``sparse=True`` (which npukern does not take) are left alone."""
+    """Swaps, in place and in this model alone, its RMSNorm modules of the
+    supported families and its input embedding for npukern's, its SiLU-gated
+    MLPs' activation for npukern's SwiGLU (``mlp``) and its attention
+    layers' rotary embedding for npukern's RoPE (``rope``: the layer's own
+    forward reads npukern's ``apply_rotary_pos_emb``; the transformers
+    module and every other model are untouched); returns the counts of what
+    this call swapped, e.g. ``{"rms_norm": 5, "embedding": 1, "mlp": 2,
+    "rope": 2}``. Modules already patched are left alone (a second call
+    counts 0). An RMSNorm class it does not know is left alone and named in a
+    warning. Embeddings with ``max_norm`` or ``sparse=True`` (which npukern
+    does not take) are left alone. Every swapped path gives the stock
+    result dtype (torch's type promotion, autocast included) and falls back
+    to the stock composite for what the kernels do not take (float64,
+    non-CPU tensors)."""
     norms, scaled_embeddings = _family_classes()
-    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": _patch_rope(model) if rope else 0}
+    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
     for m in model.modules():
-        if mlp and _is_swiglu_mlp(m) and "forward" not in vars(m):
-            m.forward = types.MethodType(_swiglu_mlp_forward, m)
+        if "forward" in vars(m):
+            continue  # patched already, or someone else's forward: not ours to replace
+        if mlp and _is_swiglu_mlp(m):
+            m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
+        elif rope and _is_family_attention(m) and _rope_forward_of(type(m)) is not None:
+            m.forward = _Forward(m, "rope")
+            counts["rope"] += 1
     unknown = set()
     input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for parent in list(model.modules()):
@@ -220,18 +340,16 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
 
 
 def unpatch(model: torch.nn.Module) -> dict:
-    """Puts back the original modules :func:`patch` replaced (they share the
-    same Parameters, so training since the patch is kept), the MLPs' forward,
-    and the family modules' rotary function; returns the counts."""
+    """Puts back, in this model alone, the original modules :func:`patch`
+    replaced (they share the same Parameters, so training since the patch is
+    kept) and the MLPs' and attention layers' own forward; returns the
+    counts."""
     counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
     for m in model.modules():
-        fwd = vars(m).get("forward")
-        if getattr(fwd, "__func__", None) is _swiglu_mlp_forward:
+        kind = _patched_kind(m)
+        if kind is not None:
             del m.forward
-            counts["mlp"] += 1
-        if vars(m).pop("_npukern_rope", False):
-            counts["rope"] += 1
-    unpatch_rope()
+            counts[kind] += 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, "_npukern_original", None)
@@ -247,16 +365,46 @@ def unpatch(model: torch.nn.Module) -> dict:
 _ORIGINAL_CLASSES = {}
 
 
-def _stand_in(family, casting, original):
-    """A class with the transformers class's constructor that builds npukern's module."""
+def _stand_in(family):
+    """The class :func:`apply_to_transformers` puts in place of `family`'s
+    RMSNorm: npukern's module built with the transformers class's own
+    constructor signature (``LlamaRMSNorm(hidden_size, eps=...)``,
+    ``Gemma3RMSNorm(dim=..., eps=...)``). It lives in this module as
+    ``_StandIn_<family>``, so a model built with it pickles and loads in any
+    process that can import transformers."""
+    name = f"_StandIn_{family}"
+    if name in globals():
+        return globals()[name]
+    module, norm, casting, _scaled = FAMILIES[family]
+    original = _ORIGINAL_CLASSES.get((module, norm)) or getattr(importlib.import_module(module), norm)
+    sig = inspect.signature(original.__init__)
+    size_name = list(sig.parameters)[1]  # after self: hidden_size or dim
+    eps_default = sig.parameters["eps"].default if "eps" in sig.parameters else 1e-6
 
-    class StandIn(HFRMSNorm):
-        def __init__(self, hidden_size, eps=1e-6, **kwargs):
-            super().__init__(hidden_size, eps, casting=casting, **kwargs)
+    def __init__(self, *args, **kwargs):
+        arguments = sig.bind(self, *args, **kwargs).arguments
+        extra = sorted(set(arguments) - {"self", size_name, "eps"})
+        if extra:
+            raise TypeError(f"npukern's {original.__name__} does not take {', '.join(extra)}")
+        HFRMSNorm.__init__(self, arguments[size_name], arguments.get("eps", eps_default), casting=casting)
 
-    StandIn.__name__ = StandIn.__qualname__ = original.__name__
-    StandIn.__doc__ = f"npukern's RMSNorm standing in for transformers' {original.__name__} ({family})."
-    return StandIn
+    __init__.__signature__ = sig
+    cls = type(original.__name__, (HFRMSNorm,), {
+        "__init__": __init__,
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"npukern's RMSNorm standing in for transformers' {original.__name__} ({family}).",
+    })
+    globals()[name] = cls
+    return cls
+
+
+def __getattr__(name):
+    # Unpickling a model built after apply_to_transformers, in a fresh process.
+    family = name[len("_StandIn_"):] if name.startswith("_StandIn_") else None
+    if family in FAMILIES:
+        return _stand_in(family)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def apply_to_transformers(families=None) -> list:
@@ -268,14 +416,14 @@ def apply_to_transformers(families=None) -> list:
     :func:`revert_transformers` undoes it."""
     applied = []
     for family in families or FAMILIES:
-        module, norm, casting, _scaled = FAMILIES[family]
+        module, norm, _casting, _scaled = FAMILIES[family]
         try:
             mod = importlib.import_module(module)
         except ImportError:
             continue
         if (module, norm) not in _ORIGINAL_CLASSES:
             _ORIGINAL_CLASSES[(module, norm)] = getattr(mod, norm)
-            setattr(mod, norm, _stand_in(family, casting, _ORIGINAL_CLASSES[(module, norm)]))
+            setattr(mod, norm, _stand_in(family))
         applied.append(family)
     return applied
 
