@@ -115,6 +115,49 @@ pub const SERIAL_MAX_BYTES: usize = 1 << 18;
 /// 8 MiB written by one call will not be read back from cache).
 pub const STREAM_MIN_BYTES: usize = 8 << 20;
 
+/// What a caller knows about the pages of a call's output buffers: the
+/// store policy's input (`Exec::outputs`). Only how the outputs are
+/// stored depends on it, never a result bit; a hint that is wrong costs
+/// time, nothing else. See `docs/performance.md` "Store policy".
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OutputPages {
+    /// Nothing known: the default rule (`OutputPages::stream`).
+    #[default]
+    Unknown,
+    /// Just allocated and never written (a new `mmap`, `torch.empty` of a
+    /// large tensor): the OS zeroes each page through the cache on its
+    /// first touch, so outputs are written with ordinary stores, which
+    /// overwrite those lines in cache instead of sending the page to
+    /// memory twice.
+    Fresh,
+    /// Written before and still mapped (a reused buffer, a caching
+    /// allocator's block): outputs of `STREAM_MIN_BYTES` or more are
+    /// streamed.
+    Resident,
+}
+
+impl OutputPages {
+    /// Whether a plan whose outputs are large (its `NORM_FLAG_STREAM` bit
+    /// as cut from the shapes) writes them with streaming stores.
+    pub const fn stream(self, large: bool) -> bool {
+        match self {
+            OutputPages::Unknown | OutputPages::Resident => large,
+            OutputPages::Fresh => false,
+        }
+    }
+
+    /// `flags` (a plan's `NORM_FLAG_*` bits) with `NORM_FLAG_STREAM` as
+    /// this policy decides.
+    pub const fn apply(self, flags: u32) -> u32 {
+        if self.stream(flags & NORM_FLAG_STREAM != 0) {
+            flags | NORM_FLAG_STREAM
+        } else {
+            flags & !NORM_FLAG_STREAM
+        }
+    }
+}
+
 fn round_up(n: usize, m: usize) -> Option<usize> {
     n.checked_add(m - 1).map(|v| v / m * m)
 }

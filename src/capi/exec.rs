@@ -10,7 +10,7 @@ use crate::backend::{Backend, Cpu, Reference};
 use crate::error::{invalid, Error, Result};
 use crate::lanes::{detect, Isa};
 use crate::ops::Exec;
-use crate::tiling::{UbConfig, DEFAULT_BLOCKS, DEFAULT_UB_BYTES};
+use crate::tiling::{OutputPages, UbConfig, DEFAULT_BLOCKS, DEFAULT_UB_BYTES};
 
 /// Which backend `npk_exec.backend` names.
 #[derive(Clone, Copy)]
@@ -26,6 +26,7 @@ pub(crate) struct ExecConfig {
     isa: Option<Isa>,
     kind: Kind,
     runner: HostRunner,
+    outputs: OutputPages,
 }
 
 /// Reads `exec->detail` (NULL exec: none).
@@ -53,6 +54,7 @@ impl ExecConfig {
             isa: None,
             kind: Kind::Cpu,
             runner: HostRunner::new(None, core::ptr::null_mut()),
+            outputs: OutputPages::Unknown,
         };
         if exec.is_null() {
             return Ok(cfg);
@@ -121,6 +123,7 @@ impl ExecConfig {
         let r = f(&Exec {
             ub: self.ub,
             backend,
+            outputs: self.outputs,
         });
         // A broken runner outranks whatever the call returned.
         match self.runner.fault() {

@@ -131,7 +131,7 @@ use core::ffi::c_void;
 use crate::backend::{Backend, CPU_SERIAL};
 use crate::error::{invalid_fmt, Error, Result};
 use crate::runner::Runner;
-use crate::tiling::UbConfig;
+use crate::tiling::{OutputPages, UbConfig};
 use crate::workspace::Workspace;
 
 /// Where and how every operator runs: the tiling machine model (`ub`) and
@@ -143,6 +143,9 @@ pub struct Exec<'a> {
     pub ub: UbConfig,
     /// Who runs the plan.
     pub backend: &'a dyn Backend,
+    /// What the caller knows about its output buffers' pages: how large
+    /// outputs are stored (`OutputPages`), never what.
+    pub outputs: OutputPages,
 }
 
 impl Exec<'static> {
@@ -151,6 +154,7 @@ impl Exec<'static> {
         Exec {
             ub: UbConfig::default(),
             backend: &CPU_SERIAL,
+            outputs: OutputPages::Unknown,
         }
     }
 }
@@ -161,6 +165,7 @@ impl Exec<'static> {
         Exec {
             ub: UbConfig::default(),
             backend: &crate::backend::Reference,
+            outputs: OutputPages::Unknown,
         }
     }
 }
@@ -177,6 +182,7 @@ impl<'a> Exec<'a> {
         Exec {
             ub: UbConfig::default(),
             backend,
+            outputs: OutputPages::Unknown,
         }
     }
 
@@ -184,12 +190,19 @@ impl<'a> Exec<'a> {
     pub fn with_ub(self, ub: UbConfig) -> Self {
         Exec { ub, ..self }
     }
+
+    /// The same, with what the caller knows about its output buffers
+    /// (`OutputPages::Fresh` when it has just allocated them).
+    pub fn with_outputs(self, outputs: OutputPages) -> Self {
+        Exec { outputs, ..self }
+    }
 }
 
 impl core::fmt::Debug for Exec<'_> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Exec")
             .field("ub", &self.ub)
+            .field("outputs", &self.outputs)
             .finish_non_exhaustive()
     }
 }
@@ -266,6 +279,9 @@ pub(crate) trait OpCall {
     fn overlapping(&self, addr: usize, bytes: usize) -> Option<&'static str>;
     /// Records the caller's workspace in the call.
     fn attach(&mut self, ws: *mut c_void, bytes: usize);
+    /// The plan's `NORM_FLAG_*` bits, for the store policy to set
+    /// `NORM_FLAG_STREAM` (`OutputPages::apply`).
+    fn flags_mut(&mut self) -> &mut u32;
     /// The call as the `Op` a backend receives.
     fn op(&self) -> Op<'_>;
 }
@@ -296,6 +312,9 @@ macro_rules! op_call {
                 self.workspace = ws;
                 self.workspace_bytes = bytes;
             }
+            fn flags_mut(&mut self) -> &mut u32 {
+                &mut self.tiling.flags
+            }
             fn op(&self) -> $crate::ops::Op<'_> {
                 $crate::ops::Op::from(self)
             }
@@ -325,6 +344,10 @@ pub(crate) fn launch<C: OpCall>(
         return Ok(());
     }
     call.attach(ws, bytes);
+    // The store policy: how large outputs are written (the plan cut from
+    // the shapes says which are large), never what.
+    let flags = call.flags_mut();
+    *flags = exec.outputs.apply(*flags);
     // SAFETY: `call` was built by its operator's `prepare` from validated
     // descriptors, and the workspace was just checked against its plan.
     unsafe { exec.backend.launch(call.op()) }
