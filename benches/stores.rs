@@ -8,16 +8,18 @@
 //!   faults and zeroes each page on its first touch),
 //!
 //! with ordinary stores (`OutputPages::Fresh`) and streaming stores
-//! (`OutputPages::Resident`), and for fresh outputs also after
-//! `madvise(MADV_POPULATE_WRITE)` (prefaulting every page before the call,
-//! timed with it). The copy rows write the same output bytes from a
+//! (`OutputPages::Resident`), and also after `madvise(MADV_POPULATE_WRITE)`
+//! (every page faulted before the call, in one system call) or, for fresh
+//! outputs, `madvise(MADV_HUGEPAGE)` (transparent huge pages), each
+//! `madvise` timed with the call. The copy rows write the same output bytes from a
 //! resident source with ordinary and streaming 32-byte stores. Medians of
 //! interleaved repetitions in ms, one thread; the `flt` column is the minor
 //! page faults of one fresh call.
 //!
 //! Run (Linux): `taskset -c 0 cargo run --release -p npukern-benches --bin stores`
-//! (`--reps N`, `--filter STR`).
+//! (`--reps N`, `--filter STR`, `--threads N`).
 
+use std::alloc::{alloc, dealloc, Layout};
 use std::hint::black_box;
 
 use npukern::*;
@@ -25,6 +27,7 @@ use npukern_benches::data;
 
 const PROT_READ_WRITE: i32 = 3;
 const MAP_PRIVATE_ANONYMOUS: i32 = 0x22;
+const MADV_HUGEPAGE: i32 = 14;
 const MADV_POPULATE_WRITE: i32 = 23;
 
 #[repr(C)]
@@ -78,11 +81,17 @@ impl Map {
         assert!(p as isize != -1 && !p.is_null(), "mmap failed");
         Map { p, len }
     }
+}
 
-    fn populate(&self) {
-        // SAFETY: our mapping.
-        let r = unsafe { madvise(self.p, self.len, MADV_POPULATE_WRITE) };
-        assert_eq!(r, 0, "MADV_POPULATE_WRITE failed (Linux >= 5.14)");
+/// `madvise` on the whole pages inside `[p, p + len)` (what an adapter can
+/// do to an output it did not map itself).
+fn advise(p: *mut u8, len: usize, advice: i32) {
+    let lo = (p as usize).next_multiple_of(4096);
+    let hi = (p as usize + len) / 4096 * 4096;
+    if hi > lo {
+        // SAFETY: pages of a live allocation of ours.
+        let r = unsafe { madvise(lo as *mut u8, hi - lo, advice) };
+        assert_eq!(r, 0, "madvise({advice}) failed");
     }
 }
 
@@ -364,53 +373,104 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The columns: (resident?, populate?, hint).
-const MODES: [(bool, bool, OutputPages); 6] = [
-    (true, false, OutputPages::Fresh),
-    (true, false, OutputPages::Resident),
-    (false, false, OutputPages::Fresh),
-    (false, false, OutputPages::Resident),
-    (false, true, OutputPages::Fresh),
-    (false, true, OutputPages::Resident),
+/// What is done to the output mapping before the call (timed with it).
+#[derive(Clone, Copy, PartialEq)]
+enum Prep {
+    /// Nothing.
+    None,
+    /// `madvise(MADV_POPULATE_WRITE)`: every page faulted in one system call.
+    Populate,
+    /// `madvise(MADV_HUGEPAGE)`: transparent 2 MiB pages (512 times fewer faults).
+    Huge,
+}
+
+/// Where the output comes from.
+#[derive(Clone, Copy, PartialEq)]
+enum Src {
+    /// One mapping, written once, reused.
+    Resident,
+    /// A new `mmap` per repetition.
+    Fresh,
+    /// `std::alloc` (glibc `malloc`) per repetition, freed after it: what
+    /// `torch.empty` gets (glibc's mmap threshold rises to the largest
+    /// freed chunk, up to 32 MiB, so smaller outputs come back resident).
+    Malloc,
+}
+
+/// The columns: (output, preparation, hint).
+const MODES: [(Src, Prep, OutputPages); 13] = [
+    (Src::Resident, Prep::None, OutputPages::Fresh),
+    (Src::Resident, Prep::None, OutputPages::Resident),
+    (Src::Resident, Prep::Populate, OutputPages::Resident),
+    (Src::Resident, Prep::Huge, OutputPages::Resident),
+    (Src::Fresh, Prep::None, OutputPages::Fresh),
+    (Src::Fresh, Prep::None, OutputPages::Resident),
+    (Src::Fresh, Prep::Populate, OutputPages::Fresh),
+    (Src::Fresh, Prep::Populate, OutputPages::Resident),
+    (Src::Fresh, Prep::Huge, OutputPages::Fresh),
+    (Src::Fresh, Prep::Huge, OutputPages::Resident),
+    (Src::Malloc, Prep::None, OutputPages::Fresh),
+    (Src::Malloc, Prep::None, OutputPages::Resident),
+    (Src::Malloc, Prep::Huge, OutputPages::Resident),
 ];
 
-fn measure(c: &mut Case, reps: usize) {
+const HEADER: &str = "| op | out MiB | resident ordinary | resident stream | resident populate+stream | resident THP+stream | fresh ordinary | fresh stream | fresh populate+ordinary | fresh populate+stream | fresh THP+ordinary | fresh THP+stream | malloc ordinary | malloc stream | malloc THP+stream | faults |";
+const RULE: &str = "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+
+fn measure(c: &mut Case, reps: usize, cpu: &Cpu<Threads>) {
     let resident: Vec<Map> = c.outs.iter().map(|&b| Map::new(b)).collect();
     let rp: Vec<*mut u8> = resident.iter().map(|m| m.p).collect();
     for m in &resident {
         // SAFETY: our mapping, written once so every page is resident.
         unsafe { std::ptr::write_bytes(m.p, 1, m.len) };
     }
-    let cpu = Exec::cpu();
     // Warm-up.
-    (c.run)(&cpu, &rp);
+    (c.run)(&Exec::new(cpu), &rp);
     let mut t = vec![Vec::new(); MODES.len()];
     let mut faults = 0;
     for r in 0..reps {
         // Rotate which mode goes first, so none always follows another.
         for k in 0..MODES.len() {
             let i = (k + r) % MODES.len();
-            let (res, pop, hint) = MODES[i];
-            let ex = Exec::cpu().with_outputs(hint);
-            if res {
-                let t0 = now();
-                (c.run)(&ex, &rp);
-                t[i].push((now() - t0) * 1e3);
-            } else {
-                let maps: Vec<Map> = c.outs.iter().map(|&b| Map::new(b)).collect();
-                let p: Vec<*mut u8> = maps.iter().map(|m| m.p).collect();
-                let f0 = minflt();
-                let t0 = now();
-                if pop {
-                    maps.iter().for_each(Map::populate);
+            let (src, prep, hint) = MODES[i];
+            let ex = Exec::new(cpu).with_outputs(hint);
+            let fresh: Vec<Map> = match src {
+                Src::Fresh => c.outs.iter().map(|&b| Map::new(b)).collect(),
+                _ => Vec::new(),
+            };
+            let layouts: Vec<Layout> = c
+                .outs
+                .iter()
+                .map(|&b| Layout::from_size_align(b, 64).unwrap())
+                .collect();
+            let p: Vec<*mut u8> = match src {
+                Src::Resident => resident.iter().map(|m| m.p).collect(),
+                Src::Fresh => fresh.iter().map(|m| m.p).collect(),
+                // SAFETY: nonzero sizes; freed below.
+                Src::Malloc => layouts.iter().map(|&l| unsafe { alloc(l) }).collect(),
+            };
+            assert!(p.iter().all(|p| !p.is_null()));
+            let f0 = minflt();
+            let t0 = now();
+            for (&q, &b) in p.iter().zip(&c.outs) {
+                match prep {
+                    Prep::None => {}
+                    Prep::Populate => advise(q, b, MADV_POPULATE_WRITE),
+                    Prep::Huge => advise(q, b, MADV_HUGEPAGE),
                 }
-                (c.run)(&ex, &p);
-                t[i].push((now() - t0) * 1e3);
-                if i == 2 {
-                    faults = minflt() - f0;
-                }
-                drop(maps);
             }
+            (c.run)(&ex, &p);
+            t[i].push((now() - t0) * 1e3);
+            if i == 4 {
+                faults = minflt() - f0;
+            }
+            if src == Src::Malloc {
+                for (&q, &l) in p.iter().zip(&layouts) {
+                    // SAFETY: allocated above with this layout.
+                    unsafe { dealloc(q, l) };
+                }
+            }
+            drop(fresh);
         }
     }
     let mib: usize = c.outs.iter().sum::<usize>() >> 20;
@@ -421,11 +481,13 @@ fn measure(c: &mut Case, reps: usize) {
 fn main() {
     let mut reps = 7;
     let mut filter: Option<String> = None;
+    let mut threads = 1usize;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--reps" => reps = args.next().and_then(|v| v.parse().ok()).unwrap_or(reps),
             "--filter" => filter = args.next(),
+            "--threads" => threads = args.next().and_then(|v| v.parse().ok()).unwrap_or(1),
             _ => {}
         }
     }
@@ -435,12 +497,14 @@ fn main() {
         "the copy rows need AVX"
     );
     println!(
-        "npukern store-policy table: 1 thread, ISA {:?}, median of {reps} ms (ordinary = OutputPages::Fresh, stream = OutputPages::Resident)\n",
+        "npukern store-policy table: {threads} thread(s), ISA {:?}, median of {reps} ms (ordinary = OutputPages::Fresh, stream = OutputPages::Resident)\n",
         Isa::detected()
     );
-    println!("| op | out MiB | resident ordinary | resident stream | fresh ordinary | fresh stream | populate+ordinary | populate+stream | faults |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    let cpu = Cpu::new(Threads::new(threads));
+    println!("{HEADER}");
+    println!("{RULE}");
     let mut cases = Vec::new();
+    norm_cases::<bf16>(&mut cases, 2048, 4096);
     norm_cases::<bf16>(&mut cases, 4096, 4096);
     norm_cases::<f32>(&mut cases, 4096, 4096);
     elt_cases::<bf16>(&mut cases, 2048, 11008, 32, 2048);
@@ -458,6 +522,6 @@ fn main() {
         {
             continue;
         }
-        measure(&mut c, reps);
+        measure(&mut c, reps, &cpu);
     }
 }
