@@ -282,6 +282,9 @@ pub(crate) trait OpCall {
     /// The plan's `NORM_FLAG_*` bits, for the store policy to set
     /// `NORM_FLAG_STREAM` (`OutputPages::apply`).
     fn flags_mut(&mut self) -> &mut u32;
+    /// Whether the operator writes fresh pages faster streamed (measured:
+    /// `docs/performance.md` "Store policy").
+    const FRESH_STREAMS: bool = false;
     /// The call as the `Op` a backend receives.
     fn op(&self) -> Op<'_>;
 }
@@ -289,10 +292,16 @@ pub(crate) trait OpCall {
 /// Implements `OpCall` for a `*Call` struct with `tiling.workspace_bytes`,
 /// `workspace` and `workspace_bytes` fields (registered in `operators!`);
 /// `$nothing` (a closure on the call) says when it writes nothing; `$t` are
-/// its tensor fields (absent optional ones are empty, so never overlap).
+/// its tensor fields (absent optional ones are empty, so never overlap);
+/// `fresh_streams = true` keeps large outputs streamed under
+/// `OutputPages::Fresh` (an operator measured faster so).
 macro_rules! op_call {
     ($call:ty, $nothing:expr, [$($t:ident),*]) => {
+        $crate::ops::op_call!($call, $nothing, [$($t),*], fresh_streams = false);
+    };
+    ($call:ty, $nothing:expr, [$($t:ident),*], fresh_streams = $fs:literal) => {
         impl $crate::ops::OpCall for $call {
+            const FRESH_STREAMS: bool = $fs;
             fn workspace_needed(&self) -> u64 {
                 self.tiling.workspace_bytes
             }
@@ -347,7 +356,7 @@ pub(crate) fn launch<C: OpCall>(
     // The store policy: how large outputs are written (the plan cut from
     // the shapes says which are large), never what.
     let flags = call.flags_mut();
-    *flags = exec.outputs.apply(*flags);
+    *flags = exec.outputs.apply(*flags, C::FRESH_STREAMS);
     // SAFETY: `call` was built by its operator's `prepare` from validated
     // descriptors, and the workspace was just checked against its plan.
     unsafe { exec.backend.launch(call.op()) }
