@@ -10,7 +10,11 @@
  *    runs, its extra entries never called;
  *  - npk_isa_name names the ISAs of the library list;
  *  - a struct_size that cannot be a table is NPK_ERR_PARAM_INVALID "foreign",
- *    nothing written.
+ *    nothing written;
+ *  - the store hint (2.3: NPK_OUTPUTS_* bits above npk_exec.backend's kind)
+ *    changes no output bit on any backend, and bits outside it (or both
+ *    hints) are NPK_ERR_PARAM_INVALID "backend", nothing written; a caller
+ *    from before 2.3 sets none of them (the zeroed exec above).
  * Built and run by ffi-tests/run.sh; exit status 0 = every check passed. */
 #define _DEFAULT_SOURCE
 #include <sys/mman.h>
@@ -170,6 +174,52 @@ int main(void) {
               strcmp(g_d.argument, "foreign") == 0,
           "struct_size %zu: status %s", bad[i], g_d.message);
     CHECK(y[0] == bits2f(0x5a5a5a5au), "%s", "nothing written");
+  }
+
+  /* The store hint: the same bits with either hint, on the CPU, the
+   * reference and a foreign table. */
+  {
+    static float y2[ROWS * COLS], dx2[ROWS * COLS], dg2[COLS], t2[VOCAB * COLS];
+    static float y3[ROWS * COLS], dx3[ROWS * COLS], dg3[COLS], t3[VOCAB * COLS];
+    const unsigned hints[2] = {NPK_OUTPUTS_FRESH, NPK_OUTPUTS_RESIDENT};
+    const unsigned bad_hints[3] = {NPK_OUTPUTS_FRESH | NPK_OUTPUTS_RESIDENT, 0x400u, 0x80000000u};
+    npk_exec r = cpu;
+    r.backend = NPK_BACKEND_REFERENCE;
+    run_all(&r, y3, dx3, dg3, t3);
+    nb->known.struct_size = sizeof *nb;
+    for (i = 0; i < 2; i++) {
+      e = cpu;
+      e.backend = (npk_backend_kind)(NPK_BACKEND_CPU | hints[i]);
+      memset(y2, 0, sizeof y2);
+      run_all(&e, y2, dx2, dg2, t2);
+      CHECK(memcmp(y0, y2, sizeof y0) == 0 && memcmp(dx0, dx2, sizeof dx0) == 0 && memcmp(dg0, dg2, sizeof dg0) == 0 &&
+                memcmp(t0, t2, sizeof t0) == 0,
+            "hint %#x: the CPU's bits", hints[i]);
+      e.backend = (npk_backend_kind)(NPK_BACKEND_FOREIGN | hints[i]);
+      e.foreign = &nb->known;
+      memset(y2, 0, sizeof y2);
+      run_all(&e, y2, dx2, dg2, t2);
+      CHECK(memcmp(dx0, dx2, sizeof dx0) == 0 && memcmp(t0, t2, sizeof t0) == 0, "hint %#x: a foreign table", hints[i]);
+      e = r;
+      e.backend = (npk_backend_kind)(NPK_BACKEND_REFERENCE | hints[i]);
+      memset(y2, 0, sizeof y2);
+      run_all(&e, y2, dx2, dg2, t2);
+      CHECK(memcmp(y3, y2, sizeof y3) == 0 && memcmp(dx3, dx2, sizeof dx3) == 0 && memcmp(t3, t2, sizeof t3) == 0,
+            "hint %#x: the reference's bits", hints[i]);
+    }
+    for (i = 0; i < 3; i++) {
+      const int64_t xs[2] = {ROWS, COLS}, gs[1] = {COLS};
+      static float x[ROWS * COLS], gamma[COLS], y[ROWS * COLS];
+      npk_tensor xt = tens(x, NPK_F32, 2, xs), gt = tens(gamma, NPK_F32, 1, gs), yt = tens(y, NPK_F32, 2, xs);
+      static unsigned char ws[1 << 16];
+      e = cpu;
+      e.backend = (npk_backend_kind)(NPK_BACKEND_CPU | bad_hints[i]);
+      memset(y, 0x5a, sizeof y);
+      CHECK(npk_rms_norm(&xt, &gt, NULL, &yt, NULL, ws, sizeof ws, &e) == NPK_ERR_PARAM_INVALID &&
+                strcmp(g_d.argument, "backend") == 0,
+            "backend %#x: %s", bad_hints[i], g_d.message);
+      CHECK(y[0] == bits2f(0x5a5a5a5au), "%s", "nothing written");
+    }
   }
   free(nb);
   printf("test_abi (ABI %u.%u): %d passed, %d failed\n", npk_abi_version() >> 16, npk_abi_version() & 0xffff,

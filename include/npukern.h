@@ -39,8 +39,17 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 2
+#define NPK_ABI_VERSION_MINOR 3
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
+
+/** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
+ * caller knows about its output buffers' pages, which decides only how large
+ * outputs are stored, never a bit of them (docs/c-api.md, "Store hint").
+ * Neither bit: unknown. FRESH: just allocated, never written (4 KiB pages
+ * the OS faults in during the call). RESIDENT: written before, or on huge
+ * pages. */
+#define NPK_OUTPUTS_FRESH 0x100u
+#define NPK_OUTPUTS_RESIDENT 0x200u
 
 /**
  * Which SIMD implementation the CPU backend uses.
@@ -990,7 +999,10 @@ typedef struct npk_exec {
    */
   npk_isa isa;
   /**
-   * CPU, reference or foreign.
+   * CPU, reference or foreign, ORed (ABI 2.3) with at most one of
+   * `NPK_OUTPUTS_FRESH` / `NPK_OUTPUTS_RESIDENT`: what the caller knows
+   * about its output buffers' pages (neither: unknown). The hint decides
+   * only how large outputs are stored, never a bit of them.
    */
   npk_backend_kind backend;
   /**

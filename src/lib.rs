@@ -94,8 +94,8 @@ pub use runner::Threads;
 pub use runner::{Runner, Serial};
 pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
 pub use tiling::{
-    EltTiling, EltUnit, EmbeddingTiling, NormTiling, UbConfig, NORM_FLAG_SERIAL, NORM_FLAG_STREAM,
-    SERIAL_MAX_BYTES, STREAM_MIN_BYTES,
+    EltTiling, EltUnit, EmbeddingTiling, NormTiling, OutputPages, UbConfig, NORM_FLAG_SERIAL,
+    NORM_FLAG_STREAM, SERIAL_MAX_BYTES, STREAM_MIN_BYTES,
 };
 
 #[doc = include_str!("../README.md")]

@@ -115,6 +115,61 @@ pub const SERIAL_MAX_BYTES: usize = 1 << 18;
 /// 8 MiB written by one call will not be read back from cache).
 pub const STREAM_MIN_BYTES: usize = 8 << 20;
 
+/// What a caller knows about the pages of a call's output buffers: the
+/// input of the store policy (`Exec::outputs`, `npk_exec.backend`'s
+/// `NPK_OUTPUTS_*` bits). It decides only how large outputs are stored,
+/// never a result bit: a wrong hint costs time, nothing else. The rule and
+/// its measurements: `docs/performance.md`, "Store policy".
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OutputPages {
+    /// Nothing known: outputs of `STREAM_MIN_BYTES` or more are streamed,
+    /// as for `Resident` (on resident pages streaming saves up to 45%; on
+    /// fresh 4 KiB pages it costs 3-15%).
+    #[default]
+    Unknown,
+    /// Just allocated and not yet written, on 4 KiB pages (a new `mmap`:
+    /// the OS faults and zeroes each page through the cache on its first
+    /// touch): ordinary stores, which overwrite those zeroed lines in cache
+    /// instead of sending the page to memory twice. EmbeddingDenseGrad,
+    /// whose zero fill is measured faster streamed even there, still
+    /// streams.
+    Fresh,
+    /// Written before and still mapped (a reused buffer, a caching
+    /// allocator's block), or fresh but on huge pages: outputs of
+    /// `STREAM_MIN_BYTES` or more are streamed.
+    Resident,
+}
+
+impl OutputPages {
+    /// Whether large outputs (a plan's `NORM_FLAG_STREAM` as cut from the
+    /// shapes) are written with streaming stores under this hint, for an
+    /// operator that writes fresh pages faster with ordinary stores (every
+    /// one but EmbeddingDenseGrad).
+    pub const fn stream(self, large: bool) -> bool {
+        self.stream_op(large, false)
+    }
+
+    /// `stream`, for an operator that streams into fresh pages too when
+    /// `fresh_streams`.
+    pub(crate) const fn stream_op(self, large: bool, fresh_streams: bool) -> bool {
+        match self {
+            OutputPages::Unknown | OutputPages::Resident => large,
+            OutputPages::Fresh => large && fresh_streams,
+        }
+    }
+
+    /// `flags` (a plan's `NORM_FLAG_*` bits) with `NORM_FLAG_STREAM` as
+    /// this hint decides (see `stream_op`).
+    pub(crate) const fn apply(self, flags: u32, fresh_streams: bool) -> u32 {
+        if self.stream_op(flags & NORM_FLAG_STREAM != 0, fresh_streams) {
+            flags | NORM_FLAG_STREAM
+        } else {
+            flags & !NORM_FLAG_STREAM
+        }
+    }
+}
+
 fn round_up(n: usize, m: usize) -> Option<usize> {
     n.checked_add(m - 1).map(|v| v / m * m)
 }

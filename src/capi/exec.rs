@@ -5,12 +5,14 @@
 use super::foreign::{npk_foreign_backend, Foreign};
 use super::host_runner::HostRunner;
 use super::status::report;
-use super::types::{npk_error_detail, npk_exec, npk_status};
+use super::types::{
+    npk_error_detail, npk_exec, npk_status, NPK_OUTPUTS_FRESH, NPK_OUTPUTS_RESIDENT,
+};
 use crate::backend::{Backend, Cpu, Reference};
 use crate::error::{invalid, Error, Result};
 use crate::lanes::{detect, Isa};
 use crate::ops::Exec;
-use crate::tiling::{UbConfig, DEFAULT_BLOCKS, DEFAULT_UB_BYTES};
+use crate::tiling::{OutputPages, UbConfig, DEFAULT_BLOCKS, DEFAULT_UB_BYTES};
 
 /// Which backend `npk_exec.backend` names.
 #[derive(Clone, Copy)]
@@ -26,6 +28,7 @@ pub(crate) struct ExecConfig {
     isa: Option<Isa>,
     kind: Kind,
     runner: HostRunner,
+    outputs: OutputPages,
 }
 
 /// Reads `exec->detail` (NULL exec: none).
@@ -53,6 +56,7 @@ impl ExecConfig {
             isa: None,
             kind: Kind::Cpu,
             runner: HostRunner::new(None, core::ptr::null_mut()),
+            outputs: OutputPages::Unknown,
         };
         if exec.is_null() {
             return Ok(cfg);
@@ -84,7 +88,20 @@ impl ExecConfig {
             None => None,
             Some(i) => Some(detect::resolve(Some(i))?.isa()),
         };
-        cfg.kind = match e.backend {
+        // Bits 8.. of `backend` are the store hint (ABI 2.3); an older
+        // caller's value has none (the library before 2.3 refused them).
+        cfg.outputs = match e.backend & !0xff {
+            0 => OutputPages::Unknown,
+            NPK_OUTPUTS_FRESH => OutputPages::Fresh,
+            NPK_OUTPUTS_RESIDENT => OutputPages::Resident,
+            _ => {
+                return Err(invalid(
+                    "backend",
+                    "not an npk_backend_kind with at most one NPK_OUTPUTS_* bit",
+                ))
+            }
+        };
+        cfg.kind = match e.backend & 0xff {
             0 => Kind::Cpu,
             1 => Kind::Reference,
             2 => {
@@ -121,6 +138,7 @@ impl ExecConfig {
         let r = f(&Exec {
             ub: self.ub,
             backend,
+            outputs: self.outputs,
         });
         // A broken runner outranks whatever the call returned.
         match self.runner.fault() {

@@ -26,6 +26,15 @@ use crate::tensor::RawTensor;
 /// written by cbindgen.toml).
 pub const NPK_MAX_DIMS: usize = 8;
 
+/// `npk_exec.backend` bit (ABI 2.3; `#define NPK_OUTPUTS_FRESH 0x100u` in
+/// the header): the outputs were just allocated and never written
+/// (`OutputPages::Fresh`).
+pub const NPK_OUTPUTS_FRESH: u32 = 0x100;
+/// `npk_exec.backend` bit (ABI 2.3; `#define NPK_OUTPUTS_RESIDENT 0x200u`):
+/// the outputs were written before, or are on huge pages
+/// (`OutputPages::Resident`).
+pub const NPK_OUTPUTS_RESIDENT: u32 = 0x200;
+
 /// A tensor's element type (the header's definition of `npk_dtype`; the
 /// library's own type is `DType`, with the same values). C has no 16-bit
 /// float type: f16 and bf16 elements cross the ABI as `uint16_t` bit
@@ -265,7 +274,10 @@ pub struct npk_exec {
     /// the `NPK_MAX_CPU_ISA` environment ceiling) is `NPK_ERR_ISA_UNAVAILABLE`,
     /// whichever backend runs.
     pub isa: RawIsa,
-    /// CPU, reference or foreign.
+    /// CPU, reference or foreign, ORed (ABI 2.3) with at most one of
+    /// `NPK_OUTPUTS_FRESH` / `NPK_OUTPUTS_RESIDENT`: what the caller knows
+    /// about its output buffers' pages (neither: unknown). The hint decides
+    /// only how large outputs are stored, never a bit of them.
     pub backend: RawBackendKind,
     /// NULL = run blocks serially on the calling thread.
     pub parallel_for: npk_parallel_for_fn,

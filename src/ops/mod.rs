@@ -131,7 +131,7 @@ use core::ffi::c_void;
 use crate::backend::{Backend, CPU_SERIAL};
 use crate::error::{invalid_fmt, Error, Result};
 use crate::runner::Runner;
-use crate::tiling::UbConfig;
+use crate::tiling::{OutputPages, UbConfig};
 use crate::workspace::Workspace;
 
 /// Where and how every operator runs: the tiling machine model (`ub`) and
@@ -143,6 +143,9 @@ pub struct Exec<'a> {
     pub ub: UbConfig,
     /// Who runs the plan.
     pub backend: &'a dyn Backend,
+    /// What the caller knows about its output buffers' pages: how large
+    /// outputs are stored (`OutputPages`), never what.
+    pub outputs: OutputPages,
 }
 
 impl Exec<'static> {
@@ -151,6 +154,7 @@ impl Exec<'static> {
         Exec {
             ub: UbConfig::default(),
             backend: &CPU_SERIAL,
+            outputs: OutputPages::Unknown,
         }
     }
 }
@@ -161,6 +165,7 @@ impl Exec<'static> {
         Exec {
             ub: UbConfig::default(),
             backend: &crate::backend::Reference,
+            outputs: OutputPages::Unknown,
         }
     }
 }
@@ -177,6 +182,7 @@ impl<'a> Exec<'a> {
         Exec {
             ub: UbConfig::default(),
             backend,
+            outputs: OutputPages::Unknown,
         }
     }
 
@@ -184,12 +190,19 @@ impl<'a> Exec<'a> {
     pub fn with_ub(self, ub: UbConfig) -> Self {
         Exec { ub, ..self }
     }
+
+    /// The same, with what the caller knows about its output buffers
+    /// (`OutputPages::Fresh` when it has just allocated them).
+    pub fn with_outputs(self, outputs: OutputPages) -> Self {
+        Exec { outputs, ..self }
+    }
 }
 
 impl core::fmt::Debug for Exec<'_> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Exec")
             .field("ub", &self.ub)
+            .field("outputs", &self.outputs)
             .finish_non_exhaustive()
     }
 }
@@ -266,6 +279,12 @@ pub(crate) trait OpCall {
     fn overlapping(&self, addr: usize, bytes: usize) -> Option<&'static str>;
     /// Records the caller's workspace in the call.
     fn attach(&mut self, ws: *mut c_void, bytes: usize);
+    /// The plan's `NORM_FLAG_*` bits, for the store policy to set
+    /// `NORM_FLAG_STREAM` (`OutputPages::apply`).
+    fn flags_mut(&mut self) -> &mut u32;
+    /// Whether the operator writes fresh pages faster streamed (measured:
+    /// `docs/performance.md` "Store policy").
+    const FRESH_STREAMS: bool = false;
     /// The call as the `Op` a backend receives.
     fn op(&self) -> Op<'_>;
 }
@@ -273,10 +292,16 @@ pub(crate) trait OpCall {
 /// Implements `OpCall` for a `*Call` struct with `tiling.workspace_bytes`,
 /// `workspace` and `workspace_bytes` fields (registered in `operators!`);
 /// `$nothing` (a closure on the call) says when it writes nothing; `$t` are
-/// its tensor fields (absent optional ones are empty, so never overlap).
+/// its tensor fields (absent optional ones are empty, so never overlap);
+/// `fresh_streams = true` keeps large outputs streamed under
+/// `OutputPages::Fresh` (an operator measured faster so).
 macro_rules! op_call {
     ($call:ty, $nothing:expr, [$($t:ident),*]) => {
+        $crate::ops::op_call!($call, $nothing, [$($t),*], fresh_streams = false);
+    };
+    ($call:ty, $nothing:expr, [$($t:ident),*], fresh_streams = $fs:literal) => {
         impl $crate::ops::OpCall for $call {
+            const FRESH_STREAMS: bool = $fs;
             fn workspace_needed(&self) -> u64 {
                 self.tiling.workspace_bytes
             }
@@ -295,6 +320,9 @@ macro_rules! op_call {
             fn attach(&mut self, ws: *mut core::ffi::c_void, bytes: usize) {
                 self.workspace = ws;
                 self.workspace_bytes = bytes;
+            }
+            fn flags_mut(&mut self) -> &mut u32 {
+                &mut self.tiling.flags
             }
             fn op(&self) -> $crate::ops::Op<'_> {
                 $crate::ops::Op::from(self)
@@ -325,6 +353,10 @@ pub(crate) fn launch<C: OpCall>(
         return Ok(());
     }
     call.attach(ws, bytes);
+    // The store policy: how large outputs are written (the plan cut from
+    // the shapes says which are large), never what.
+    let flags = call.flags_mut();
+    *flags = exec.outputs.apply(*flags, C::FRESH_STREAMS);
     // SAFETY: `call` was built by its operator's `prepare` from validated
     // descriptors, and the workspace was just checked against its plan.
     unsafe { exec.backend.launch(call.op()) }

@@ -46,6 +46,7 @@ void rope_call(const char *op, const at::Tensor &q, const at::Tensor *k, const a
   o.backward = backward ? 1u : 0u;
   Call call(op);
   if (!k) call.rename("q", "x", "q_out", "y");
+  call.outputs({&q_out, k_out});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_rope_workspace_size(&qt, k ? &kt : nullptr, &ct, &st, &o, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
@@ -62,6 +63,7 @@ at::Tensor swiglu(const at::Tensor &x_in, int64_t dim, bool eager) {
   npk_tensor xt = describe(x, op, "x"), yt = describe(y, op, "y");
   const npk_swiglu_options o = swiglu_options(dim, eager);
   Call call(op);
+  call.outputs({&y});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_swiglu_workspace_size(&xt, nullptr, &o, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
@@ -76,6 +78,7 @@ at::Tensor swiglu_backward(const at::Tensor &dy_in, const at::Tensor &x_in, int6
   npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), dxt = describe(dx, op, "dx");
   const npk_swiglu_options o = swiglu_options(dim, eager);
   Call call(op);
+  call.outputs({&dx});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_swiglu_grad_workspace_size(&dyt, &xt, nullptr, &o, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
@@ -90,6 +93,7 @@ at::Tensor silu_mul(const at::Tensor &gate_in, const at::Tensor &up_in, bool eag
   npk_tensor gt = describe(gate, op, "gate"), ut = describe(up, op, "up"), yt = describe(y, op, "y");
   const npk_swiglu_options o = swiglu_options(-1, eager);
   Call call(op);
+  call.outputs({&y});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_swiglu_workspace_size(&gt, &ut, &o, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
@@ -108,6 +112,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy_in, co
   npk_tensor dgt = describe(dgate, op, "dgate"), dut = describe(dup, op, "dup");
   const npk_swiglu_options o = swiglu_options(-1, eager);
   Call call(op);
+  call.outputs({&dgate, &dup});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_swiglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);

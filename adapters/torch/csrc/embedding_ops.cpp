@@ -96,6 +96,7 @@ at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tenso
   const uint64_t nw = static_cast<uint64_t>(num_weights);
 
   Call call(op);
+  call.outputs({&out});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_embedding_dense_grad_workspace_size(&gt, &it, nw, &opts, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);

@@ -5,8 +5,15 @@
 #include <c10/util/Exception.h>
 
 #include <cctype>
+#include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <string>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 namespace npk_torch {
 namespace {
@@ -68,6 +75,56 @@ npk_tensor describe(const at::Tensor &t, const char *op, const char *arg) {
   return d;
 }
 
+namespace {
+
+// The store policy's inputs (docs/performance.md "Store policy").
+constexpr size_t kStreamMinBytes = size_t{8} << 20;  // STREAM_MIN_BYTES, src/tiling.rs
+constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+
+enum class Pages { Resident, FreshHuge, Fresh };
+
+#ifdef __linux__
+// Whether madvise(MADV_HUGEPAGE) gives huge pages here (read once).
+bool thp_usable() {
+  static const bool usable = [] {
+    std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+    std::string s;
+    std::getline(f, s);
+    return s.find("[always]") != std::string::npos || s.find("[madvise]") != std::string::npos;
+  }();
+  return usable;
+}
+#endif
+
+// What an output just allocated by at::empty is, preparing a fresh one for
+// huge pages when it can. Small outputs are never streamed: "resident".
+Pages prepare_output(const at::Tensor &t) {
+#ifdef __linux__
+  const size_t bytes = t.nbytes();
+  if (bytes < kStreamMinBytes || t.data_ptr() == nullptr) return Pages::Resident;
+  const long ps = sysconf(_SC_PAGESIZE);
+  if (ps <= 0) return Pages::Resident;
+  const uintptr_t page = static_cast<uintptr_t>(ps);
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t hi = lo + bytes;
+  // The last whole page: the allocator wrote its header at the start, never there.
+  const uintptr_t last = (hi & ~(page - 1)) - page;
+  unsigned char in_core = 1;
+  if (last < lo || mincore(reinterpret_cast<void *>(last), page, &in_core) != 0 || (in_core & 1))
+    return Pages::Resident;
+  if (thp_usable()) {
+    const uintptr_t a = (lo + kHugePage - 1) & ~(kHugePage - 1), b = hi & ~(kHugePage - 1);
+    if (b > a && madvise(reinterpret_cast<void *>(a), b - a, MADV_HUGEPAGE) == 0) return Pages::FreshHuge;
+  }
+  return Pages::Fresh;
+#else
+  (void)t;
+  return Pages::Resident;
+#endif
+}
+
+}  // namespace
+
 Call::Call(const char *op) : op_(op) {
   exec_.parallel_for = aten_parallel_for;
   exec_.detail = &detail_;
@@ -102,6 +159,20 @@ std::string replace_word(const std::string &text, const char *from, const char *
 }
 
 }  // namespace
+
+void Call::outputs(std::initializer_list<const at::Tensor *> ts) {
+  bool large = false, fresh = false;
+  for (const at::Tensor *t : ts) {
+    if (t == nullptr || !t->defined() || t->nbytes() < kStreamMinBytes) continue;
+    large = true;
+    if (prepare_output(*t) == Pages::Fresh) fresh = true;
+  }
+  // Small outputs: no hint (nothing is streamed). Any output on fresh 4 KiB
+  // pages: ordinary stores for the call; else streaming.
+  if (!large) return;
+  const unsigned hint = fresh ? NPK_OUTPUTS_FRESH : NPK_OUTPUTS_RESIDENT;
+  exec_.backend = static_cast<npk_backend_kind>(static_cast<unsigned>(NPK_BACKEND_CPU) | hint);
+}
 
 void Call::check(npk_status status) const {
   if (status == NPK_OK) return;

@@ -8,6 +8,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <cstddef>
+#include <initializer_list>
 #include <vector>
 
 #include "npukern.h"
@@ -37,6 +38,19 @@ class Call {
   // caller's `to` (`to_out`): one C call serving an op whose arguments are
   // named otherwise (rotary_mul's x is RoPE's q).
   void rename(const char *from, const char *to, const char *from_out, const char *to_out);
+
+  // Tells the library what is known of the outputs this op just allocated
+  // with at::empty (the store policy, docs/performance.md "Store policy";
+  // ABI 2.3). An output of 8 MiB or more (STREAM_MIN_BYTES) whose last page
+  // the OS has not yet mapped (mincore) is fresh: it gets transparent huge
+  // pages (madvise(MADV_HUGEPAGE) on its 2 MiB-aligned interior, where THP
+  // is "always" or "madvise"), which measured 2.3-3.5x faster than
+  // faulting 4 KiB pages during the call, and is then stored like a
+  // resident one (NPK_OUTPUTS_RESIDENT: streaming). Without THP it is
+  // NPK_OUTPUTS_FRESH (ordinary stores, which overwrite the zeroed lines in
+  // cache). glibc hands large blocks back resident as often as fresh, so
+  // the pages are asked, not assumed. Changes no output bit.
+  void outputs(std::initializer_list<const at::Tensor *> ts);
 
   // A workspace of `bytes` from PyTorch's CPU allocator (kept alive by the
   // returned tensor); `data(ws)` is NULL when bytes == 0.

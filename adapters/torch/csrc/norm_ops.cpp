@@ -40,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x_in, const at::Te
   const npk_rms_norm_options opts = norm_options(op, epsilon, gamma_offset, cast_before_gamma);
 
   Call call(op);
+  call.outputs({&y});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_rms_norm_workspace_size(&xt, &gt, &opts, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
@@ -62,6 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1
   const npk_rms_norm_options opts = norm_options(op, epsilon, gamma_offset, cast_before_gamma);
 
   Call call(op);
+  call.outputs({&y, &x_sum});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_add_rms_norm_workspace_size(&x1t, &x2t, &gt, &opts, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
@@ -91,6 +93,7 @@ std::tuple<at::Tensor, at::Tensor> norm_grad(const char *op, const at::Tensor &d
   opts.gamma_offset = offset_f32(op, gamma_offset);
 
   Call call(op);
+  call.outputs({&dx});  // just allocated: the store policy (glue.h)
   size_t bytes = 0;
   call.check(npk_rms_norm_grad_workspace_size(&dyt, &xt, &rt, &gt, &opts, call.exec(), &bytes));
   at::Tensor ws = Call::workspace(bytes);
