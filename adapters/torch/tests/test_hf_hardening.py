@@ -312,3 +312,23 @@ def test_setup_finds_the_library_where_cargo_puts_it(tmp_path, monkeypatch):
     meta = subprocess.run(["cargo", "metadata", "--format-version", "1", "--no-deps"], cwd=root, check=True,
                           capture_output=True, text=True)
     assert Path(json.loads(meta.stdout)["target_directory"]) == tmp_path / "elsewhere"
+
+
+# Found in the hunt: torch_npu's drop-in functions crashed on float64.
+
+
+def test_npu_drop_ins_fall_back_for_float64():
+    from npukern_torch import npu
+
+    g = torch.Generator().manual_seed(4)
+    x, r = torch.randn(3, 8, generator=g, dtype=torch.float64), torch.randn(3, 8, generator=g, dtype=torch.float64)
+    w = torch.rand(8, generator=g, dtype=torch.float64) + 0.5
+    y, rstd = npu.npu_rms_norm(x, w)
+    want = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w
+    assert y.dtype == torch.float64 and torch.allclose(y, want) and rstd.shape == (3, 1)
+    y2, _, s = npu.npu_add_rms_norm(x, r, w)
+    assert torch.equal(s, x + r) and y2.dtype == torch.float64
+    a, b = x.chunk(2, -1)
+    assert torch.equal(npu.npu_swiglu(x), torch.nn.functional.silu(a) * b)
+    x1, x2 = x.chunk(2, -1)
+    assert torch.equal(npu.npu_rotary_mul(x, r, r), x * r + torch.cat((-x2, x1), -1) * r)

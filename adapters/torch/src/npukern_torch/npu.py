@@ -12,11 +12,28 @@ nor float32 is used as float32.
 - ``npu_swiglu(x, dim=-1) -> silu(a) * b`` with ``a, b = x.chunk(2, dim)``
 - ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + rotate_half(x) * r2``
 
-fp32 inside, one rounding; differentiable (npu_rotary_mul in r1 and r2 too)."""
+fp32 inside, one rounding; differentiable (npu_rotary_mul in r1 and r2 too).
+
+Inputs the kernels do not take (float64, non-CPU tensors) run the same
+formulas as torch ops in x's dtype (``model.double()`` keeps working)."""
 
 import torch
 
+from . import _composite
 from . import functional as _F
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _on_kernels(*tensors):
+    return all(t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES for t in tensors)
+
+
+def _torch_rms_norm(x, gamma, epsilon):
+    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
+    xf = x.float() if x.dtype in _KERNEL_DTYPES else x
+    rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + epsilon)
+    return (xf * rstd * gamma.to(xf.dtype)).to(x.dtype), rstd.float()
 
 __all__ = ["npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
 
@@ -27,16 +44,24 @@ def _gamma(x, gamma):
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
     """torch_npu.npu_rms_norm: ``(y, rstd)``."""
+    if not _on_kernels(x, gamma):
+        return _torch_rms_norm(x, gamma, epsilon)
     return _F.rms_norm(x, _gamma(x, gamma), epsilon)
 
 
 def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
     """torch_npu.npu_add_rms_norm: ``(y, rstd, x1 + x2)``."""
+    if not _on_kernels(x1, x2, gamma) or x1.dtype != x2.dtype or x1.shape != x2.shape:
+        x_sum = x1 + x2
+        return (*npu_rms_norm(x_sum, gamma, epsilon), x_sum)
     return _F.add_rms_norm(x1, x2, _gamma(x1, gamma), epsilon)
 
 
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """torch_npu.npu_swiglu: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``."""
+    if not _on_kernels(x):
+        a, b = x.chunk(2, dim)
+        return torch.nn.functional.silu(a) * b
     return _F.swiglu(x, dim)
 
 
@@ -45,4 +70,6 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
     broadcast to x; "half" mode, the one Hugging Face models use)."""
     if rotary_mode != "half":
         raise ValueError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not supported (only 'half')")
+    if not _on_kernels(x, r1, r2):
+        return x * r1 + _composite.rotate_half(x) * r2
     return _F.rotary_mul(x, _gamma(x, r1), _gamma(x, r2))
