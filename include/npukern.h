@@ -232,6 +232,44 @@ typedef enum npk_elem_rounding {
 } npk_elem_rounding;
 
 /**
+ * How CrossEntropy reduces its per-row losses (the header's
+ * `npk_reduction`; the library's own type is `Reduction`). ABI 2.3.
+ */
+typedef enum npk_reduction {
+  /**
+   * One loss per row.
+   */
+  NPK_REDUCTION_NONE = 0,
+  /**
+   * Their sum.
+   */
+  NPK_REDUCTION_SUM = 1,
+  /**
+   * Their sum over the weight sum of the rows not ignored (torch's mean).
+   */
+  NPK_REDUCTION_MEAN = 2,
+} npk_reduction;
+
+/**
+ * What an `npk_cross_entropy_call` computes (the header's `npk_ce_mode`;
+ * the library's own type is `CeMode`). ABI 2.3.
+ */
+typedef enum npk_ce_mode {
+  /**
+   * loss and lse.
+   */
+  NPK_CE_FORWARD = 0,
+  /**
+   * dlogits from lse and the upstream gradient.
+   */
+  NPK_CE_BACKWARD = 1,
+  /**
+   * loss, lse and dlogits in one call.
+   */
+  NPK_CE_FUSED = 2,
+} npk_ce_mode;
+
+/**
  * A block task: `task(task_ctx, block)`.
  */
 typedef void (*npk_task_fn)(void *task_ctx,
@@ -878,6 +916,133 @@ typedef struct npk_rope_call {
 } npk_rope_call;
 
 /**
+ * The plan of one CrossEntropy: rows over blocks, whole rows per block.
+ */
+typedef struct npk_cross_entropy_tiling {
+  /**
+   * Rows N.
+   */
+  uint64_t rows;
+  /**
+   * Classes C.
+   */
+  uint64_t cols;
+  /**
+   * Rows per block (`ceil(rows / blocks)`); the last block may have fewer.
+   */
+  uint64_t rows_per_block;
+  /**
+   * Columns per UB tile of the online pass (a multiple of 128; an NPU
+   * kernel streams a longer row through the UB in such tiles, the CPU
+   * streams it through its caches).
+   */
+  uint64_t ub_cols;
+  /**
+   * Blocks (0 when there are no rows).
+   */
+  uint32_t blocks;
+  /**
+   * `NORM_FLAG_SERIAL` when small: a hint that never changes a bit.
+   */
+  uint32_t flags;
+  /**
+   * Total workspace bytes: N f32 row losses (+ 64 bytes of alignment
+   * slack) for a reducing forward, else 0.
+   */
+  uint64_t workspace_bytes;
+} npk_cross_entropy_tiling;
+
+/**
+ * The validated arguments of one CrossEntropy (`npk_cross_entropy_call`).
+ * Absent tensors are empty descriptors.
+ */
+typedef struct npk_cross_entropy_call {
+  /**
+   * Logits `[N, C]`, f32, f16 or bf16.
+   */
+  struct npk_tensor logits;
+  /**
+   * Class indices `[N]`, i32 or i64.
+   */
+  struct npk_tensor target;
+  /**
+   * Class weights `[C]` f32 (`has_weight`).
+   */
+  struct npk_tensor weight;
+  /**
+   * Backward: the forward's lse, N f32.
+   */
+  struct npk_tensor lse_in;
+  /**
+   * Backward: the upstream gradient of the loss (N f32 for `None`, else
+   * one); fused: the gradient factor per row (N f32, `grad_per_row`) or
+   * one for every row.
+   */
+  struct npk_tensor grad;
+  /**
+   * Forward and fused: the loss (N f32, or one for `Sum` / `Mean`).
+   */
+  struct npk_tensor loss;
+  /**
+   * Forward and fused: lse, N f32 (`has_lse`).
+   */
+  struct npk_tensor lse;
+  /**
+   * Backward and fused: dlogits, logits' shape and dtype; may be the
+   * logits buffer itself (in place).
+   */
+  struct npk_tensor dlogits;
+  /**
+   * What the call computes.
+   */
+  npk_ce_mode mode;
+  /**
+   * The forward's reduction (the backward's `grad` shape).
+   */
+  npk_reduction reduction;
+  /**
+   * Rows with this target are ignored.
+   */
+  int64_t ignore_index;
+  /**
+   * Label smoothing in [0, 1].
+   */
+  float label_smoothing;
+  /**
+   * z-loss scale (0 = off).
+   */
+  float lse_square_scale;
+  /**
+   * Soft-capping (0 = off).
+   */
+  float softcap;
+  /**
+   * 1 when `weight` is given.
+   */
+  uint32_t has_weight;
+  /**
+   * 1 when `lse` is written.
+   */
+  uint32_t has_lse;
+  /**
+   * 1 when `grad` holds one value per row.
+   */
+  uint32_t grad_per_row;
+  /**
+   * The tiling plan.
+   */
+  struct npk_cross_entropy_tiling tiling;
+  /**
+   * The caller's workspace.
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_cross_entropy_call;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -936,6 +1101,11 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*rope)(void *ctx,
                      const struct npk_rope_call *call);
+  /**
+   * CrossEntropy: forward, backward and fused, by `call->mode` (ABI 2.3).
+   */
+  npk_status (*cross_entropy)(void *ctx,
+                              const struct npk_cross_entropy_call *call);
 } npk_foreign_backend;
 
 /**
@@ -1022,6 +1192,34 @@ typedef struct npk_exec {
    */
   struct npk_error_detail *detail;
 } npk_exec;
+
+/**
+ * Options of CrossEntropy, its gradient and the fused form. NULL options =
+ * `{ NPK_REDUCTION_MEAN, -100, 0, 0, 0 }` (PyTorch's defaults). ABI 2.3.
+ */
+typedef struct npk_cross_entropy_options {
+  /**
+   * The forward's reduction (the backward's `grad` shape); not used by
+   * the fused form.
+   */
+  npk_reduction reduction;
+  /**
+   * Rows whose target equals it are ignored.
+   */
+  int64_t ignore_index;
+  /**
+   * Label smoothing in [0, 1].
+   */
+  float label_smoothing;
+  /**
+   * z-loss scale: `lse_square_scale * lse^2` added per row (0 = off).
+   */
+  float lse_square_scale;
+  /**
+   * Logit soft-capping `softcap * tanh(x / softcap)` (0 = off).
+   */
+  float softcap;
+} npk_cross_entropy_options;
 
 /**
  * Options of EmbeddingDenseGrad. NULL options = `{ -1, 0, 0,
@@ -1210,6 +1408,112 @@ enum npk_status npk_add_rms_norm(const struct npk_tensor *x1,
                                  void *workspace,
                                  size_t workspace_bytes,
                                  const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_cross_entropy` needs (N f32 and 64 bytes for a sum
+ * or mean, else 0; the same arguments as the run).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_cross_entropy_workspace_size(const struct npk_tensor *logits,
+                                                 const struct npk_tensor *target,
+                                                 const struct npk_tensor *weight,
+                                                 const struct npk_cross_entropy_options *opts,
+                                                 const struct npk_exec *exec,
+                                                 size_t *workspace_bytes);
+
+/**
+ * CrossEntropy forward: `logits` `[N, C]` (f32, f16, bf16), `target` `[N]`
+ * (i32, i64), `weight` `[C]` f32 or NULL; writes `loss` (f32: N elements
+ * for `NPK_REDUCTION_NONE`, else 1) and `lse` (N f32) unless NULL. An
+ * out-of-range target fails with `NPK_ERR_INDEX_OUT_OF_RANGE` (the detail
+ * names the row and value). On error nothing is written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_cross_entropy(const struct npk_tensor *logits,
+                                  const struct npk_tensor *target,
+                                  const struct npk_tensor *weight,
+                                  const struct npk_cross_entropy_options *opts,
+                                  const struct npk_tensor *loss,
+                                  const struct npk_tensor *lse,
+                                  void *workspace,
+                                  size_t workspace_bytes,
+                                  const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_cross_entropy_grad` needs (0).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_cross_entropy_grad_workspace_size(const struct npk_tensor *logits,
+                                                      const struct npk_tensor *target,
+                                                      const struct npk_tensor *weight,
+                                                      const struct npk_cross_entropy_options *opts,
+                                                      const struct npk_exec *exec,
+                                                      size_t *workspace_bytes);
+
+/**
+ * CrossEntropy backward: `dlogits` (logits' dtype and element count; may
+ * be `logits`' own buffer, in place) from the logits, target, weight, the
+ * forward's `lse` (N f32) and `grad`, the upstream gradient of the loss
+ * (f32: N for `NPK_REDUCTION_NONE`, else 1; a mean's division is done
+ * here). Ignored rows get zeros. On error nothing is written.
+ *
+ * # Safety
+ * As for `npk_cross_entropy`.
+ */
+enum npk_status npk_cross_entropy_grad(const struct npk_tensor *logits,
+                                       const struct npk_tensor *target,
+                                       const struct npk_tensor *weight,
+                                       const struct npk_tensor *lse,
+                                       const struct npk_tensor *grad,
+                                       const struct npk_cross_entropy_options *opts,
+                                       const struct npk_tensor *dlogits,
+                                       void *workspace,
+                                       size_t workspace_bytes,
+                                       const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_cross_entropy_fused` needs (0).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_cross_entropy_fused_workspace_size(const struct npk_tensor *logits,
+                                                       const struct npk_tensor *target,
+                                                       const struct npk_tensor *weight,
+                                                       const struct npk_cross_entropy_options *opts,
+                                                       const struct npk_exec *exec,
+                                                       size_t *workspace_bytes);
+
+/**
+ * CrossEntropy forward and backward in one call (the fused linear
+ * cross-entropy's per-chunk step): per row `loss` (N f32, never reduced)
+ * and `lse` (N f32, unless NULL), and `dlogits = grad_scale_i * d loss_i /
+ * d logits` with `grad_scale` f32 of N elements or 1 (e.g. `1 / global
+ * denominator` for a mean over chunks). `dlogits` may be `logits`' own
+ * buffer (in place). `opts->reduction` is not used. On error nothing is
+ * written.
+ *
+ * # Safety
+ * As for `npk_cross_entropy`.
+ */
+enum npk_status npk_cross_entropy_fused(const struct npk_tensor *logits,
+                                        const struct npk_tensor *target,
+                                        const struct npk_tensor *weight,
+                                        const struct npk_tensor *grad_scale,
+                                        const struct npk_cross_entropy_options *opts,
+                                        const struct npk_tensor *loss,
+                                        const struct npk_tensor *lse,
+                                        const struct npk_tensor *dlogits,
+                                        void *workspace,
+                                        size_t workspace_bytes,
+                                        const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_embedding_dense_grad` needs (sized from the shapes

@@ -64,6 +64,12 @@ pub use lanes::Isa;
 pub use ops::add_rms_norm::{
     add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,
 };
+pub use ops::cross_entropy::{
+    cross_entropy, cross_entropy_fused, cross_entropy_fused_workspace_size, cross_entropy_grad,
+    cross_entropy_grad_in_place, cross_entropy_grad_workspace_size, cross_entropy_workspace_size,
+    CeMode, CrossEntropyCall, CrossEntropyOptions, CrossEntropyTargets, CrossEntropyTiling,
+    Reduction,
+};
 pub use ops::elementwise::ElemRounding;
 pub use ops::embedding_dense_grad::{
     embedding_dense_grad, embedding_dense_grad_workspace_size, EmbeddingDenseGradCall,

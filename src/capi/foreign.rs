@@ -14,6 +14,7 @@ use super::types::RawStatus;
 use crate::backend::Backend;
 use crate::error::{invalid_fmt, Error, Result};
 use crate::ops::add_rms_norm::AddRmsNormCall;
+use crate::ops::cross_entropy::CrossEntropyCall;
 use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
 use crate::ops::rms_norm::RmsNormCall;
 use crate::ops::rms_norm_grad::RmsNormGradCall;
@@ -63,6 +64,9 @@ pub struct npk_foreign_backend {
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const SwigluGradCall) -> RawStatus>,
     /// RoPE, forward and backward (ABI 2.2).
     pub rope: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const RopeCall) -> RawStatus>,
+    /// CrossEntropy: forward, backward and fused, by `call->mode` (ABI 2.3).
+    pub cross_entropy:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const CrossEntropyCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -104,6 +108,7 @@ impl npk_foreign_backend {
             swiglu: None,
             swiglu_grad: None,
             rope: None,
+            cross_entropy: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -132,6 +137,7 @@ impl npk_foreign_backend {
                 Op::Swiglu(c) => self.swiglu.map(|f| f(ctx, c)),
                 Op::SwigluGrad(c) => self.swiglu_grad.map(|f| f(ctx, c)),
                 Op::Rope(c) => self.rope.map(|f| f(ctx, c)),
+                Op::CrossEntropy(c) => self.cross_entropy.map(|f| f(ctx, c)),
             }
         }
     }

@@ -3,7 +3,7 @@
 //! no libm, no table — so every ISA and the portable lanes give the same bits.
 //! Error against f64 over every f32 input: `exp_all_inputs` below.
 
-use super::Lanes;
+use super::{Lanes, GROUP};
 
 /// ln 2 split so that `n * LN2_HI` is exact for |n| <= 2^8 (Cody-Waite).
 const LN2_HI: f32 = 0.693_359_4;
@@ -55,6 +55,180 @@ pub fn exp<L: Lanes>(x: L) -> L {
 #[inline(always)]
 pub fn silu<L: Lanes>(x: L) -> L {
     x.div(L::splat(1.0).add(exp(L::splat(0.0).sub(x))))
+}
+
+/// Cephes `logf`'s minimax coefficients for log(1 + f) - f + f^2/2 on
+/// f in [sqrt(1/2) - 1, sqrt(2) - 1], highest degree first.
+const LOGP: [f32; 9] = [
+    7.037_683_6e-2,
+    -1.151_461e-1,
+    1.167_699_9e-1,
+    -1.242_014_1e-1,
+    1.424_932_3e-1,
+    -1.666_805_8e-1,
+    2.000_071_4e-1,
+    -2.499_999_4e-1,
+    3.333_333e-1,
+];
+
+/// Lane-wise natural logarithm: `log(+0) = -Inf`, `log(+Inf) = +Inf`,
+/// negative or NaN in -> NaN, subnormals exact. Each lane is split into
+/// `2^e * (1 + f)` with `1 + f` in [sqrt(1/2), sqrt(2)) through its bits
+/// (stored and reloaded: `Lanes` has no integer operations), then Cephes'
+/// polynomial runs over the lanes with IEEE add, sub and mul alone, so
+/// every ISA gives the same bits. Within 1 ulp of f64 (`log_sweep` below).
+#[inline(always)]
+pub fn log<L: Lanes>(x: L) -> L {
+    let mut a = [0f32; GROUP];
+    x.store(&mut a);
+    let mut f = [0f32; GROUP];
+    let mut e = [0f32; GROUP];
+    let mut special = [None::<f32>; GROUP];
+    for i in 0..GROUP {
+        let v = a[i];
+        if v.is_nan() || v < 0.0 {
+            special[i] = Some(f32::NAN);
+            continue;
+        }
+        if v == 0.0 {
+            special[i] = Some(f32::NEG_INFINITY);
+            continue;
+        }
+        if v == f32::INFINITY {
+            special[i] = Some(f32::INFINITY);
+            continue;
+        }
+        let (mut b, mut ex) = (v.to_bits(), 0i32);
+        if b < 0x0080_0000 {
+            // Subnormal: scale into the normal range (exact).
+            b = (v * 33_554_432.0).to_bits();
+            ex = -25;
+        }
+        ex += ((b >> 23) & 0xff) as i32 - 126;
+        // The mantissa in [0.5, 1); both adjustments below are exact.
+        let m = f32::from_bits((b & 0x007f_ffff) | 0x3f00_0000);
+        if m < core::f32::consts::FRAC_1_SQRT_2 {
+            ex -= 1;
+            f[i] = m + m - 1.0;
+        } else {
+            f[i] = m - 1.0;
+        }
+        e[i] = ex as f32;
+    }
+    let (f, e) = (L::load(&f), L::load(&e));
+    let z = f.mul(f);
+    let mut y = L::splat(LOGP[0]);
+    for c in &LOGP[1..] {
+        y = y.mul(f).add(L::splat(*c));
+    }
+    let y = y.mul(f).mul(z);
+    let y = y.add(e.mul(L::splat(LN2_LO)));
+    let y = y.sub(z.mul(L::splat(0.5)));
+    let r = f.add(y).add(e.mul(L::splat(LN2_HI)));
+    if special.iter().all(Option::is_none) {
+        return r;
+    }
+    let mut o = [0f32; GROUP];
+    r.store(&mut o);
+    for (o, s) in o.iter_mut().zip(special) {
+        if let Some(s) = s {
+            *o = s;
+        }
+    }
+    L::load(&o)
+}
+
+/// Cephes `tanhf`'s coefficients for (tanh(x) - x) / x^3 on |x| < 0.625,
+/// highest degree first.
+const TANHP: [f32; 5] = [
+    -5.704_988_7e-3,
+    2.063_909e-2,
+    -5.373_971_6e-2,
+    1.333_144_2e-1,
+    -3.333_328e-1,
+];
+
+/// Lane-wise hyperbolic tangent (Gemma 2's logit soft-capping): on |x| <
+/// 0.625 `x + x^3 P(x^2)` (Cephes), above `1 - 2 / (e^{2|x|} + 1)` with
+/// `exp` above (1 exactly from |x| > 44.4), the sign put back last; NaN in
+/// -> NaN out, -0 -> +0. IEEE add, sub, mul and div alone: the same bits
+/// on every ISA. Within 2 ulp of f64 (`tanh_sweep` below).
+#[inline(always)]
+pub fn tanh<L: Lanes>(x: L) -> L {
+    let (zero, one) = (L::splat(0.0), L::splat(1.0));
+    let a = x.select_lt(zero, zero.sub(x), x);
+    let big = one.sub(L::splat(2.0).div(exp(a.add(a)).add(one)));
+    let z = a.mul(a);
+    let mut p = L::splat(TANHP[0]);
+    for c in &TANHP[1..] {
+        p = p.mul(z).add(L::splat(*c));
+    }
+    let small = p.mul(z).mul(a).add(a);
+    let t = a.select_lt(L::splat(0.625), small, big);
+    x.select_lt(zero, zero.sub(t), t)
+}
+
+/// `ln x` in f64 for the golden models: `x = 2^e * m` with m in
+/// [sqrt(1/2), sqrt(2)), `ln m = 2 atanh((m - 1) / (m + 1))` summed to 22
+/// odd terms (truncation < 1e-19), plus `e ln 2`; within 2 ulp of f64.
+/// `ln(0) = -Inf`, negative or NaN -> NaN, `ln(+Inf) = +Inf`.
+pub fn log_f64(x: f64) -> f64 {
+    if x.is_nan() || x < 0.0 {
+        return f64::NAN;
+    }
+    if x == 0.0 {
+        return f64::NEG_INFINITY;
+    }
+    if x == f64::INFINITY {
+        return x;
+    }
+    let (mut b, mut e) = (x.to_bits(), 0i64);
+    if b < (1u64 << 52) {
+        b = (x * 18_014_398_509_481_984.0).to_bits(); // 2^54
+        e = -54;
+    }
+    e += ((b >> 52) & 0x7ff) as i64 - 1022;
+    let mut m = f64::from_bits((b & 0x000f_ffff_ffff_ffff) | 0x3fe0_0000_0000_0000);
+    if m < core::f64::consts::FRAC_1_SQRT_2 {
+        e -= 1;
+        m *= 2.0;
+    }
+    let u = (m - 1.0) / (m + 1.0);
+    let u2 = u * u;
+    let mut s = 0.0f64;
+    for k in (0..22).rev() {
+        s = s * u2 + 1.0 / (2 * k + 1) as f64;
+    }
+    2.0 * u * s + e as f64 * core::f64::consts::LN_2
+}
+
+/// `tanh x` in f64 for the golden models: on |x| < 1 the quotient of the
+/// sinh and cosh Taylor sums (no cancellation near 0), above it `1 - 2 /
+/// (e^{2|x|} + 1)`; NaN -> NaN.
+pub fn tanh_f64(x: f64) -> f64 {
+    if x.is_nan() {
+        return x;
+    }
+    let a = if x < 0.0 { -x } else { x };
+    let t = if a < 1.0 {
+        let (mut sh, mut ch, mut c) = (0.0f64, 0.0f64, 1.0f64);
+        for k in 0..30u32 {
+            if k % 2 == 0 {
+                ch += c;
+            } else {
+                sh += c;
+            }
+            c *= a / (k + 1) as f64;
+        }
+        sh / ch
+    } else {
+        1.0 - 2.0 / (exp_f64(2.0 * a) + 1.0)
+    };
+    if x < 0.0 {
+        -t
+    } else {
+        t
+    }
 }
 
 /// `e^x` in f64 for the golden models (no libm in `no_std`): Cody-Waite
@@ -182,6 +356,96 @@ mod tests {
             b += GROUP as u64 * stride as u64;
         }
         (worst.0, worst.1, differ)
+    }
+
+    /// `log` and `tanh` on every `stride`-th f32 bit pattern: the same bits
+    /// on every ISA as on Portable, and the worst error against std's f64.
+    #[cfg(feature = "std")]
+    fn sweep_fn(
+        stride: u32,
+        f: fn([f32; GROUP], crate::lanes::detect::Available) -> [f32; GROUP],
+        want: fn(f64) -> f64,
+    ) -> (f64, u32, u64) {
+        use crate::lanes::{detect, Isa};
+        let mut worst = (0f64, 0u32);
+        let mut differ = 0u64;
+        let portable = detect::resolve(Some(Isa::Portable)).expect("portable");
+        let mut b = 3u64;
+        while b <= u32::MAX as u64 {
+            let x: [f32; GROUP] = core::array::from_fn(|i| {
+                f32::from_bits(((b + i as u64 * stride as u64) & 0xffff_ffff) as u32)
+            });
+            let w = f(x, portable);
+            for (i, v) in x.iter().enumerate() {
+                let e = ulps(w[i], want(*v as f64));
+                if e > worst.0 {
+                    worst = (e, v.to_bits());
+                }
+            }
+            for isa in Isa::ALL {
+                let Ok(a) = detect::resolve(Some(isa)) else {
+                    continue;
+                };
+                let g = f(x, a);
+                differ += g
+                    .iter()
+                    .zip(&w)
+                    .filter(|(g, w)| g.to_bits() != w.to_bits())
+                    .count() as u64;
+            }
+            b += GROUP as u64 * stride as u64;
+        }
+        (worst.0, worst.1, differ)
+    }
+
+    #[cfg(feature = "std")]
+    fn log_on(x: [f32; GROUP], a: crate::lanes::detect::Available) -> [f32; GROUP] {
+        let mut o = [0f32; GROUP];
+        // SAFETY: `a` proves the ISA is available.
+        dispatch_isa!(a, L => unsafe { L::enter(|| log(L::load(&x)).store(&mut o)) });
+        o
+    }
+
+    #[cfg(feature = "std")]
+    fn tanh_on(x: [f32; GROUP], a: crate::lanes::detect::Available) -> [f32; GROUP] {
+        let mut o = [0f32; GROUP];
+        // SAFETY: `a` proves the ISA is available.
+        dispatch_isa!(a, L => unsafe { L::enter(|| tanh(L::load(&x)).store(&mut o)) });
+        o
+    }
+
+    /// 2^32 / 67 inputs: `log` within 1 ulp of f64 `ln`, the same bits on
+    /// every ISA; the f64 model within 1e-15 of std's.
+    #[test]
+    #[cfg(feature = "std")]
+    fn log_sweep() {
+        let (worst, at, differ) = sweep_fn(67, log_on, f64::ln);
+        std::println!("log: max error {worst:.3} ulp (at {at:#010x})");
+        assert_eq!(differ, 0, "lanes whose bits differ from Portable's");
+        assert!(worst <= 1.0, "{worst} ulp at {at:#x}");
+        for v in [
+            1e-310, 1e-300, 0.3, 0.7072, 1.0, 1.5, 2.0, 11.76, 1e300, 5e-324,
+        ] {
+            let (g, w) = (log_f64(v), v.ln());
+            assert!((g - w).abs() <= 2e-16 * w.abs().max(1.0), "{v}: {g} vs {w}");
+        }
+        assert_eq!(log_f64(0.0), f64::NEG_INFINITY);
+        assert!(log_f64(-1.0).is_nan());
+    }
+
+    /// 2^32 / 67 inputs: `tanh` within 2 ulp of f64 `tanh`, the same bits on
+    /// every ISA; the f64 model within 1e-15 of std's.
+    #[test]
+    #[cfg(feature = "std")]
+    fn tanh_sweep() {
+        let (worst, at, differ) = sweep_fn(67, tanh_on, f64::tanh);
+        std::println!("tanh: max error {worst:.3} ulp (at {at:#010x})");
+        assert_eq!(differ, 0, "lanes whose bits differ from Portable's");
+        assert!(worst <= 2.0, "{worst} ulp at {at:#x}");
+        for v in [1e-300, -1e-8, 0.1, -0.624, 0.9999, 1.0, -3.0, 20.0, 400.0] {
+            let (g, w) = (tanh_f64(v), v.tanh());
+            assert!((g - w).abs() <= 1e-15 * w.abs(), "{v}: {g} vs {w}");
+        }
     }
 
     /// The bound the sweeps hold `exp` to: all 2^32 inputs measured 1.014.

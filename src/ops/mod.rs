@@ -96,6 +96,7 @@ macro_rules! operators {
 // Each operator's folder, declared here rather than by `operators!` so that
 // cbindgen (which does not expand macros) finds the C entry points.
 pub mod add_rms_norm;
+pub mod cross_entropy;
 pub mod embedding_dense_grad;
 pub mod rms_norm;
 pub mod rms_norm_grad;
@@ -118,6 +119,8 @@ operators! {
     SwigluGrad = 5 => swiglu_grad::SwigluGradCall, "swiglu_grad";
     /// RoPE, forward and backward (`RopeCall`).
     Rope = 6 => rope::RopeCall, "rope";
+    /// CrossEntropy, forward, backward and fused (`CrossEntropyCall`).
+    CrossEntropy = 7 => cross_entropy::CrossEntropyCall, "cross_entropy";
 }
 
 pub mod elementwise;

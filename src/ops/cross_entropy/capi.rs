@@ -1,0 +1,291 @@
+//! `npk_cross_entropy*`: a skin over `ops::cross_entropy::{plan, prepare,
+//! launch}` — forward, backward and the fused form.
+
+#![allow(non_camel_case_types)]
+
+use core::ffi::c_void;
+
+use super::{plan, prepare, CeMode, CeTensors, CrossEntropyOptions, Reduction};
+use crate::capi::exec::{run, run_size};
+use crate::capi::types::{npk_exec, npk_status, read_opt_tensor, read_tensor};
+use crate::error::{invalid_fmt, Result};
+use crate::ops::launch;
+use crate::tensor::RawTensor;
+
+/// How CrossEntropy reduces its per-row losses (the header's
+/// `npk_reduction`; the library's own type is `Reduction`). ABI 2.3.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum npk_reduction {
+    /// One loss per row.
+    NPK_REDUCTION_NONE = 0,
+    /// Their sum.
+    NPK_REDUCTION_SUM = 1,
+    /// Their sum over the weight sum of the rows not ignored (torch's mean).
+    NPK_REDUCTION_MEAN = 2,
+}
+
+/// What an `npk_cross_entropy_call` computes (the header's `npk_ce_mode`;
+/// the library's own type is `CeMode`). ABI 2.3.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum npk_ce_mode {
+    /// loss and lse.
+    NPK_CE_FORWARD = 0,
+    /// dlogits from lse and the upstream gradient.
+    NPK_CE_BACKWARD = 1,
+    /// loss, lse and dlogits in one call.
+    NPK_CE_FUSED = 2,
+}
+
+const _: () = {
+    assert!(npk_reduction::NPK_REDUCTION_NONE as u32 == Reduction::None as u32);
+    assert!(npk_reduction::NPK_REDUCTION_SUM as u32 == Reduction::Sum as u32);
+    assert!(npk_reduction::NPK_REDUCTION_MEAN as u32 == Reduction::Mean as u32);
+    assert!(npk_ce_mode::NPK_CE_FORWARD as u32 == CeMode::Forward as u32);
+    assert!(npk_ce_mode::NPK_CE_BACKWARD as u32 == CeMode::Backward as u32);
+    assert!(npk_ce_mode::NPK_CE_FUSED as u32 == CeMode::Fused as u32);
+    assert!(core::mem::size_of::<Reduction>() == core::mem::size_of::<RawReduction>());
+};
+
+/// An `npk_reduction` as the C side may pass it (printed as `npk_reduction`).
+pub type RawReduction = u32;
+
+/// Options of CrossEntropy, its gradient and the fused form. NULL options =
+/// `{ NPK_REDUCTION_MEAN, -100, 0, 0, 0 }` (PyTorch's defaults). ABI 2.3.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct npk_cross_entropy_options {
+    /// The forward's reduction (the backward's `grad` shape); not used by
+    /// the fused form.
+    pub reduction: RawReduction,
+    /// Rows whose target equals it are ignored.
+    pub ignore_index: i64,
+    /// Label smoothing in [0, 1].
+    pub label_smoothing: f32,
+    /// z-loss scale: `lse_square_scale * lse^2` added per row (0 = off).
+    pub lse_square_scale: f32,
+    /// Logit soft-capping `softcap * tanh(x / softcap)` (0 = off).
+    pub softcap: f32,
+}
+
+/// Reads optional CrossEntropy options (NULL = defaults).
+///
+/// # Safety
+/// `p` is NULL or points to a readable `npk_cross_entropy_options`.
+unsafe fn read_options(p: *const npk_cross_entropy_options) -> Result<CrossEntropyOptions> {
+    if p.is_null() {
+        return Ok(CrossEntropyOptions::default());
+    }
+    // SAFETY: non-NULL and readable (caller); every field is a plain number.
+    let o = unsafe { p.read_unaligned() };
+    let reduction = Reduction::from_u32(o.reduction).ok_or_else(|| {
+        invalid_fmt!("reduction", "{} is not an npk_reduction value", o.reduction)
+    })?;
+    Ok(CrossEntropyOptions {
+        reduction,
+        ignore_index: o.ignore_index,
+        label_smoothing: o.label_smoothing,
+        lse_square_scale: o.lse_square_scale,
+        softcap: o.softcap,
+    })
+}
+
+/// Reads logits, target and weight.
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type.
+unsafe fn read_inputs(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+) -> Result<CeTensors> {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        Ok(CeTensors::inputs(
+            read_tensor(logits, "logits")?,
+            (
+                read_tensor(target, "target")?,
+                read_opt_tensor(weight, "weight")?,
+            ),
+        ))
+    }
+}
+
+/// Workspace bytes `npk_cross_entropy` needs (N f32 and 64 bytes for a sum
+/// or mean, else 0; the same arguments as the run).
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_workspace_size(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run_size(exec, workspace_bytes, |e| {
+            let t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            Ok(plan(CeMode::Forward, &t, &o, &e.ub)?.1.workspace_bytes)
+        })
+    }
+}
+
+/// CrossEntropy forward: `logits` `[N, C]` (f32, f16, bf16), `target` `[N]`
+/// (i32, i64), `weight` `[C]` f32 or NULL; writes `loss` (f32: N elements
+/// for `NPK_REDUCTION_NONE`, else 1) and `lse` (N f32) unless NULL. An
+/// out-of-range target fails with `NPK_ERR_INDEX_OUT_OF_RANGE` (the detail
+/// names the row and value). On error nothing is written.
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type, and every tensor's `data`
+/// points to a buffer of its shape and dtype, live for the call.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    loss: *const RawTensor,
+    lse: *const RawTensor,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run(exec, |e| {
+            let mut t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            t.loss = Some(read_tensor(loss, "loss")?);
+            t.lse = read_opt_tensor(lse, "lse")?;
+            let call = prepare(CeMode::Forward, &t, &o, &e.ub)?;
+            launch(e, call, workspace, workspace_bytes)
+        })
+    }
+}
+
+/// Workspace bytes `npk_cross_entropy_grad` needs (0).
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_grad_workspace_size(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run_size(exec, workspace_bytes, |e| {
+            let t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            Ok(plan(CeMode::Backward, &t, &o, &e.ub)?.1.workspace_bytes)
+        })
+    }
+}
+
+/// CrossEntropy backward: `dlogits` (logits' dtype and element count; may
+/// be `logits`' own buffer, in place) from the logits, target, weight, the
+/// forward's `lse` (N f32) and `grad`, the upstream gradient of the loss
+/// (f32: N for `NPK_REDUCTION_NONE`, else 1; a mean's division is done
+/// here). Ignored rows get zeros. On error nothing is written.
+///
+/// # Safety
+/// As for `npk_cross_entropy`.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_grad(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    lse: *const RawTensor,
+    grad: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    dlogits: *const RawTensor,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run(exec, |e| {
+            let mut t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            t.lse_in = Some(read_tensor(lse, "lse")?);
+            t.grad = Some(read_tensor(grad, "grad")?);
+            t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
+            let call = prepare(CeMode::Backward, &t, &o, &e.ub)?;
+            launch(e, call, workspace, workspace_bytes)
+        })
+    }
+}
+
+/// Workspace bytes `npk_cross_entropy_fused` needs (0).
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_fused_workspace_size(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run_size(exec, workspace_bytes, |e| {
+            let t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            Ok(plan(CeMode::Fused, &t, &o, &e.ub)?.1.workspace_bytes)
+        })
+    }
+}
+
+/// CrossEntropy forward and backward in one call (the fused linear
+/// cross-entropy's per-chunk step): per row `loss` (N f32, never reduced)
+/// and `lse` (N f32, unless NULL), and `dlogits = grad_scale_i * d loss_i /
+/// d logits` with `grad_scale` f32 of N elements or 1 (e.g. `1 / global
+/// denominator` for a mean over chunks). `dlogits` may be `logits`' own
+/// buffer (in place). `opts->reduction` is not used. On error nothing is
+/// written.
+///
+/// # Safety
+/// As for `npk_cross_entropy`.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_fused(
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    grad_scale: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    loss: *const RawTensor,
+    lse: *const RawTensor,
+    dlogits: *const RawTensor,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run(exec, |e| {
+            let mut t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            t.grad = Some(read_tensor(grad_scale, "grad_scale")?);
+            t.loss = Some(read_tensor(loss, "loss")?);
+            t.lse = read_opt_tensor(lse, "lse")?;
+            t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
+            let call = prepare(CeMode::Fused, &t, &o, &e.ub)?;
+            launch(e, call, workspace, workspace_bytes)
+        })
+    }
+}
