@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <tuple>
 
 namespace npk_torch {
@@ -39,5 +40,19 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy, const
 at::Tensor rotary_mul(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, bool eager, bool backward);
 std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor &q, const at::Tensor &k, const at::Tensor &cos,
                                            const at::Tensor &sin, bool eager, bool backward);
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits, const at::Tensor &target,
+                                                 const std::optional<at::Tensor> &weight, int64_t reduction,
+                                                 int64_t ignore_index, double label_smoothing,
+                                                 double lse_square_scale, double softcap);
+at::Tensor cross_entropy_backward(const at::Tensor &grad, const at::Tensor &logits, const at::Tensor &target,
+                                  const std::optional<at::Tensor> &weight, const at::Tensor &lse, int64_t reduction,
+                                  int64_t ignore_index, double label_smoothing, double lse_square_scale,
+                                  double softcap);
+std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, const at::Tensor &target,
+                                                        const std::optional<at::Tensor> &weight,
+                                                        const at::Tensor &grad_scale, int64_t ignore_index,
+                                                        double label_smoothing, double lse_square_scale,
+                                                        double softcap);
 
 }  // namespace npk_torch

@@ -42,6 +42,20 @@ TORCH_LIBRARY(npukern, m) {
   m.def("rotary_mul(Tensor x, Tensor r1, Tensor r2, bool eager=False, bool backward=False) -> Tensor");
   m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin, bool eager=False, bool backward=False) -> "
         "(Tensor, Tensor)");
+  // CrossEntropy: F.cross_entropy's options (reduction 0 none, 1 sum, 2
+  // mean; label smoothing) plus z-loss (lse_square_scale) and logit
+  // soft-capping (softcap, 0 = off); the forward also returns the per-row
+  // log-sum-exp. The fused form writes dlogits over the logits (scaled per
+  // row or by one grad_scale) and returns the per-row loss and lse.
+  m.def("cross_entropy(Tensor logits, Tensor target, Tensor? weight=None, int reduction=2, "
+        "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, float softcap=0.0) -> "
+        "(Tensor, Tensor)");
+  m.def("cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, Tensor? weight, Tensor lse, "
+        "int reduction=2, int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, "
+        "float softcap=0.0) -> Tensor");
+  m.def("cross_entropy_fused_(Tensor(a!) logits, Tensor target, Tensor? weight, Tensor grad_scale, "
+        "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, float softcap=0.0) -> "
+        "(Tensor, Tensor)");
   m.def("grad_stats(Tensor[] grads) -> Tensor");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, bool error_if_nonfinite=False) -> Tensor");
 }
@@ -63,6 +77,9 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("silu_mul_backward", &npk_torch::silu_mul_backward);
   m.impl("rotary_mul", &npk_torch::rotary_mul);
   m.impl("rope_qk", &npk_torch::rope_qk);
+  m.impl("cross_entropy", &npk_torch::cross_entropy);
+  m.impl("cross_entropy_backward", &npk_torch::cross_entropy_backward);
+  m.impl("cross_entropy_fused_", &npk_torch::cross_entropy_fused_);
 }
 
 // The list ops also serve an empty list (the dispatcher finds no tensor to

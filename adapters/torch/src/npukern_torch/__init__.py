@@ -13,11 +13,15 @@ implementations (torch.compile) and autograd formulas:
   and ``embedding_dense_backward_shard(...)`` (one vocab range)
 - ``grad_stats(grads) -> [sum_sq, nan, inf, min, max, absmax]`` (float64)
 - ``clip_grad_norm_(grads, max_norm, error_if_nonfinite=False) -> total_norm`` (in place)
+- ``cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing,
+  lse_square_scale, softcap) -> (loss, lse)``, its backward, and ``cross_entropy_fused_``
+  (loss and dlogits in place: the fused linear cross-entropy's step)
 
 and exports drop-in modules (:class:`RMSNorm`, :class:`AddRMSNorm`,
 :class:`Embedding`; ``casting="torch" | "llama" | "gemma"`` and ``offset``
 choose a model family's numerics), :func:`clip_grad_norm_`, and the
-functional forms. ``npukern_torch.parallel`` has the torch.distributed
+functional forms, :func:`cross_entropy` (F.cross_entropy's signature) and
+:func:`linear_cross_entropy` (the LM head fused with the loss). ``npukern_torch.parallel`` has the torch.distributed
 pieces, ``npukern_torch.hf`` patches Hugging Face models
 (``patch(model)``), and ``npukern_torch.npu`` offers torch_npu's
 ``npu_rms_norm`` / ``npu_add_rms_norm``.
@@ -29,6 +33,7 @@ from . import _C  # noqa: F401  (loads the library: registers torch.ops.npukern)
 from . import _autograd, _meta  # noqa: F401  (registrations)
 from .clip import clip_grad_norm_
 from .functional import add_rms_norm, embedding, rms_norm
+from .loss import cross_entropy, linear_cross_entropy
 from .modules import AddRMSNorm, Embedding, RMSNorm
 
 __version__ = "0.1.0"
@@ -41,8 +46,10 @@ __all__ = [
     "RMSNorm",
     "add_rms_norm",
     "clip_grad_norm_",
+    "cross_entropy",
     "detected_isa",
     "embedding",
     "library_version",
+    "linear_cross_entropy",
     "rms_norm",
 ]

@@ -110,3 +110,24 @@ def _rotary_mul(x, r1, r2, eager=False, backward=False):
 @torch.library.register_fake("npukern::rope_qk")
 def _rope_qk(q, k, cos, sin, eager=False, backward=False):
     return _contiguous_like(q), _contiguous_like(k)
+
+
+@torch.library.register_fake("npukern::cross_entropy")
+def _cross_entropy(logits, target, weight=None, reduction=2, ignore_index=-100, label_smoothing=0.0,
+                   lse_square_scale=0.0, softcap=0.0):
+    n = logits.shape[0]
+    loss = logits.new_empty((n,) if reduction == 0 else (), dtype=torch.float32)
+    return loss, logits.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("npukern::cross_entropy_backward")
+def _cross_entropy_backward(grad, logits, target, weight, lse, reduction=2, ignore_index=-100, label_smoothing=0.0,
+                            lse_square_scale=0.0, softcap=0.0):
+    return _contiguous_like(logits)
+
+
+@torch.library.register_fake("npukern::cross_entropy_fused_")
+def _cross_entropy_fused_(logits, target, weight, grad_scale, ignore_index=-100, label_smoothing=0.0,
+                          lse_square_scale=0.0, softcap=0.0):
+    n = logits.shape[0]
+    return logits.new_empty((n,), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32)

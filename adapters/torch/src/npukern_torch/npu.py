@@ -35,7 +35,7 @@ def _torch_rms_norm(x, gamma, epsilon):
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + epsilon)
     return (xf * rstd * gamma.to(xf.dtype)).to(x.dtype), rstd.float()
 
-__all__ = ["npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
+__all__ = ["npu_add_rms_norm", "npu_cross_entropy_loss", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
 
 
 def _gamma(x, gamma):
@@ -73,3 +73,31 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
     if not _on_kernels(x, r1, r2):
         return x * r1 + _composite.rotate_half(x) * r2
     return _F.rotary_mul(x, _gamma(x, r1), _gamma(x, r2))
+
+
+def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight=None, reduction: str = "mean",
+                           ignore_index: int = -100, label_smoothing: float = 0.0,
+                           lse_square_scale_for_zloss: float = 0.0, return_zloss: bool = False):
+    """torch_npu.npu_cross_entropy_loss: ``(loss, log_prob, zloss, lse_for_zloss)``
+    for ``input`` ``[N, C]``: the loss (float32, z-loss included when
+    ``lse_square_scale_for_zloss`` is set) with the reduction, the log-softmax
+    ``input - lse`` (float32 ``[N, C]``), the z-loss term alone (reduced like
+    the loss; zeros unless ``return_zloss``) and the per-row lse (float32)."""
+    from . import loss as _loss
+
+    red = _loss._reduction(reduction)
+    if not _on_kernels(input):
+        x = input.float()
+        lse = torch.logsumexp(x, -1)
+        log_prob = x - lse.unsqueeze(-1)
+        loss = _loss._composite(x, target, weight, ignore_index, reduction, label_smoothing,
+                                lse_square_scale_for_zloss, 0.0)
+    else:
+        w = None if weight is None else weight.float()
+        loss, lse = torch.ops.npukern.cross_entropy(input.contiguous(), target.contiguous(), w, red, ignore_index,
+                                                    float(label_smoothing), float(lse_square_scale_for_zloss), 0.0)
+        log_prob = input.float() - lse.detach().unsqueeze(-1)
+    keep = (target != ignore_index).float()
+    z = lse_square_scale_for_zloss * lse.detach().square() * keep if return_zloss else torch.zeros_like(keep)
+    zloss = {0: z, 1: z.sum(), 2: z.sum() / keep.sum()}[red]
+    return loss, log_prob, zloss, lse.detach()

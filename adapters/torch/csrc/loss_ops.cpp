@@ -1,0 +1,143 @@
+// CrossEntropy (forward, backward, and the fused per-chunk step of the
+// linear cross-entropy) as ATen CPU kernels over the C ABI.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <tuple>
+
+#include "glue.h"
+#include "ops.h"
+
+namespace npk_torch {
+
+namespace {
+
+npk_cross_entropy_options ce_options(int64_t reduction, int64_t ignore_index, double label_smoothing,
+                                     double lse_square_scale, double softcap) {
+  npk_cross_entropy_options o{};
+  o.reduction = static_cast<npk_reduction>(reduction);
+  o.ignore_index = ignore_index;
+  o.label_smoothing = static_cast<float>(label_smoothing);
+  o.lse_square_scale = static_cast<float>(lse_square_scale);
+  o.softcap = static_cast<float>(softcap);
+  return o;
+}
+
+void check_reduction(const char *op, int64_t reduction) {
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, op, ": reduction ", reduction,
+                    " is not 0 (none), 1 (sum) or 2 (mean)");
+}
+
+// The optional weight: a contiguous CPU tensor's descriptor, or none.
+struct Optional {
+  at::Tensor t;
+  npk_tensor d{};
+  const npk_tensor *ptr() const { return t.defined() ? &d : nullptr; }
+};
+
+Optional optional(const std::optional<at::Tensor> &in, const char *op, const char *arg) {
+  Optional o;
+  if (in.has_value() && in->defined()) {
+    o.t = cpu_contiguous(*in, op, arg);
+    o.d = describe(o.t, op, arg);
+  }
+  return o;
+}
+
+// The logits are [N, C]: the rows are every dim but the last.
+int64_t rows_of(const at::Tensor &logits, const char *op) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, op, ": logits must be [N, C], got shape ", logits.sizes());
+  return logits.size(0);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, const at::Tensor &target_in,
+                                                 const std::optional<at::Tensor> &weight_in, int64_t reduction,
+                                                 int64_t ignore_index, double label_smoothing,
+                                                 double lse_square_scale, double softcap) {
+  const char *op = "npukern::cross_entropy";
+  check_reduction(op, reduction);
+  at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
+  const int64_t n = rows_of(logits, op);
+  Optional weight = optional(weight_in, op, "weight");
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor loss = reduction == 0 ? at::empty({n}, f32) : at::empty({}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
+  npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
+  if (reduction != 0) {  // the C ABI's scalar is one element
+    losst.ndim = 1;
+    losst.shape[0] = 1;
+  }
+  const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
+  Call call(op);
+  size_t bytes = 0;
+  call.check(npk_cross_entropy_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_cross_entropy(&lt, &tt, weight.ptr(), &o, &losst, &lset, Call::data(ws), bytes, call.exec()));
+  return {loss, lse};
+}
+
+at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &logits_in, const at::Tensor &target_in,
+                                  const std::optional<at::Tensor> &weight_in, const at::Tensor &lse_in,
+                                  int64_t reduction, int64_t ignore_index, double label_smoothing,
+                                  double lse_square_scale, double softcap) {
+  const char *op = "npukern::cross_entropy_backward";
+  check_reduction(op, reduction);
+  at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
+  at::Tensor lse = cpu_contiguous(lse_in, op, "lse");
+  at::Tensor grad = cpu_contiguous(grad_in, op, "grad");
+  rows_of(logits, op);
+  Optional weight = optional(weight_in, op, "weight");
+  at::Tensor dlogits = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
+  npk_tensor lset = describe(lse, op, "lse"), gt = describe(grad, op, "grad");
+  npk_tensor dt = describe(dlogits, op, "dlogits");
+  if (grad.dim() == 0) {
+    gt.ndim = 1;
+    gt.shape[0] = 1;
+  }
+  const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
+  Call call(op);
+  call.outputs({&dlogits});  // just allocated: the store policy (glue.h)
+  size_t bytes = 0;
+  call.check(npk_cross_entropy_grad_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_cross_entropy_grad(&lt, &tt, weight.ptr(), &lset, &gt, &o, &dt, Call::data(ws), bytes,
+                                    call.exec()));
+  return dlogits;
+}
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, const at::Tensor &target_in,
+                                                        const std::optional<at::Tensor> &weight_in,
+                                                        const at::Tensor &grad_scale_in, int64_t ignore_index,
+                                                        double label_smoothing, double lse_square_scale,
+                                                        double softcap) {
+  const char *op = "npukern::cross_entropy_fused_";
+  cpu_contiguous(logits, op, "logits");
+  TORCH_CHECK_VALUE(logits.is_contiguous(), op, ": logits must be contiguous (dlogits are written over them)");
+  at::Tensor target = cpu_contiguous(target_in, op, "target");
+  at::Tensor grad_scale = cpu_contiguous(grad_scale_in, op, "grad_scale");
+  const int64_t n = rows_of(logits, op);
+  Optional weight = optional(weight_in, op, "weight");
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32);
+  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
+  npk_tensor st = describe(grad_scale, op, "grad_scale");
+  if (grad_scale.dim() == 0) {
+    st.ndim = 1;
+    st.shape[0] = 1;
+  }
+  npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
+  const npk_cross_entropy_options o = ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap);
+  Call call(op);
+  size_t bytes = 0;
+  call.check(npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), &bytes));
+  at::Tensor ws = Call::workspace(bytes);
+  call.check(npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &losst, &lset, &lt, Call::data(ws), bytes,
+                                     call.exec()));
+  return {loss, lse};
+}
+
+}  // namespace npk_torch

@@ -1,0 +1,175 @@
+"""The loss on npukern: ``cross_entropy`` (F.cross_entropy's signature and
+result dtype, plus z-loss and logit soft-capping) and
+``linear_cross_entropy`` (the LM head fused with the loss: chunks of
+tokens, torch's matmul for each chunk's logits, npukern's kernel turning
+them into the loss and their gradient in place -- the ``[N, V]`` logits
+never exist).
+
+Numerics: the kernel reads the logits in their dtype, computes in float32
+(one streaming pass for the max and the sum: an online log-sum-exp in a
+fixed order; exp and log of its own, the same bits on every ISA), and
+writes each gradient element with one rounding."""
+
+import torch
+
+ops = torch.ops.npukern
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+#: The default memory budget for one chunk of logits in
+#: :func:`linear_cross_entropy` (bytes).
+CHUNK_BYTES = 256 << 20
+
+
+def _reduction(reduction):
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {tuple(_REDUCTIONS)}, got {reduction!r}")
+    return _REDUCTIONS[reduction]
+
+
+def _softcap(softcap):
+    if softcap is None:
+        return 0.0
+    if not softcap > 0:
+        raise ValueError(f"softcap must be positive (or None), got {softcap}")
+    return float(softcap)
+
+
+def _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
+    """The same loss as torch ops (for what the kernel does not take)."""
+    x = input.float() if input.dtype in _KERNEL_DTYPES else input
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    loss = torch.nn.functional.cross_entropy(x, target, weight=weight, ignore_index=ignore_index,
+                                             reduction=reduction, label_smoothing=label_smoothing)
+    if z_loss:
+        lse = torch.logsumexp(x, 1 if x.dim() > 1 else 0)
+        keep = (target != ignore_index).to(lse.dtype)
+        z = z_loss * lse.square() * keep
+        z = {"none": z, "sum": z.sum(), "mean": z.sum() / keep.sum()}[reduction]
+        loss = loss + z
+    return loss.to(input.dtype)
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
+                  z_loss=0.0, softcap=None):
+    """``torch.nn.functional.cross_entropy`` on npukern: ``input`` ``(C)``,
+    ``(N, C)`` or ``(N, C, d1, ...)`` logits, class-index ``target``, the
+    same ``weight``, ``ignore_index``, ``reduction`` (mean: the weighted mean
+    over rows not ignored; NaN when every row is ignored) and
+    ``label_smoothing``, and the result in input's dtype. ``z_loss`` adds
+    ``z_loss * lse**2`` per row (reduced like the loss, the mean over rows
+    not ignored); ``softcap`` replaces the logits by ``softcap *
+    tanh(logits / softcap)`` first (Gemma2). Differentiable in input.
+    Class-probability targets, float64 and non-CPU inputs run torch's own."""
+    red = _reduction(reduction)
+    cap = _softcap(softcap)
+    if (input.dtype not in _KERNEL_DTYPES or input.device.type != "cpu" or target.dtype.is_floating_point
+            or input.dim() == 0):
+        return _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, cap)
+    x, t = input, target
+    if x.dim() == 1:  # unbatched (C)
+        x, t = x.unsqueeze(0), t.unsqueeze(0)
+    elif x.dim() > 2:  # (N, C, d1, ...): classes last
+        x, t = x.movedim(1, -1).reshape(-1, x.shape[1]), t.reshape(-1)
+    if weight is not None and weight.dtype != torch.float32:
+        weight = weight.float()
+    loss, _lse = ops.cross_entropy(x.contiguous(), t.contiguous(), weight, red, ignore_index,
+                                   float(label_smoothing), float(z_loss), cap)
+    if red == 0:
+        loss = loss.reshape(target.shape)
+    return loss.to(input.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and every gradient chunk by chunk (the
+    logits of a chunk turned into their gradient in place by the kernel);
+    backward scales the saved gradients by the upstream one."""
+
+    @staticmethod
+    def forward(ctx, input, weight, target, bias, ignore_index, red, label_smoothing, z_loss, softcap,
+                chunk_bytes):
+        hidden = input.shape[-1]
+        x = input.reshape(-1, hidden)
+        t = target.reshape(-1)
+        n, vocab = x.shape[0], weight.shape[0]
+        if t.shape[0] != n:
+            raise ValueError(f"linear_cross_entropy: target has {t.shape[0]} rows, input {n}")
+        keep = t != ignore_index
+        # torch's mean: the sum over rows not ignored, divided by their count.
+        denom = keep.sum().float() if red == 2 else None
+        scale = (1.0 / denom) if red == 2 else torch.ones((), dtype=torch.float32)
+        grad_scale = scale.reshape(()).float()
+        want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
+        d_input = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        acc = torch.float32  # 16-bit weights get float32 gradients, rounded once at the end
+        d_weight = torch.zeros(weight.shape, dtype=acc) if ctx.needs_input_grad[1] else None
+        d_bias = torch.zeros(vocab, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
+        rows = max(1, min(n, chunk_bytes // max(1, vocab * x.element_size())))
+        losses = torch.empty(n, dtype=torch.float32)
+        for start in range(0, n, rows):
+            xc = x[start:start + rows]
+            logits = xc @ weight.t() if bias is None else torch.addmm(bias, xc, weight.t())
+            loss, _lse = ops.cross_entropy_fused_(logits, t[start:start + rows], None, grad_scale, ignore_index,
+                                                  float(label_smoothing), float(z_loss), softcap)
+            losses[start:start + rows] = loss
+            if want_grads:  # logits now hold dloss/dlogits (times grad_scale)
+                if d_input is not None:
+                    torch.mm(logits, weight, out=d_input[start:start + rows])
+                if d_weight is not None:
+                    d_weight.addmm_(logits.t().to(acc), xc.to(acc))
+                if d_bias is not None:
+                    d_bias += logits.sum(0, dtype=acc)
+        total = losses.sum() if red != 0 else losses
+        if red == 2:
+            total = total / denom
+        ctx.red = red
+        ctx.shape = input.shape
+        ctx.save_for_backward(d_input, d_weight.to(weight.dtype) if d_weight is not None else None,
+                              d_bias.to(bias.dtype) if d_bias is not None else None)
+        return total if red != 0 else total.reshape(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        d_input, d_weight, d_bias = ctx.saved_tensors
+        if ctx.red == 0:
+            raise RuntimeError("npukern linear_cross_entropy: reduction='none' is forward-only here")
+        g = grad.reshape(())
+        di = (d_input * g.to(d_input.dtype)).reshape(ctx.shape) if d_input is not None else None
+        dw = d_weight * g.to(d_weight.dtype) if d_weight is not None else None
+        db = d_bias * g.to(d_bias.dtype) if d_bias is not None else None
+        return di, dw, None, db, None, None, None, None, None, None
+
+
+def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                         label_smoothing=0.0, *, z_loss=0.0, softcap=None, chunk_bytes=None):
+    """``cross_entropy(input @ weight.T + bias, target, ...)`` without the
+    ``[N, V]`` logits: chunks of tokens whose logits (in input's dtype,
+    ``chunk_bytes`` of them at most, default :data:`CHUNK_BYTES`) come from
+    torch's matmul and are turned into their gradient in place by npukern's
+    kernel; the input and weight (and bias) gradients are accumulated chunk
+    by chunk (float32 for 16-bit weights, rounded once). Returns the float32
+    loss (what Hugging Face's loss returns). Tied weights work (the
+    gradient adds to the embedding's)."""
+    red = _reduction(reduction)
+    if red == 0:
+        raise ValueError("linear_cross_entropy: reduction='none' is not supported (use 'sum' or 'mean')")
+    return _LinearCrossEntropy.apply(input, weight, target, bias, ignore_index, red, label_smoothing, z_loss,
+                                     _softcap(softcap), chunk_bytes or CHUNK_BYTES)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap = inputs
+    _loss, lse = output
+    ctx.save_for_backward(logits, target, weight, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.args = (reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
+
+
+def _ce_backward(ctx, grad, _dlse):
+    logits, target, weight, lse = ctx.saved_tensors
+    dlogits = ops.cross_entropy_backward(grad.float().contiguous(), logits, target, weight, lse, *ctx.args)
+    return dlogits, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("npukern::cross_entropy", _ce_backward, setup_context=_ce_setup)
