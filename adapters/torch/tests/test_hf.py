@@ -31,10 +31,10 @@ LAYERS = 2
 
 
 def _counts(family):
-    return {"rms_norm": NORMS[family], "embedding": 1, "mlp": MLPS[family], "rope": LAYERS}
+    return {"rms_norm": NORMS[family], "embedding": 1, "mlp": MLPS[family], "rope": LAYERS, "loss": 1}
 
 
-NONE = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
+NONE = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -164,7 +164,7 @@ def test_class_level_form():
             stock_norm.weight.copy_(norms[0].weight)
         x = torch.randn(4, 64).to(torch.bfloat16)
         assert torch.equal(norms[0](x), stock_norm(x))
-        assert hf.patch(model) == {**NONE, "embedding": 1, "mlp": MLPS["llama"], "rope": LAYERS}
+        assert hf.patch(model) == {**NONE, "embedding": 1, "mlp": MLPS["llama"], "rope": LAYERS, "loss": 1}
     finally:
         hf.revert_transformers()
     assert modeling.LlamaRMSNorm is original

@@ -332,3 +332,38 @@ def test_npu_drop_ins_fall_back_for_float64():
     assert torch.equal(npu.npu_swiglu(x), torch.nn.functional.silu(a) * b)
     x1, x2 = x.chunk(2, -1)
     assert torch.equal(npu.npu_rotary_mul(x, r, r), x * r + torch.cat((-x2, x1), -1) * r)
+
+
+# Issue 31: the causal LM's loss through the fused linear cross-entropy.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_route_matches_stock_loss_and_gradients(family, dtype):
+    stock = build(family, dtype, seed=4)
+    if family == "gemma2":
+        stock.config.final_logit_softcapping = 3.0  # bite: logits of a tiny model are small
+    patched = twin(stock)
+    assert hf.patch(patched, rms_norm=False, embedding=False, mlp=False, rope=False)["loss"] == 1
+    x = tokens(seed=7)
+    labels = x.clone()
+    labels[0, :3] = -100
+    out_s, out_p = stock(x, labels=labels), patched(x, labels=labels)
+    assert out_p.logits is None and out_p.loss.dtype == out_s.loss.dtype == torch.float32
+    rel = abs(out_p.loss.item() - out_s.loss.item()) / abs(out_s.loss.item())
+    assert rel <= (2e-6 if dtype == torch.float32 else 2e-2), rel
+    out_s.loss.backward()
+    out_p.loss.backward()
+    worst = 0.0
+    for (n, a), b in zip(stock.named_parameters(), patched.parameters()):
+        if a.grad is None:
+            continue
+        worst = max(worst, ((b.grad.double() - a.grad.double()).abs().max() / a.grad.double().abs().max()).item())
+    assert worst <= (2e-5 if dtype == torch.float32 else 2**-5), worst
+    with torch.no_grad():  # without labels the logits come back as before
+        assert torch.equal(patched(x).logits, stock(x).logits)
+    # num_items_in_batch: a sum over that count, as transformers' loss.
+    with torch.no_grad():
+        n = torch.tensor(11)
+        a, b = stock(x, labels=labels, num_items_in_batch=n).loss, patched(x, labels=labels, num_items_in_batch=n).loss
+    assert abs(a.item() - b.item()) <= (2e-6 if dtype == torch.float32 else 2e-2) * abs(a.item())

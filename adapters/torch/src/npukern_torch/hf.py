@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import functional as _F
+from . import loss as _loss
 from .modules import Embedding, RMSNorm
 
 # family -> (transformers module, RMSNorm class, casting, scaled embedding class or None)
@@ -262,6 +263,8 @@ class _Forward:
     def __call__(self, *args, **kwargs):
         if self.kind == "mlp":
             return _swiglu_mlp_forward(self.module, *args, **kwargs)
+        if self.kind == "loss":
+            return _causal_lm_forward(self.module, *args, **kwargs)
         return self.fn(self.module, *args, **kwargs)
 
     def __getstate__(self):
@@ -270,6 +273,59 @@ class _Forward:
     def __setstate__(self, state):
         self.module, self.kind = state["module"], state["kind"]
         self._build()
+
+
+class _Capture(torch.nn.Module):
+    """Stands in for the LM head during one forward with labels: keeps the
+    hidden states and returns no logits (``[..., 0]``: the softcapping that
+    follows in the stock forward costs nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = None
+
+    def forward(self, hidden):
+        self.hidden = hidden
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+
+def _causal_lm_forward(model, *args, labels=None, **kwargs):
+    """A causal LM's forward whose loss, when labels are given, is the fused
+    linear cross-entropy (Hugging Face's ``ForCausalLMLoss``: labels shifted
+    left, the last position ignored, float32 loss; ``num_items_in_batch``
+    makes it a sum over that count; Gemma2/3's ``final_logit_softcapping``
+    applied inside the kernel): the ``[tokens, vocab]`` logits never exist,
+    and the output's ``logits`` is None. Without labels: the stock forward."""
+    cls_forward = type(model).forward
+    if labels is None:
+        return cls_forward(model, *args, **kwargs)
+    head = model.get_output_embeddings()
+    capture = _Capture()
+    name = next(n for n, m in model.named_children() if m is head)
+    setattr(model, name, capture)
+    try:
+        out = cls_forward(model, *args, **kwargs)
+    finally:
+        setattr(model, name, head)
+    hidden = capture.hidden
+    ignore = -100
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:].to(hidden.device)
+    num_items = kwargs.get("num_items_in_batch")
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    loss = _loss.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, shifted.reshape(-1),
+                                      getattr(head, "bias", None), ignore,
+                                      "sum" if num_items is not None else "mean", softcap=cap or None)
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    out.loss = loss
+    out.logits = None
+    return out
+
+
+def _is_causal_lm(m):
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    return (isinstance(head, torch.nn.Linear) and type(m).__name__.endswith("ForCausalLM")
+            and type(m).__module__ in _FAMILY_MODULES and any(c is head for c in m.children()))
 
 
 def _patched_kind(m):
@@ -285,7 +341,7 @@ _FAMILY_MODULES = {mod for mod, *_ in FAMILIES.values()}
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
-          rope: bool = True) -> dict:
+          rope: bool = True, loss: bool = True) -> dict:
     """Swaps, in place and in this model alone, its RMSNorm modules of the
     supported families and its input embedding for npukern's, its SiLU-gated
     MLPs' activation for npukern's SwiGLU (``mlp``) and its attention
@@ -293,7 +349,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     forward reads npukern's ``apply_rotary_pos_emb``; the transformers
     module and every other model are untouched); returns the counts of what
     this call swapped, e.g. ``{"rms_norm": 5, "embedding": 1, "mlp": 2,
-    "rope": 2}``. Modules already patched are left alone (a second call
+    "rope": 2, "loss": 1}``; ``loss``: a causal LM given ``labels`` computes
+    its loss with the fused linear cross-entropy and returns ``logits=None``
+    (without labels, the logits as before). Modules already patched are left alone (a second call
     counts 0). An RMSNorm class it does not know is left alone and named in a
     warning. Embeddings with ``max_norm`` or ``sparse=True`` (which npukern
     does not take) are left alone. Every swapped path gives the stock
@@ -301,11 +359,14 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     to the stock composite for what the kernels do not take (float64,
     non-CPU tensors)."""
     norms, scaled_embeddings = _family_classes()
-    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
+    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
     for m in model.modules():
         if "forward" in vars(m):
             continue  # patched already, or someone else's forward: not ours to replace
-        if mlp and _is_swiglu_mlp(m):
+        if loss and _is_causal_lm(m):
+            m.forward = _Forward(m, "loss")
+            counts["loss"] += 1
+        elif mlp and _is_swiglu_mlp(m):
             m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
         elif rope and _is_family_attention(m) and _rope_forward_of(type(m)) is not None:
@@ -344,7 +405,7 @@ def unpatch(model: torch.nn.Module) -> dict:
     replaced (they share the same Parameters, so training since the patch is
     kept) and the MLPs' and attention layers' own forward; returns the
     counts."""
-    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0}
+    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
     for m in model.modules():
         kind = _patched_kind(m)
         if kind is not None:
