@@ -69,9 +69,10 @@ impl<T: Float, I: Element> Case<T, I> {
                     cross_entropy_grad(exec, x, t, &l, &self.g, &self.o, &mut dx, &mut ws)
                 }
                 _ => {
+                    // In place: dx holds the logits before anything can fail.
+                    dx.copy_from_slice(&self.x);
                     let mut ws =
                         vec![0u8; cross_entropy_fused_workspace_size(exec, x, t, &self.o)?];
-                    dx.copy_from_slice(&self.x);
                     let xm = TensorMut::new(&mut dx, &self.xd)?;
                     cross_entropy_fused(exec, xm, t, &self.g, &self.o, &mut loss, Some(&mut lse), &mut ws)
                 }
@@ -83,7 +84,8 @@ impl<T: Float, I: Element> Case<T, I> {
 
 fn go<T: Float, I: Element + TryFrom<i64>>(b: &mut Bytes<'_>) {
     let rows = b.below(6);
-    let cols = b.below(if b.bool() { 40 } else { CAP / rows.max(1) + 1 });
+    let small = b.bool();
+    let cols = b.below(if small { 40 } else { CAP / rows.max(1) + 1 });
     let xd = if b.one_in(16) { vec![rows * cols] } else { vec![rows, cols] };
     let tame = b.bool();
     let x: Vec<T> = some_values(b, rows * cols, tame);
