@@ -112,6 +112,59 @@ unsafe fn read_inputs(
     }
 }
 
+/// The size call of one form: every form plans from the same inputs.
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type.
+unsafe fn size_call(
+    mode: CeMode,
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        run_size(exec, workspace_bytes, |e| {
+            let t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            Ok(plan(mode, &t, &o, &e.ub)?.1.workspace_bytes)
+        })
+    }
+}
+
+/// The run of one form: the inputs and options, then `outputs` reads the
+/// form's own tensors into `t`, then plan and launch.
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type, and `outputs` reads only
+/// such pointers.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_call(
+    mode: CeMode,
+    logits: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+    outputs: impl FnOnce(&mut CeTensors) -> Result<()>,
+) -> npk_status {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        run(exec, |e| {
+            let mut t = read_inputs(logits, target, weight)?;
+            let o = read_options(opts)?;
+            outputs(&mut t)?;
+            let call = prepare(mode, &t, &o, &e.ub)?;
+            launch(e, call, workspace, workspace_bytes)
+        })
+    }
+}
+
 /// Workspace bytes `npk_cross_entropy` needs (N f32 and 64 bytes for a sum
 /// or mean, else 0; the same arguments as the run).
 ///
@@ -128,11 +181,15 @@ pub unsafe extern "C" fn npk_cross_entropy_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            Ok(plan(CeMode::Forward, &t, &o, &e.ub)?.1.workspace_bytes)
-        })
+        size_call(
+            CeMode::Forward,
+            logits,
+            target,
+            weight,
+            opts,
+            exec,
+            workspace_bytes,
+        )
     }
 }
 
@@ -159,14 +216,21 @@ pub unsafe extern "C" fn npk_cross_entropy(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            let mut t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            t.loss = Some(read_tensor(loss, "loss")?);
-            t.lse = read_opt_tensor(lse, "lse")?;
-            let call = prepare(CeMode::Forward, &t, &o, &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
+        run_call(
+            CeMode::Forward,
+            logits,
+            target,
+            weight,
+            opts,
+            workspace,
+            workspace_bytes,
+            exec,
+            |t| {
+                t.loss = Some(read_tensor(loss, "loss")?);
+                t.lse = read_opt_tensor(lse, "lse")?;
+                Ok(())
+            },
+        )
     }
 }
 
@@ -185,11 +249,15 @@ pub unsafe extern "C" fn npk_cross_entropy_grad_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            Ok(plan(CeMode::Backward, &t, &o, &e.ub)?.1.workspace_bytes)
-        })
+        size_call(
+            CeMode::Backward,
+            logits,
+            target,
+            weight,
+            opts,
+            exec,
+            workspace_bytes,
+        )
     }
 }
 
@@ -216,15 +284,22 @@ pub unsafe extern "C" fn npk_cross_entropy_grad(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            let mut t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            t.lse_in = Some(read_tensor(lse, "lse")?);
-            t.grad = Some(read_tensor(grad, "grad")?);
-            t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
-            let call = prepare(CeMode::Backward, &t, &o, &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
+        run_call(
+            CeMode::Backward,
+            logits,
+            target,
+            weight,
+            opts,
+            workspace,
+            workspace_bytes,
+            exec,
+            |t| {
+                t.lse_in = Some(read_tensor(lse, "lse")?);
+                t.grad = Some(read_tensor(grad, "grad")?);
+                t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
+                Ok(())
+            },
+        )
     }
 }
 
@@ -243,11 +318,15 @@ pub unsafe extern "C" fn npk_cross_entropy_fused_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            Ok(plan(CeMode::Fused, &t, &o, &e.ub)?.1.workspace_bytes)
-        })
+        size_call(
+            CeMode::Fused,
+            logits,
+            target,
+            weight,
+            opts,
+            exec,
+            workspace_bytes,
+        )
     }
 }
 
@@ -277,15 +356,22 @@ pub unsafe extern "C" fn npk_cross_entropy_fused(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            let mut t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            t.grad = Some(read_tensor(grad_scale, "grad_scale")?);
-            t.loss = Some(read_tensor(loss, "loss")?);
-            t.lse = read_opt_tensor(lse, "lse")?;
-            t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
-            let call = prepare(CeMode::Fused, &t, &o, &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
+        run_call(
+            CeMode::Fused,
+            logits,
+            target,
+            weight,
+            opts,
+            workspace,
+            workspace_bytes,
+            exec,
+            |t| {
+                t.grad = Some(read_tensor(grad_scale, "grad_scale")?);
+                t.loss = Some(read_tensor(loss, "loss")?);
+                t.lse = read_opt_tensor(lse, "lse")?;
+                t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
+                Ok(())
+            },
+        )
     }
 }
