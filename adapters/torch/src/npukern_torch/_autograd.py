@@ -170,19 +170,15 @@ def _rotation_grads(ctx, pairs, cos, sin):
     computes cos/sin without grad) and everything under ``create_graph=True``
     (double backward) come from the differentiable float32 composite."""
     if _building_graph(cos, sin, *(t for pair in pairs for t in pair)):
-        parts = [_composite.rotary_grads(g, x, cos, sin, ctx.backward) for g, x in pairs]
-        dcos = sum(p[1] for p in parts).to(cos.dtype) if _wants_tables(ctx) else None
-        dsin = sum(p[2] for p in parts).to(sin.dtype) if _wants_tables(ctx) else None
-        return [p[0] for p in parts], dcos, dsin
-    if len(pairs) == 1:
+        dxs = [_composite.rotary_dx(g, cos, sin, ctx.backward, x) for g, x in pairs]
+    elif len(pairs) == 1:
         dxs = [ops.rotary_mul(pairs[0][0], cos, sin, ctx.eager, not ctx.backward)]
     else:
         dxs = list(ops.rope_qk(pairs[0][0], pairs[1][0], cos, sin, ctx.eager, not ctx.backward))
     if not _wants_tables(ctx):
         return dxs, None, None
-    with torch.no_grad():
-        parts = [_composite.rotary_grads(g, x, cos, sin, ctx.backward) for g, x in pairs]
-    return dxs, sum(p[1] for p in parts).to(cos.dtype), sum(p[2] for p in parts).to(sin.dtype)
+    parts = [_composite.rotary_table_grads(g, x, cos, sin, ctx.backward) for g, x in pairs]
+    return dxs, sum(p[0] for p in parts).to(cos.dtype), sum(p[1] for p in parts).to(sin.dtype)
 
 
 def _rotary_mul_setup(ctx, inputs, output):

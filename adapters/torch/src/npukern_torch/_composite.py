@@ -88,16 +88,17 @@ def sum_to(t, like):
     return (t.sum(dims, keepdim=True) if dims else t).to(like.dtype)
 
 
-def rotary_grads(g, x, cos, sin, backward):
-    """``(dx, dcos, dsin)`` of the rotation ``y = x*cos + rotate_half(x)*sin``
-    (or, with `backward`, of its transpose ``y = x*cos + unrotate_half(x*sin)``)
-    given dL/dy = `g`, as differentiable float32 torch ops; dx in x's dtype."""
-    gf, xf, c, s = g.float(), x.float(), cos.float(), sin.float()
-    if backward:
-        dx = gf * c + sum_to(rotate_half(gf) * s, xf)
-        dsin = sum_to(rotate_half(gf) * xf, sin)
-    else:
-        dx = gf * c + unrotate_half(gf * s)
-        dsin = sum_to(gf * rotate_half(xf), sin)
-    dcos = sum_to(gf * xf, cos)
-    return dx.to(x.dtype), dcos, dsin
+def rotary_dx(g, cos, sin, backward, like):
+    """dx of the rotation ``y = x*cos + rotate_half(x)*sin`` (or, with
+    `backward`, of its transpose ``y = x*cos + unrotate_half(x*sin)``) given
+    dL/dy = `g`, as differentiable float32 torch ops, in `like`'s dtype."""
+    gf, c, s = g.float(), cos.float(), sin.float()
+    dx = gf * c + (sum_to(rotate_half(gf) * s, gf) if backward else unrotate_half(gf * s))
+    return dx.to(like.dtype)
+
+
+def rotary_table_grads(g, x, cos, sin, backward):
+    """``(dcos, dsin)`` of the same rotation (float32, cos's and sin's shapes)."""
+    gf, xf = g.float(), x.float()
+    dsin = sum_to(rotate_half(gf) * xf, sin) if backward else sum_to(gf * rotate_half(xf), sin)
+    return sum_to(gf * xf, cos), dsin

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ._dtypes import KERNEL_DTYPES
 
 
 def as_list(parameters):
@@ -41,7 +41,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     params = as_list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
-    if norm_type != 2.0 or any(g.device.type != "cpu" or g.is_sparse or g.dtype not in _KERNEL_DTYPES for g in grads):
+    if norm_type != 2.0 or any(g.device.type != "cpu" or g.is_sparse or g.dtype not in KERNEL_DTYPES for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)

@@ -29,6 +29,7 @@ import torch
 
 from . import functional as _F
 from . import loss as _loss
+from ._dtypes import KERNEL_DTYPES, on_kernels
 from .modules import Embedding, RMSNorm
 
 # family -> (transformers module, RMSNorm class, casting, scaled embedding class or None)
@@ -133,17 +134,13 @@ def _swap(parent, name, old, new):
     setattr(parent, name, new)
 
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _swiglu_mlp_forward(module, x):
     """An MLP's forward with ``act_fn(gate) * up`` as npukern's SwiGLU in eager
     numerics (silu rounded to the dtype, then the product, as stock). What the
     kernel does not take (another device, float64, two dtypes that torch
     would promote) runs the stock composite, with the stock result."""
     gate, up = module.gate_proj(x), module.up_proj(x)
-    if (gate.device.type != "cpu" or up.device.type != "cpu" or gate.dtype != up.dtype
-            or gate.dtype not in _KERNEL_DTYPES or gate.shape != up.shape):
+    if not on_kernels(gate, up) or gate.dtype != up.dtype or gate.shape != up.shape:
         return module.down_proj(module.act_fn(gate) * up)
     return module.down_proj(_F.silu_mul(gate, up, eager=True))
 
@@ -165,7 +162,7 @@ def _rope(original, q, k, cos, sin, unsqueeze_dim):
     take runs `original`."""
     rq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
     rk = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
-    if (rq != rk or rq not in _KERNEL_DTYPES or q.shape[-1] % 2 or cos.dim() == 0 or sin.dim() == 0
+    if (rq != rk or rq not in KERNEL_DTYPES or q.shape[-1] % 2 or cos.dim() == 0 or sin.dim() == 0
             or any(t.device.type != "cpu" for t in (q, k, cos, sin))):
         return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     q, k, cos, sin = (t if t.dtype == rq else t.to(rq) for t in (q, k, cos, sin))
@@ -369,9 +366,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
         elif mlp and _is_swiglu_mlp(m):
             m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
-        elif rope and _is_family_attention(m) and _rope_forward_of(type(m)) is not None:
-            m.forward = _Forward(m, "rope")
-            counts["rope"] += 1
+        elif rope and _is_family_attention(m):
+            fwd = _Forward(m, "rope")
+            if fwd.fn is not None:  # None: not a forward or signature this adapter knows
+                m.forward = fwd
+                counts["rope"] += 1
     unknown = set()
     input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for parent in list(model.modules()):

@@ -12,9 +12,10 @@ writes each gradient element with one rounding."""
 
 import torch
 
+from ._dtypes import KERNEL_DTYPES, on_kernels
+
 ops = torch.ops.npukern
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 #: The default memory budget for one chunk of logits in
 #: :func:`linear_cross_entropy` (bytes).
@@ -37,7 +38,7 @@ def _softcap(softcap):
 
 def _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
     """The same loss as torch ops (for what the kernel does not take)."""
-    x = input.float() if input.dtype in _KERNEL_DTYPES else input
+    x = input.float() if input.dtype in KERNEL_DTYPES else input
     if softcap:
         x = softcap * torch.tanh(x / softcap)
     loss = torch.nn.functional.cross_entropy(x, target, weight=weight, ignore_index=ignore_index,
@@ -64,8 +65,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     Class-probability targets, float64 and non-CPU inputs run torch's own."""
     red = _reduction(reduction)
     cap = _softcap(softcap)
-    if (input.dtype not in _KERNEL_DTYPES or input.device.type != "cpu" or target.dtype.is_floating_point
-            or input.dim() == 0):
+    if not on_kernels(input) or target.dtype.is_floating_point or input.dim() == 0:
         return _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, cap)
     x, t = input, target
     if x.dim() == 1:  # unbatched (C)
@@ -84,7 +84,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and every gradient chunk by chunk (the
     logits of a chunk turned into their gradient in place by the kernel);
-    backward scales the saved gradients by the upstream one."""
+    backward scales the saved gradients by the upstream one. Reductions
+    "sum" (red 1) and "mean" (red 2) only."""
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, ignore_index, red, label_smoothing, z_loss, softcap,
@@ -95,12 +96,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, vocab = x.shape[0], weight.shape[0]
         if t.shape[0] != n:
             raise ValueError(f"linear_cross_entropy: target has {t.shape[0]} rows, input {n}")
-        keep = t != ignore_index
         # torch's mean: the sum over rows not ignored, divided by their count.
-        denom = keep.sum().float() if red == 2 else None
-        scale = (1.0 / denom) if red == 2 else torch.ones((), dtype=torch.float32)
-        grad_scale = scale.reshape(()).float()
-        want_grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
+        denom = (t != ignore_index).sum().float() if red == 2 else None
+        grad_scale = 1.0 / denom if red == 2 else torch.ones((), dtype=torch.float32)
         d_input = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         acc = torch.float32  # 16-bit weights get float32 gradients, rounded once at the end
         d_weight = torch.zeros(weight.shape, dtype=acc) if ctx.needs_input_grad[1] else None
@@ -113,27 +111,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss, _lse = ops.cross_entropy_fused_(logits, t[start:start + rows], None, grad_scale, ignore_index,
                                                   float(label_smoothing), float(z_loss), softcap)
             losses[start:start + rows] = loss
-            if want_grads:  # logits now hold dloss/dlogits (times grad_scale)
-                if d_input is not None:
-                    torch.mm(logits, weight, out=d_input[start:start + rows])
-                if d_weight is not None:
-                    d_weight.addmm_(logits.t().to(acc), xc.to(acc))
-                if d_bias is not None:
-                    d_bias += logits.sum(0, dtype=acc)
-        total = losses.sum() if red != 0 else losses
-        if red == 2:
-            total = total / denom
-        ctx.red = red
+            # The logits now hold dloss/dlogits (times grad_scale).
+            if d_input is not None:
+                torch.mm(logits, weight, out=d_input[start:start + rows])
+            if d_weight is not None:
+                d_weight.addmm_(logits.t().to(acc), xc.to(acc))
+            if d_bias is not None:
+                d_bias += logits.sum(0, dtype=acc)
+        total = losses.sum() if red == 1 else losses.sum() / denom
         ctx.shape = input.shape
         ctx.save_for_backward(d_input, d_weight.to(weight.dtype) if d_weight is not None else None,
                               d_bias.to(bias.dtype) if d_bias is not None else None)
-        return total if red != 0 else total.reshape(target.shape)
+        return total
 
     @staticmethod
     def backward(ctx, grad):
         d_input, d_weight, d_bias = ctx.saved_tensors
-        if ctx.red == 0:
-            raise RuntimeError("npukern linear_cross_entropy: reduction='none' is forward-only here")
         g = grad.reshape(())
         di = (d_input * g.to(d_input.dtype)).reshape(ctx.shape) if d_input is not None else None
         dw = d_weight * g.to(d_weight.dtype) if d_weight is not None else None

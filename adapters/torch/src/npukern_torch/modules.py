@@ -6,12 +6,7 @@ import torch
 
 from . import _casting
 from . import functional as F
-
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _on_kernels(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES
+from ._dtypes import KERNEL_DTYPES, on_kernels
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -55,7 +50,7 @@ class RMSNorm(torch.nn.RMSNorm):
     def _torch_norm(self, x):
         """The same numerics in torch ops, for inputs the kernels do not take."""
         dims = tuple(range(-len(self.normalized_shape), 0))
-        xf = x.float() if x.dtype in _KERNEL_DTYPES else x
+        xf = x.float() if x.dtype in KERNEL_DTYPES else x
         normalized = xf * torch.rsqrt(xf.square().mean(dims, keepdim=True) + self._eps(x))
         gamma = self._gamma(x) + self.offset if self.offset else self._gamma(x)
         if self.cast_before_gamma:
@@ -63,7 +58,7 @@ class RMSNorm(torch.nn.RMSNorm):
         return (normalized * gamma.to(normalized.dtype)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _on_kernels(x):
+        if not on_kernels(x):
             if self.casting == "torch" and not self.offset:
                 return super().forward(x)
             return self._torch_norm(x)
@@ -90,7 +85,7 @@ class AddRMSNorm(RMSNorm):
         residual have one shape and one dtype the kernels take; any other
         pair is added by torch first, then normalized by the RMSNorm kernel
         (or torch ops for dtypes the kernels do not take)."""
-        if x.shape == residual.shape and x.dtype == residual.dtype and _on_kernels(x) and _on_kernels(residual):
+        if x.shape == residual.shape and x.dtype == residual.dtype and on_kernels(x, residual):
             y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x), casting=self.casting,
                                          offset=self.offset)
             return y, s
@@ -145,7 +140,7 @@ class Embedding(torch.nn.Embedding):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _on_kernels(self.weight):
+        if not on_kernels(self.weight):
             return super().forward(input)
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
         return torch.ops.npukern.embedding(self.weight, input, padding_idx, self.scale_grad_by_freq)

@@ -21,17 +21,12 @@ import torch
 
 from . import _composite
 from . import functional as _F
-
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _on_kernels(*tensors):
-    return all(t.device.type == "cpu" and t.dtype in _KERNEL_DTYPES for t in tensors)
+from ._dtypes import KERNEL_DTYPES, on_kernels
 
 
 def _torch_rms_norm(x, gamma, epsilon):
     dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
-    xf = x.float() if x.dtype in _KERNEL_DTYPES else x
+    xf = x.float() if x.dtype in KERNEL_DTYPES else x
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + epsilon)
     return (xf * rstd * gamma.to(xf.dtype)).to(x.dtype), rstd.float()
 
@@ -44,14 +39,14 @@ def _gamma(x, gamma):
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
     """torch_npu.npu_rms_norm: ``(y, rstd)``."""
-    if not _on_kernels(x, gamma):
+    if not on_kernels(x, gamma):
         return _torch_rms_norm(x, gamma, epsilon)
     return _F.rms_norm(x, _gamma(x, gamma), epsilon)
 
 
 def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06):
     """torch_npu.npu_add_rms_norm: ``(y, rstd, x1 + x2)``."""
-    if not _on_kernels(x1, x2, gamma) or x1.dtype != x2.dtype or x1.shape != x2.shape:
+    if not on_kernels(x1, x2, gamma) or x1.dtype != x2.dtype or x1.shape != x2.shape:
         x_sum = x1 + x2
         return (*npu_rms_norm(x_sum, gamma, epsilon), x_sum)
     return _F.add_rms_norm(x1, x2, _gamma(x1, gamma), epsilon)
@@ -59,7 +54,7 @@ def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, ep
 
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """torch_npu.npu_swiglu: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``."""
-    if not _on_kernels(x):
+    if not on_kernels(x):
         a, b = x.chunk(2, dim)
         return torch.nn.functional.silu(a) * b
     return _F.swiglu(x, dim)
@@ -70,7 +65,7 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
     broadcast to x; "half" mode, the one Hugging Face models use)."""
     if rotary_mode != "half":
         raise ValueError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not supported (only 'half')")
-    if not _on_kernels(x, r1, r2):
+    if not on_kernels(x, r1, r2):
         return x * r1 + _composite.rotate_half(x) * r2
     return _F.rotary_mul(x, _gamma(x, r1), _gamma(x, r2))
 
@@ -86,7 +81,7 @@ def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight=Non
     from . import loss as _loss
 
     red = _loss._reduction(reduction)
-    if not _on_kernels(input):
+    if not on_kernels(input):
         x = input.float()
         lse = torch.logsumexp(x, -1)
         log_prob = x - lse.unsqueeze(-1)

@@ -1,0 +1,12 @@
+"""What npukern's kernels take: float32, float16 and bfloat16 tensors on the
+CPU. Every module, op wrapper and Hugging Face swap asks here before
+calling a kernel; anything else runs torch ops."""
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def on_kernels(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is one the kernels take."""
+    return all(t.device.type == "cpu" and t.dtype in KERNEL_DTYPES for t in tensors)
