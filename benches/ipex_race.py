@@ -1,0 +1,116 @@
+"""npukern through PyTorch beside Intel Extension for PyTorch (IPEX) and
+torch itself, in one process, every op called as a user calls it (the op
+allocates its outputs), against a copy of the same bytes. Not a test: a
+measurement. Run by benches/ipex_race.sh (its own venv: torch 2.8 + IPEX
+2.8, npukern_torch built for that torch).
+
+    python benches/ipex_race.py [--threads N] [--reps 9] [--resident]
+
+--resident keeps freed blocks in glibc's heap (MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ set before the process starts: the script re-runs
+itself), so every output lands on pages already written: the buffers a
+training loop reuses. Without it, outputs above glibc's mmap threshold are
+fresh pages, faulted during the call. Prints a markdown table of medians
+(ms) and npukern / IPEX."""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+RESIDENT_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 40), "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+                "MALLOC_TOP_PAD_": str(1 << 30)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--resident", action="store_true")
+    ap.add_argument("--filter", default="")
+    args = ap.parse_args()
+    if args.resident and any(os.environ.get(k) != v for k, v in RESIDENT_ENV.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **RESIDENT_ENV})
+
+    import torch
+    import intel_extension_for_pytorch as ipex
+    import npukern_torch  # noqa: F401  (registers torch.ops.npukern)
+
+    torch.set_num_threads(args.threads)
+    F = ipex.llm.functional
+    nk = torch.ops.npukern
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def rms_case(rows, cols, dtype):
+        x, w = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
+        return {
+            "copy": lambda: x.clone(),
+            "npukern": lambda: nk.rms_norm(x, w, 1e-6),
+            "ipex": lambda: F.rms_norm(x, w, 1e-6),
+            "torch": lambda: torch.nn.functional.rms_norm(x, (cols,), w, 1e-6),
+        }
+
+    def add_rms_case(rows, cols, dtype):
+        x, r, w = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
+        r2 = r.clone()  # IPEX's add_back writes the sum into its residual
+        return {
+            "copy": lambda: (x.clone(), r.clone()),
+            "npukern": lambda: nk.add_rms_norm(x, r, w, 1e-6),
+            "ipex": lambda: F.add_rms_norm(r2, x, w, None, 1e-6, True),
+            "torch": lambda: torch.nn.functional.rms_norm(x + r, (cols,), w, 1e-6),
+        }
+
+    def silu_case(rows, cols, dtype):
+        a, b = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype)
+        return {
+            "copy": lambda: a.clone(),
+            "npukern": lambda: nk.silu_mul(a, b, False),
+            "ipex": lambda: F.silu_mul(a, b),
+            "torch": lambda: torch.nn.functional.silu(a) * b,
+        }
+
+    cases = [
+        ("rms_norm 4096x4096 f32", rms_case(4096, 4096, torch.float32)),
+        ("rms_norm 2048x5120 f32", rms_case(2048, 5120, torch.float32)),
+        ("rms_norm 16384x1024 f32", rms_case(16384, 1024, torch.float32)),
+        ("rms_norm 4096x4096 bf16", rms_case(4096, 4096, torch.bfloat16)),
+        ("rms_norm 1024x12288 bf16", rms_case(1024, 12288, torch.bfloat16)),
+        ("rms_norm 8x4096 bf16 (decode)", rms_case(8, 4096, torch.bfloat16)),
+        ("rms_norm 1x4096 bf16 (decode)", rms_case(1, 4096, torch.bfloat16)),
+        ("add_rms_norm 4096x4096 bf16", add_rms_case(4096, 4096, torch.bfloat16)),
+        ("add_rms_norm 4096x4096 f32", add_rms_case(4096, 4096, torch.float32)),
+        ("add_rms_norm 1x4096 bf16 (decode)", add_rms_case(1, 4096, torch.bfloat16)),
+        ("silu_mul 4096x14336 f32", silu_case(4096, 14336, torch.float32)),
+        ("silu_mul 4096x14336 bf16", silu_case(4096, 14336, torch.bfloat16)),
+        ("silu_mul 8x14336 bf16 (decode)", silu_case(8, 14336, torch.bfloat16)),
+    ]
+    mode = "resident" if args.resident else "fresh"
+    print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "
+          f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)\n")
+    print("| case | copy | npukern | IPEX | torch | npukern / IPEX |")
+    print("|---|---|---|---|---|---|")
+    for name, fns in cases:
+        if args.filter not in name:
+            continue
+        for fn in fns.values():  # warm-up (and, resident, the heap grows once)
+            fn()
+        times = {k: [] for k in fns}
+        for rep in range(args.reps):
+            order = list(fns.items())
+            order = order[rep % len(order):] + order[:rep % len(order)]  # rotate who goes first
+            for k, fn in order:
+                t = time.perf_counter()
+                out = fn()
+                times[k].append(time.perf_counter() - t)
+                del out
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {med['ipex']:.3f} | {med['torch']:.3f} "
+              f"| {med['npukern'] / med['ipex']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
