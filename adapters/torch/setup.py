@@ -7,8 +7,9 @@ at that root on every build (a no-op when the library is fresh), and the
 library is taken from the target directory cargo itself reports
 (``CARGO_TARGET_DIR`` and ``.cargo/config.toml`` included), so a stale copy
 is never linked. The C++ objects are built in a directory of their own per
-torch build (version and install path): objects compiled against another
-torch are never linked. Install with ``pip install --no-build-isolation
+torch build (version and install path) and the extension is relinked on
+every build: objects or a library built against another torch are never
+used. Install with ``pip install --no-build-isolation
 ./adapters/torch`` into an environment that has torch.
 """
 
@@ -52,6 +53,10 @@ class Build(BuildExtension):
     def finalize_options(self):
         super().finalize_options()
         self.build_temp = os.path.join(self.build_temp, f"torch-{torch.__version__}-{TORCH_TAG}")
+        # Always link: setuptools would otherwise keep the extension in
+        # build/lib when it is newer than the sources, even one linked
+        # against another torch. ninja still skips this torch's fresh objects.
+        self.force = True
 
 
 # Sources are passed relative to this directory (setuptools requires it).
@@ -61,12 +66,17 @@ setup(
             name="npukern_torch._C",
             sources=[f"csrc/{s}" for s in SOURCES],
             include_dirs=[str(INCLUDE)],
-            extra_compile_args=["-O2", "-Wall", "-Wextra"],
+            # -fopenmp: at::parallel_for is a header template whose OpenMP
+            # loop compiles to a serial one without it (the blocks then ran on
+            # one thread whatever torch.set_num_threads said); libgomp.so.1
+            # is the one torch has already loaded.
+            extra_compile_args=["-O2", "-Wall", "-Wextra", "-fopenmp"],
             # The Rust standard library inside the static library needs these
             # system libraries; --exclude-libs keeps its symbols private.
             extra_link_args=[
                 str(STATIC_LIB),
                 "-Wl,--exclude-libs,libnpukern.a",
+                "-fopenmp",
                 "-lgcc_s",
                 "-lutil",
                 "-lrt",

@@ -79,3 +79,18 @@ def test_the_seeds_replacement_class_runs_unchanged():
         want = stock(x).logits
         rel = ((replaced(x).logits - want).abs().max() / want.abs().max()).item()
     assert rel <= 1e-5, rel
+
+
+def test_blocks_run_on_torchs_openmp_pool():
+    """at::parallel_for is a header template: built without -fopenmp its
+    loop is serial, and every op ran on one thread whatever
+    torch.set_num_threads said (seen: 1.0 CPU-seconds per wall second on
+    two threads). The extension must call into OpenMP when torch does."""
+    import torch
+
+    import npukern_torch
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch is not built with OpenMP here")
+    with open(npukern_torch._C.__file__, "rb") as f:
+        assert b"GOMP_parallel" in f.read()
