@@ -28,13 +28,17 @@ from npukern_torch import hf
 # SiLU-gated MLPs per model (Gemma's are GELU: left alone); attention layers.
 MLPS = {f: 0 if f.startswith("gemma") else 2 for f in FAMILIES}
 LAYERS = 2
+# Decoder layers whose residual add is fused into the post-attention norm
+# (Gemma2/3's layers have four norms: left alone).
+ADDS = {f: 0 if f in ("gemma2", "gemma3") else LAYERS for f in FAMILIES}
 
 
 def _counts(family):
-    return {"rms_norm": NORMS[family], "embedding": 1, "mlp": MLPS[family], "rope": LAYERS, "loss": 1}
+    return {"rms_norm": NORMS[family], "add_rms_norm": ADDS[family], "embedding": 1, "mlp": MLPS[family],
+            "rope": LAYERS, "loss": 1}
 
 
-NONE = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
+NONE = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -164,7 +168,8 @@ def test_class_level_form():
             stock_norm.weight.copy_(norms[0].weight)
         x = torch.randn(4, 64).to(torch.bfloat16)
         assert torch.equal(norms[0](x), stock_norm(x))
-        assert hf.patch(model) == {**NONE, "embedding": 1, "mlp": MLPS["llama"], "rope": LAYERS, "loss": 1}
+        assert hf.patch(model) == {**NONE, "add_rms_norm": ADDS["llama"], "embedding": 1, "mlp": MLPS["llama"],
+                                   "rope": LAYERS, "loss": 1}
     finally:
         hf.revert_transformers()
     assert modeling.LlamaRMSNorm is original

@@ -369,3 +369,55 @@ def test_loss_route_matches_stock_loss_and_gradients(family, dtype):
         n = torch.tensor(11)
         a, b = stock(x, labels=labels, num_items_in_batch=n).loss, patched(x, labels=labels, num_items_in_batch=n).loss
     assert abs(a.item() - b.item()) <= (2e-6 if dtype == torch.float32 else 2e-2) * abs(a.item())
+
+
+# Issue 32: the residual add before the post-attention norm fused into AddRmsNorm.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["f32", "bf16", "f64"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decoder_layers_fuse_the_residual_add_with_stock_bits(family, dtype):
+    stock = build(family, dtype, seed=5)
+    fused, unfused = twin(stock), twin(stock)
+    counts = hf.patch(fused)
+    hf.patch(unfused, add_rms_norm=False)
+    x = tokens(seed=8)
+    layers = 0 if family in ("gemma2", "gemma3") else 2
+    assert counts["add_rms_norm"] == layers
+    with torch.no_grad():
+        assert torch.equal(fused(x).logits, unfused(x).logits)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # promoted pairs take the stock add
+            assert torch.equal(fused(x).logits, unfused(x).logits)
+    if dtype != torch.float64 and layers:
+        assert "npukern::add_rms_norm" in _npukern_ops(fused, x)
+    # Training: the same loss; the gradients within one rounding of the unfused ones.
+    labels = x.clone()
+    lf, lu = fused(x, labels=labels).loss, unfused(x, labels=labels).loss
+    assert torch.equal(lf, lu)
+    lf.backward()
+    lu.backward()
+    for a, b in zip(fused.parameters(), unfused.parameters()):
+        if b.grad is not None:
+            rel = ((a.grad.double() - b.grad.double()).abs().max() / b.grad.double().abs().max()).item()
+            assert rel <= (2**-5 if dtype == torch.bfloat16 else 1e-6), rel
+    assert hf.unpatch(fused)["add_rms_norm"] == layers
+    with torch.no_grad():
+        assert torch.equal(fused(x).logits, stock(x).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_loss_route_falls_back_for_float64_and_autocast(family):
+    # float64 models and autocast's casts: Hugging Face's own composite, its bits.
+    for dtype, autocast in ((torch.float64, False), (torch.float32, True)):
+        stock = build(family, dtype, seed=6)
+        if family == "gemma2":
+            stock.config.final_logit_softcapping = 3.0
+        patched = twin(stock)
+        assert hf.patch(patched)["loss"] == 1
+        x = tokens(seed=9)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            ls, lp = stock(x, labels=x).loss, patched(x, labels=x).loss
+        assert lp.dtype == ls.dtype == torch.float32
+        assert torch.equal(lp, ls)
+        lp.backward()
+        assert all(p.grad is not None for p in patched.parameters() if p.requires_grad)

@@ -244,6 +244,123 @@ def _rope_forward_of(cls):
     return _with_global(cls.forward, "apply_rotary_pos_emb", stand_in) if stand_in else None
 
 
+def _with_inner(fn, inner):
+    """A copy of the decorator chain of `fn` (wrappers with ``__wrapped__``)
+    around `inner` in place of the function it ends in: the decorators'
+    argument handling (transformers' ``deprecate_kwarg``) is kept."""
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is None or not isinstance(fn, types.FunctionType) or not fn.__closure__:
+        return inner
+    copied = _with_inner(wrapped, inner)
+    cells = []
+    for cell in fn.__closure__:
+        try:
+            hit = cell.cell_contents is wrapped
+        except ValueError:  # an empty cell
+            hit = False
+        cells.append(types.CellType(copied) if hit else cell)
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    new.__kwdefaults__, new.__wrapped__ = fn.__kwdefaults__, copied
+    return new
+
+
+def _innermost(fn):
+    while getattr(fn, "__wrapped__", None) is not None:
+        fn = fn.__wrapped__
+    return fn
+
+
+# The decoder layer this adapter fuses (Llama, Mistral, Qwen2, Qwen3, Gemma):
+# {call} passes every parameter of the forward but hidden_states by name.
+_DECODER_BODY = """
+residual = hidden_states
+hidden_states = self.input_layernorm(hidden_states)
+hidden_states, _ = self.self_attn(hidden_states=hidden_states, {call})
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+hidden_states = self.mlp(hidden_states)
+hidden_states = residual + hidden_states
+return hidden_states
+"""
+
+
+def _decoder_params(cls):
+    """The parameter names (after hidden_states) and ``**kwargs`` name of
+    `cls`'s forward when its body is exactly :data:`_DECODER_BODY`, else
+    None: any other layer (Gemma2/3's four norms, a future change) keeps its
+    forward."""
+    import ast
+    import textwrap
+
+    fn = _innermost(getattr(cls, "forward", None))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        sig = inspect.signature(fn)
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+    names = list(sig.parameters)
+    if names[:2] != ["self", "hidden_states"]:
+        return None
+    named, var_kw = [], None
+    for p in list(sig.parameters.values())[2:]:
+        if p.kind == p.VAR_KEYWORD:
+            var_kw = p.name
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            named.append(p.name)
+        else:
+            return None
+    call = ", ".join([f"{n}={n}" for n in named] + ([f"**{var_kw}"] if var_kw else []))
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # a docstring
+    expected = ast.parse(_DECODER_BODY.format(call=call)).body
+    if [ast.dump(b) for b in body] != [ast.dump(b) for b in expected]:
+        return None
+    return named, var_kw
+
+
+def _residual_norm(norm, residual, h):
+    """``(norm(residual + h), residual + h)``: npukern's AddRmsNorm (the sum
+    rounded once, as torch's add, and the norm of that sum: stock bits) when
+    the norm is npukern's and the pair is one the kernel takes; else the
+    stock add and norm."""
+    if (isinstance(norm, RMSNorm) and residual.shape == h.shape and residual.dtype == h.dtype
+            and on_kernels(residual, h)):
+        y, _rstd, s = _F.add_rms_norm(residual, h, norm._gamma(residual), norm._eps(residual),
+                                      casting=norm.casting, offset=norm.offset)
+        return y, s
+    s = residual + h
+    return norm(s), s
+
+
+def _decoder_forward_of(cls):
+    """`cls.forward` (its decorators kept) with the residual add before the
+    post-attention norm fused into npukern's AddRmsNorm, or None when the
+    layer is not the one :data:`_DECODER_BODY` describes."""
+    found = _decoder_params(cls)
+    if found is None:
+        return None
+    named, var_kw = found
+    sig = inspect.signature(_innermost(cls.forward))
+
+    def forward(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        rest = {n: a[n] for n in named}
+        if var_kw:
+            rest.update(a.get(var_kw, {}))
+        residual = a["hidden_states"]
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(residual), **rest)
+        y, residual = _residual_norm(self.post_attention_layernorm, residual, h)
+        return residual + self.mlp(y)
+
+    forward.__name__, forward.__qualname__ = "forward", f"{cls.__qualname__}.forward"
+    forward.__doc__ = "npukern's decoder layer forward: the residual add fused into the post-attention norm."
+    return _with_inner(cls.forward, forward)
+
+
 class _Forward:
     """One patched module's own forward, kept in that module's ``__dict__``
     so the swap belongs to that module alone (never to its class or its
@@ -255,7 +372,8 @@ class _Forward:
         self._build()
 
     def _build(self):
-        self.fn = _rope_forward_of(type(self.module)) if self.kind == "rope" else None
+        builders = {"rope": _rope_forward_of, "add_rms_norm": _decoder_forward_of}
+        self.fn = builders[self.kind](type(self.module)) if self.kind in builders else None
 
     def __call__(self, *args, **kwargs):
         if self.kind == "mlp":
@@ -337,8 +455,12 @@ def _is_family_attention(m):
 _FAMILY_MODULES = {mod for mod, *_ in FAMILIES.values()}
 
 
+def _is_family_decoder(m):
+    return type(m).__module__ in _FAMILY_MODULES and type(m).__name__.endswith("DecoderLayer")
+
+
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
-          rope: bool = True, loss: bool = True) -> dict:
+          rope: bool = True, loss: bool = True, add_rms_norm: bool = True) -> dict:
     """Swaps, in place and in this model alone, its RMSNorm modules of the
     supported families and its input embedding for npukern's, its SiLU-gated
     MLPs' activation for npukern's SwiGLU (``mlp``) and its attention
@@ -346,7 +468,10 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     forward reads npukern's ``apply_rotary_pos_emb``; the transformers
     module and every other model are untouched); returns the counts of what
     this call swapped, e.g. ``{"rms_norm": 5, "embedding": 1, "mlp": 2,
-    "rope": 2, "loss": 1}``; ``loss``: a causal LM given ``labels`` computes
+    "rope": 2, "loss": 1, "add_rms_norm": 2}``; ``add_rms_norm``: decoder
+    layers of the Llama shape (Llama, Mistral, Qwen2, Qwen3, Gemma) add the
+    attention output to the residual and normalize the sum in one AddRmsNorm
+    (stock forward bits; needs ``rms_norm``); ``loss``: a causal LM given ``labels`` computes
     its loss with the fused linear cross-entropy and returns ``logits=None``
     (without labels, the logits as before). Modules already patched are left alone (a second call
     counts 0). An RMSNorm class it does not know is left alone and named in a
@@ -356,7 +481,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     to the stock composite for what the kernels do not take (float64,
     non-CPU tensors)."""
     norms, scaled_embeddings = _family_classes()
-    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
+    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
     for m in model.modules():
         if "forward" in vars(m):
             continue  # patched already, or someone else's forward: not ours to replace
@@ -371,6 +496,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
             if fwd.fn is not None:  # None: not a forward or signature this adapter knows
                 m.forward = fwd
                 counts["rope"] += 1
+        elif add_rms_norm and rms_norm and _is_family_decoder(m):
+            fwd = _Forward(m, "add_rms_norm")
+            if fwd.fn is not None:  # None: not the decoder layer this adapter knows
+                m.forward = fwd
+                counts["add_rms_norm"] += 1
     unknown = set()
     input_embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for parent in list(model.modules()):
@@ -404,7 +534,7 @@ def unpatch(model: torch.nn.Module) -> dict:
     replaced (they share the same Parameters, so training since the patch is
     kept) and the MLPs' and attention layers' own forward; returns the
     counts."""
-    counts = {"rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
+    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
     for m in model.modules():
         kind = _patched_kind(m)
         if kind is not None:

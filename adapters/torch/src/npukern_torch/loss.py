@@ -160,8 +160,19 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     red = _reduction(reduction)
     if red == 0:
         raise ValueError("linear_cross_entropy: reduction='none' is not supported (use 'sum' or 'mean')")
+    cap = _softcap(softcap)
+    if (not on_kernels(input, weight) or input.dtype != weight.dtype
+            or (bias is not None and bias.dtype != weight.dtype) or torch.is_autocast_enabled(input.device.type)):
+        # What the kernel does not take (float64, other devices, mixed dtypes,
+        # autocast's own casts) runs Hugging Face's composite: the logits in
+        # torch's dtype, soft-capped there, then the loss of their float32 copy.
+        logits = torch.nn.functional.linear(input.reshape(-1, input.shape[-1]), weight, bias)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return _composite(logits.float(), target.reshape(-1), None, ignore_index, reduction, label_smoothing, z_loss,
+                          0.0)
     return _LinearCrossEntropy.apply(input, weight, target, bias, ignore_index, red, label_smoothing, z_loss,
-                                     _softcap(softcap), chunk_bytes or CHUNK_BYTES)
+                                     cap, chunk_bytes or CHUNK_BYTES)
 
 
 def _ce_setup(ctx, inputs, output):
