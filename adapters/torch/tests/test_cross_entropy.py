@@ -72,11 +72,14 @@ def test_cross_entropy_shapes_and_edges():
     assert L.cross_entropy(x.double(), t).dtype == torch.float64
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["one_block", "vocab_blocks"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "z_loss": 1e-4}, {"softcap": 30.0}],
                          ids=["plain", "smooth_z", "softcap"])
-def test_linear_cross_entropy_matches_unfused(wdtype, bias, opts):
+def test_linear_cross_entropy_matches_unfused(wdtype, bias, opts, blocks, monkeypatch):
+    if blocks:  # the weight gradient summed in float32 blocks of 64 vocabulary rows (and an odd last one)
+        monkeypatch.setattr(L, "_VOCAB_BLOCK", 64)
     g = torch.Generator().manual_seed(3)
     n, h, v = 37, 16, 300
     x = torch.randn(n, h, generator=g).to(wdtype).requires_grad_()

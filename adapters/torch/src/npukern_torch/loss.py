@@ -19,7 +19,9 @@ ops = torch.ops.npukern
 _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 #: The default memory budget for one chunk of logits in
 #: :func:`linear_cross_entropy` (bytes).
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 128 << 20
+# Vocabulary rows per float32 block of the weight gradient (several chunks).
+_VOCAB_BLOCK = 8192
 
 
 def _reduction(reduction):
@@ -102,9 +104,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         d_input = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         acc = torch.float32  # 16-bit weights get float32 gradients, rounded once at the end
         want_weight = ctx.needs_input_grad[1]
-        d_weight = None
         d_bias = torch.zeros(vocab, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
         rows = max(1, min(n, chunk_bytes // max(1, vocab * x.element_size())))
+        # One chunk: the weight gradient is one matmul, stock's bits. Several:
+        # float32 sums per block of vocabulary rows, each chunk's part a
+        # matmul in the weight's dtype (torch's bf16/f16 kernels accumulate in
+        # float32 inside; an f32 addmm of upcast copies is 4-5x slower); the
+        # blocks keep the temporaries small and are freed one by one as the
+        # result is rounded (peak: the float32 sums, not them and the result).
+        blocks = [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
+        sums = [None] * len(blocks)
+        d_weight = None
         losses = torch.empty(n, dtype=torch.float32)
         for start in range(0, n, rows):
             xc = x[start:start + rows]
@@ -115,21 +125,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # The logits now hold dloss/dlogits (times grad_scale).
             if d_input is not None:
                 torch.mm(logits, weight, out=d_input[start:start + rows])
-            if want_weight:
-                # The matmul in the weight's dtype (16-bit weights: torch's bf16/f16
-                # kernels, f32 accumulation inside, 4-5x faster than an f32 addmm of
-                # upcast copies), its chunk added to the f32 accumulator: one chunk
-                # gives stock's bits.
-                part = torch.mm(logits.t(), xc)
-                if d_weight is None:  # the first chunk (the only one: stock's bits)
-                    d_weight = part if start + rows >= n else part.to(acc)
-                else:
-                    d_weight += part
+            if want_weight and rows >= n:
+                d_weight = torch.mm(logits.t(), xc)
+            elif want_weight:
+                for b, (j0, j1) in enumerate(blocks):
+                    part = torch.mm(logits[:, j0:j1].t(), xc)
+                    if sums[b] is None:
+                        sums[b] = part.to(acc)
+                    else:
+                        sums[b] += part
             if d_bias is not None:
                 d_bias += logits.sum(0, dtype=acc)
+            del logits
+        if want_weight and d_weight is None:
+            d_weight = torch.empty(weight.shape, dtype=weight.dtype)
+            for b, (j0, j1) in enumerate(blocks):
+                d_weight[j0:j1].copy_(sums[b])
+                sums[b] = None
         total = losses.sum() if red == 1 else losses.sum() / denom
         ctx.shape = input.shape
-        ctx.save_for_backward(d_input, d_weight.to(weight.dtype) if d_weight is not None else None,
+        ctx.save_for_backward(d_input, d_weight,
                               d_bias.to(bias.dtype) if d_bias is not None else None)
         return total
 
