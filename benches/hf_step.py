@@ -86,7 +86,12 @@ def child(args):
 
 
 def driver(args):
-    passthrough = [a for a in sys.argv[1:] if not a.startswith("--runs")]
+    passthrough = []
+    for k, v in vars(args).items():
+        if k in ("runs", "child") or v is False:
+            continue
+        flag = "--" + k.replace("_", "-")
+        passthrough += [flag] if v is True else [flag, str(v)]
     results = {"stock": [], "patched": []}
     for _ in range(args.runs):
         for variant in ("stock", "patched"):
