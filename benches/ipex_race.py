@@ -73,6 +73,23 @@ def main():
             "torch": lambda: torch.nn.functional.silu(a) * b,
         }
 
+    def rope_case(tokens, hq, hk, d, dtype):
+        # Llama's layout [batch, seq, heads, head_dim] and cos/sin [seq, head_dim]
+        # in the activations' dtype (Hugging Face's); IPEX rotates in place.
+        q, k = rand(1, tokens, hq, d, dtype=dtype), rand(1, tokens, hk, d, dtype=dtype)
+        cos, sin = rand(tokens, d, dtype=dtype), rand(tokens, d, dtype=dtype)
+        c4, s4 = cos.view(1, tokens, 1, d), sin.view(1, tokens, 1, d)
+
+        def rotate_half(x):
+            a, b = x.chunk(2, -1)
+            return torch.cat((-b, a), -1)
+        return {
+            "copy": lambda: (q.clone(), k.clone()),
+            "npukern": lambda: nk.rope_qk(q, k, c4, s4, True, False),
+            "ipex": lambda: F.rotary_embedding(q, k, sin, cos, d, True),
+            "torch": lambda: (q * c4 + rotate_half(q) * s4, k * c4 + rotate_half(k) * s4),
+        }
+
     cases = [
         ("rms_norm 4096x4096 f32", rms_case(4096, 4096, torch.float32)),
         ("rms_norm 2048x5120 f32", rms_case(2048, 5120, torch.float32)),
@@ -87,6 +104,9 @@ def main():
         ("silu_mul 4096x14336 f32", silu_case(4096, 14336, torch.float32)),
         ("silu_mul 4096x14336 bf16", silu_case(4096, 14336, torch.bfloat16)),
         ("silu_mul 8x14336 bf16 (decode)", silu_case(8, 14336, torch.bfloat16)),
+        ("rope q32/k8 x128, 4096 tokens bf16", rope_case(4096, 32, 8, 128, torch.bfloat16)),
+        ("rope q32/k8 x128, 4096 tokens f32", rope_case(4096, 32, 8, 128, torch.float32)),
+        ("rope q32/k8 x128, 1 token bf16 (decode)", rope_case(1, 32, 8, 128, torch.bfloat16)),
     ]
     mode = "resident" if args.resident else "fresh"
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "

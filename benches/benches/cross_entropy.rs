@@ -1,7 +1,11 @@
-//! CrossEntropy fused (loss, lse and dlogits in place, one call per chunk
-//! of tokens, as the fused linear cross-entropy runs it) and the forward,
-//! against a memcpy of the same bytes (the logits read twice and written
-//! once), single-threaded, in one criterion group.
+//! CrossEntropy forward + backward on resident buffers, single-threaded,
+//! against a memcpy of the same bytes, in one criterion group per dtype:
+//! the kernel reads the logits twice (forward; backward) and writes their
+//! gradient once, so the copy moves 1.5x the logits (read and write).
+//! `forward_backward` is the forward (loss and lse) then the backward into
+//! a separate dlogits; `fused_in_place` is the fused linear
+//! cross-entropy's call (loss, lse and dlogits over the logits; the
+//! gradient of a gradient is as good an input as any: the same work).
 //!
 //! Run: `cargo bench -p npukern-benches --bench cross_entropy`
 
@@ -11,9 +15,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use npukern::*;
 use npukern_benches::Aligned;
 
-fn bench(c: &mut Criterion) {
-    // 64 tokens of a Llama 3 vocabulary (128 256 classes), bf16: 16 MiB.
-    let (n, v) = (64usize, 128_256usize);
+fn rows<T: Float>(c: &mut Criterion, n: usize, v: usize) {
     let mut s = 0x2545_f491u32;
     let mut next = || {
         s ^= s << 13;
@@ -21,14 +23,14 @@ fn bench(c: &mut Criterion) {
         s ^= s << 5;
         s
     };
-    let logits: Vec<bf16> = (0..n * v)
-        .map(|_| bf16::from_f32((next() % 2000) as f32 / 200.0 - 5.0))
+    let logits: Vec<T> = (0..n * v)
+        .map(|_| T::from_f32((next() % 2000) as f32 / 200.0 - 5.0))
         .collect();
     let target: Vec<i64> = (0..n).map(|_| (next() as usize % v) as i64).collect();
-    let bytes = 3 * n * v * 2;
-    let mut g = c.benchmark_group(format!("cross_entropy/BF16/{n}x{v}"));
+    let esize = core::mem::size_of::<T>();
+    let bytes = 3 * n * v * esize;
+    let mut g = c.benchmark_group(format!("cross_entropy/{}/{n}x{v}", T::DTYPE.name()));
     g.throughput(Throughput::Bytes(bytes as u64));
-    // A copy reads and writes its length: half of the kernel's bytes.
     let src = Aligned::filled(1u8, bytes / 2);
     let mut dst = Aligned::filled(0u8, bytes / 2);
     g.bench_function("memcpy", |b| {
@@ -37,19 +39,30 @@ fn bench(c: &mut Criterion) {
     let exec = Exec::cpu();
     let opts = CrossEntropyOptions::default();
     let tt = TensorRef::new(&target, &[n]).unwrap();
-    let (mut loss, mut lse) = (vec![0f32; n], vec![0f32; n]);
+    let targets = || CrossEntropyTargets::new(tt);
+    let xt = TensorRef::new(&logits, &[n, v]).unwrap();
+    let mut lse = vec![0f32; n];
+    let mut scalar = [0f32];
+    let mut dlogits = logits.clone();
+    let ws_f = cross_entropy_workspace_size(&exec, xt, targets(), &opts).unwrap();
+    let ws_b = cross_entropy_grad_workspace_size(&exec, xt, targets(), &opts).unwrap();
+    let mut ws = vec![0u8; ws_f.max(ws_b)];
+    g.bench_function("forward_backward", |b| {
+        b.iter(|| {
+            cross_entropy(&exec, xt, targets(), &opts, &mut scalar, Some(&mut lse), &mut ws).unwrap();
+            cross_entropy_grad(&exec, xt, targets(), &lse, &[1.0], &opts, &mut dlogits, &mut ws)
+                .unwrap();
+        })
+    });
     let mut x = logits.clone();
+    let mut loss = vec![0f32; n];
     g.bench_function("fused_in_place", |b| {
         b.iter(|| {
-            // The same logits every time (the copy is outside the kernel's
-            // bytes but inside the timing: a second memcpy-sized stream).
-            x.copy_from_slice(&logits);
             let xm = TensorMut::new(&mut x, &[n, v]).unwrap();
-            let t = CrossEntropyTargets::new(tt);
             cross_entropy_fused(
                 &exec,
                 xm,
-                t,
+                targets(),
                 &[1.0 / n as f32],
                 &opts,
                 &mut loss,
@@ -59,33 +72,20 @@ fn bench(c: &mut Criterion) {
             .unwrap()
         })
     });
-    let xt = TensorRef::new(&logits, &[n, v]).unwrap();
-    let mut ws = vec![
-        0u8;
-        cross_entropy_workspace_size(&exec, xt, CrossEntropyTargets::new(tt), &opts)
-            .unwrap()
-    ];
-    let mut scalar = [0f32];
-    g.bench_function("forward", |b| {
-        b.iter(|| {
-            cross_entropy(
-                &exec,
-                xt,
-                CrossEntropyTargets::new(tt),
-                &opts,
-                &mut scalar,
-                Some(&mut lse),
-                &mut ws,
-            )
-            .unwrap()
-        })
-    });
     g.finish();
+}
+
+fn bench(c: &mut Criterion) {
+    // 256 tokens of a Llama 2 vocabulary and 64 of Llama 3's: 16 MiB of bf16
+    // logits each (beyond the caches, as in training).
+    rows::<bf16>(c, 256, 32_000);
+    rows::<bf16>(c, 64, 128_256);
+    rows::<f32>(c, 128, 32_000);
 }
 
 criterion_group! {
     name = group;
-    config = Criterion::default().sample_size(10).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(3));
+    config = Criterion::default().sample_size(10).warm_up_time(std::time::Duration::from_millis(500)).measurement_time(std::time::Duration::from_secs(2));
     targets = bench
 }
 criterion_main!(group);
