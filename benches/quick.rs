@@ -390,6 +390,39 @@ fn rope_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, heads: usize, seq: usize) {
     }
 }
 
+/// CrossEntropy forward (the mean loss and lse) then backward (dlogits out
+/// of place) on `tokens x vocab` logits: the logits read twice and dlogits
+/// written once, the traffic of copying 1.5x the logits.
+fn cross_entropy_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, vocab: usize) {
+    let sname = format!("{tokens}x{vocab}");
+    let dt = format!("{:?}", T::DTYPE).to_lowercase();
+    if o.filter
+        .as_ref()
+        .is_some_and(|f| !matches(&format!("cross_entropy {sname} {dt}"), f))
+    {
+        return;
+    }
+    let exec = exec_for(cpu);
+    let len = tokens * vocab;
+    let tb = len * core::mem::size_of::<T>();
+    let dims = [tokens, vocab];
+    let opts = CrossEntropyOptions::default();
+    let target: Vec<i64> = (0..tokens).map(|i| (i * 7919 % vocab) as i64).collect();
+    let tt = CrossEntropyTargets::new(TensorRef::new(&target, &[tokens]).unwrap());
+    let sets = sets_for(2 * tb, o.llc);
+    let xs: Vec<Aligned<T>> = (0..sets).map(|i| data(len, 400 + i as u32)).collect();
+    let mut dxs: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+    let (mut loss, mut lse) = ([0f32], vec![0f32; tokens]);
+    let x0 = TensorRef::new(&xs[0], &dims).unwrap();
+    let mut ws = vec![0u8; cross_entropy_workspace_size(&exec, x0, tt, &opts).unwrap()];
+    let r = time_pair(o, sets, tb * 3 / 2, |s| {
+        let x = TensorRef::new(&xs[s], &dims).unwrap();
+        cross_entropy(&exec, x, tt, &opts, &mut loss, Some(&mut lse), &mut ws).unwrap();
+        cross_entropy_grad(&exec, x, tt, &lse, &[1.0], &opts, &mut dxs[s], &mut []).unwrap()
+    });
+    row("CrossEntropy fwd+bwd", &sname, &dt, r);
+}
+
 /// The per-call cost of a parallel launch: `Threads::parallel_for` over 2
 /// empty blocks vs the serial loop, and a 1 x 4096 bf16 RmsNorm (which the
 /// plan keeps in one block, so it runs serially on any runner).
@@ -523,4 +556,9 @@ fn main() {
     rope_rows::<bf16>(&o, &cpu, 32, 4096);
     rope_rows::<f16>(&o, &cpu, 32, 4096);
     rope_rows::<f32>(&o, &cpu, 32, 4096);
+    for (tokens, vocab) in [(1024usize, 32000usize), (256, 128_256)] {
+        cross_entropy_rows::<bf16>(&o, &cpu, tokens, vocab);
+        cross_entropy_rows::<f16>(&o, &cpu, tokens, vocab);
+        cross_entropy_rows::<f32>(&o, &cpu, tokens, vocab);
+    }
 }

@@ -1,12 +1,15 @@
 //! Bit-identical across architectures: every operator on fixed-seed inputs
 //! (every dtype pairing, merge-N and split-D rows, specials, embedding with
-//! duplicates / padding / scaling / sharding / accumulation, gradient health)
+//! duplicates / padding / scaling / sharding / accumulation, gradient health,
+//! cross-entropy forward / backward / fused with every option)
 //! under every ISA this machine has, each output hashed bit for bit and
 //! compared with `tests/data/bit_hashes.txt`. The file is produced on
 //! x86_64; scripts/cross.sh runs this test on aarch64 too (the NEON lanes,
 //! then the portable ones forced), so a kernel whose bits depend on the ISA or the architecture fails
 //! here, naming the operator and case. `NPK_BLESS=1` rewrites the file.
 
+#[path = "../embedded/checks/src/ce_options.rs"]
+mod ce_options;
 mod common;
 #[path = "../embedded/checks/src/hash.rs"]
 mod hash;
@@ -333,6 +336,108 @@ fn grad_health(run: &mut Run, cpu: &Cpu) {
     }
 }
 
+/// Forward (loss, lse), backward (dlogits; in place the same bits) and the
+/// fused form (loss, dlogits; its lse the forward's) per option set. Rows
+/// sharing a tile, a tile split across blocks, rows of three 2048-column
+/// segments; the first shape has a masked (-Inf) class and an ignored NaN
+/// row.
+fn cross_entropy_case<T: Float, I: Element + TryFrom<i64>>(run: &mut Run, cpu: &Cpu, seed: u64)
+where
+    <I as TryFrom<i64>>::Error: std::fmt::Debug,
+{
+    let ub = |ub_bytes, blocks| UbConfig { ub_bytes, blocks };
+    let shapes = [
+        ("7x300", 7usize, 300usize, UbConfig::default()),
+        ("9x17.ub1k", 9, 17, ub(1024, 64)),
+        ("3x4133.ub1k", 3, 4133, ub(1024, 3)),
+    ];
+    for (si, (shape, n, c, ub)) in shapes.into_iter().enumerate() {
+        let exec = Exec::new(cpu).with_ub(ub);
+        let mut rng = Rng(seed * 100 + si as u64);
+        // Pure arithmetic (no libm) so every target draws the same logits.
+        let mut x: Vec<T> = vec_of(n * c, || {
+            if rng.below(7) == 0 {
+                rng.uniform(-40.0, 40.0)
+            } else {
+                rng.uniform(-8.0, 8.0)
+            }
+        });
+        // -1 marks the ignored rows; each option set puts its ignore_index there.
+        let mut tgt64: Vec<i64> = (0..n)
+            .map(|_| {
+                if rng.below(4) == 0 {
+                    -1
+                } else {
+                    rng.below(c as u64) as i64
+                }
+            })
+            .collect();
+        if si == 0 {
+            // A masked class (not row 0's target) and a NaN row, ignored:
+            // its lse is NaN, its loss and gradient 0, the sums finite.
+            x[1] = T::from_f64(f64::NEG_INFINITY);
+            x[c + 5] = T::from_f64(f64::NAN);
+            tgt64[0] = 3;
+            tgt64[1] = -1;
+        }
+        let w: Vec<f32> = (0..c).map(|_| rng.uniform(0.5, 2.0) as f32).collect();
+        let g_rows: Vec<f32> = (0..n).map(|_| rng.uniform(0.25, 2.0) as f32).collect();
+        let xt = TensorRef::new(&x, &[n, c]).unwrap();
+        let case = format!("{}_{}.{shape}", dname::<T>(), dname::<I>());
+        for (oname, opts, weighted) in ce_options::variants() {
+            let tgt: Vec<I> = tgt64
+                .iter()
+                .map(|&t| I::try_from(if t < 0 { opts.ignore_index } else { t }).unwrap())
+                .collect();
+            let tt = CrossEntropyTargets::new(TensorRef::new(&tgt, &[n]).unwrap());
+            let tt = if weighted {
+                tt.with_weight(TensorRef::new(&w, &[c]).unwrap())
+            } else {
+                tt
+            };
+            let reduced = opts.reduction != Reduction::None;
+            let g = if reduced { &[0.75f32][..] } else { &g_rows[..] };
+            let name = |out: &str| format!("cross_entropy.{oname}.{case}.{out}");
+
+            let mut loss = vec![0f32; if reduced { 1 } else { n }];
+            let mut lse = vec![0f32; n];
+            let sz = cross_entropy_workspace_size(&exec, xt, tt, &opts).unwrap();
+            let mut ws = vec![0u8; sz];
+            cross_entropy(&exec, xt, tt, &opts, &mut loss, Some(&mut lse), &mut ws).unwrap();
+            run.out(&name("loss"), &loss);
+            run.out(&name("lse"), &lse);
+
+            let mut dx = vec![T::from_f64(0.0); n * c];
+            let sz = cross_entropy_grad_workspace_size(&exec, xt, tt, &opts).unwrap();
+            let mut ws = vec![0u8; sz];
+            cross_entropy_grad(&exec, xt, tt, &lse, g, &opts, &mut dx, &mut ws).unwrap();
+            run.out(&name("dlogits"), &dx);
+            let mut dx2 = x.clone();
+            let xm = TensorMut::new(&mut dx2, &[n, c]).unwrap();
+            cross_entropy_grad_in_place(&exec, xm, tt, &lse, g, &opts, &mut ws).unwrap();
+            assert_same_bits(
+                &dx2,
+                &dx,
+                &format!("cross_entropy_grad_in_place {}", name("")),
+            );
+
+            let (mut fl, mut flse, mut fx) = (vec![0f32; n], vec![0f32; n], x.clone());
+            let sz = cross_entropy_fused_workspace_size(&exec, xt, tt, &opts).unwrap();
+            let mut ws = vec![0u8; sz];
+            let xm = TensorMut::new(&mut fx, &[n, c]).unwrap();
+            cross_entropy_fused(&exec, xm, tt, g, &opts, &mut fl, Some(&mut flse), &mut ws)
+                .unwrap();
+            assert_same_bits(
+                &flse,
+                &lse,
+                &format!("cross_entropy_fused lse {}", name("")),
+            );
+            run.out(&name("fused.loss"), &fl);
+            run.out(&name("fused.dlogits"), &fx);
+        }
+    }
+}
+
 fn run_all(isa: Isa) -> Run {
     let cpu = Cpu::new(Serial).with_isa(isa);
     let mut run = Run::default();
@@ -347,6 +452,9 @@ fn run_all(isa: Isa) -> Run {
     embedding::<f16, i32, f16>(&mut run, &cpu, 9);
     embedding::<f16, i64, f32>(&mut run, &cpu, 10);
     grad_health(&mut run, &cpu);
+    cross_entropy_case::<f32, i64>(&mut run, &cpu, 11);
+    cross_entropy_case::<bf16, i32>(&mut run, &cpu, 12);
+    cross_entropy_case::<f16, i64>(&mut run, &cpu, 13);
     run
 }
 

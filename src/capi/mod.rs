@@ -12,13 +12,16 @@
 //! - `status`: `Error` → `npk_status` + `npk_error_detail`, and the
 //!   informational functions;
 //! - `exec`: `npk_exec` → `Exec` (tiling, backend, host runner callback);
+//! - `skin`: the shape every operator's two entry points share (read the
+//!   inputs and options, plan; then read the outputs, prepare, launch),
+//!   which each operator's `ops/<op>/capi.rs` fills with how its own
+//!   arguments are read (`CapiOp`, `CapiCall`);
 //! - `foreign`: the `npk_foreign_backend` table and the `Foreign` backend;
-//! - one file per operator; `threads`: the pool behind
-//!   `npk_threads_parallel_for`.
+//! - `threads`: the pool behind `npk_threads_parallel_for`.
 //!
-//! `grad_stats` (npk_grad_stats / npk_clip_grad_norm) is wired in its own
-//! file by its author; it reuses `exec::run`, `exec::write_size` and
-//! `types::read_tensor`.
+//! `grad_stats` (npk_grad_stats / npk_clip_grad_norm) sizes through
+//! `skin::workspace_size` like every operator; its runs, which have no
+//! `OpCall`, use `exec::run` and `types::read_tensor` directly.
 //!
 //! No panic can cross the boundary: the C libraries are built with
 //! `panic = "abort"`, and no input reaches a panicking path (every size is
@@ -30,6 +33,7 @@
 pub mod exec;
 pub mod foreign;
 mod host_runner;
+pub(crate) mod skin;
 pub mod status;
 pub mod threads;
 pub mod types;

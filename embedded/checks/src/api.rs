@@ -222,3 +222,93 @@ pub fn clip(
     let mut ws = [0u8; WS];
     clip_grad_norm(&exec, list, &opts, &mut ws[..n])
 }
+
+/// The inputs of one CrossEntropy: logits `[rows, cols]`, targets and
+/// optional class weights.
+pub struct CeIn<'a, T, I> {
+    /// Logits.
+    pub x: &'a [T],
+    /// Their shape.
+    pub dims: [usize; 2],
+    /// Class indices, one per row.
+    pub tgt: &'a [I],
+    /// Class weights, one per class.
+    pub w: Option<&'a [f32]>,
+}
+
+impl<T: El, I: Element> CeIn<'_, T, I> {
+    fn targets(&self) -> Result<CrossEntropyTargets<'_, I>> {
+        let t = CrossEntropyTargets::new(TensorRef::new(self.tgt, &self.dims[..1])?);
+        Ok(match self.w {
+            Some(w) => t.with_weight(TensorRef::new(w, &self.dims[1..])?),
+            None => t,
+        })
+    }
+
+    fn logits(&self) -> Result<TensorRef<'_, T>> {
+        TensorRef::new(self.x, &self.dims)
+    }
+}
+
+/// CrossEntropy forward: `loss` (rows f32, or one when reducing) and `lse`.
+pub fn cross_entropy<T: El, I: Element>(
+    exec: &Exec<'_>,
+    a: &CeIn<'_, T, I>,
+    opts: &CrossEntropyOptions,
+    loss: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let (xt, tt) = (a.logits()?, a.targets()?);
+    let n = sized(cross_entropy_workspace_size(exec, xt, tt, opts))?;
+    let mut ws = [0u8; WS];
+    npukern::cross_entropy(exec, xt, tt, opts, loss, Some(lse), &mut ws[..n])
+}
+
+/// CrossEntropy backward: dlogits into `dx`, or over a copy of the logits
+/// already in `dx` when `in_place`.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_grad<T: El, I: Element>(
+    exec: &Exec<'_>,
+    a: &CeIn<'_, T, I>,
+    lse: &[f32],
+    grad: &[f32],
+    opts: &CrossEntropyOptions,
+    dx: &mut [T],
+    in_place: bool,
+) -> Result<()> {
+    let (xt, tt) = (a.logits()?, a.targets()?);
+    let n = sized(cross_entropy_grad_workspace_size(exec, xt, tt, opts))?;
+    let mut ws = [0u8; WS];
+    if in_place {
+        let xm = TensorMut::new(dx, &a.dims)?;
+        cross_entropy_grad_in_place(exec, xm, tt, lse, grad, opts, &mut ws[..n])
+    } else {
+        npukern::cross_entropy_grad(exec, xt, tt, lse, grad, opts, dx, &mut ws[..n])
+    }
+}
+
+/// The fused CrossEntropy over a copy of the logits already in `dx`: the
+/// per-row loss, lse, and dlogits in place scaled by `grad_scale`.
+pub fn cross_entropy_fused<T: El, I: Element>(
+    exec: &Exec<'_>,
+    a: &CeIn<'_, T, I>,
+    grad_scale: &[f32],
+    opts: &CrossEntropyOptions,
+    (loss, lse): (&mut [f32], &mut [f32]),
+    dx: &mut [T],
+) -> Result<()> {
+    let (xt, tt) = (a.logits()?, a.targets()?);
+    let n = sized(cross_entropy_fused_workspace_size(exec, xt, tt, opts))?;
+    let mut ws = [0u8; WS];
+    let xm = TensorMut::new(dx, &a.dims)?;
+    npukern::cross_entropy_fused(
+        exec,
+        xm,
+        tt,
+        grad_scale,
+        opts,
+        loss,
+        Some(lse),
+        &mut ws[..n],
+    )
+}

@@ -9,6 +9,8 @@
 #![deny(missing_docs)]
 
 pub mod api;
+mod ce_options;
+mod cross_entropy;
 pub mod data;
 mod elementwise;
 mod embedding;
@@ -28,5 +30,6 @@ pub fn run_all(out: &mut dyn core::fmt::Write, bless: bool) -> Outcome {
     embedding::run(&mut c);
     grad_health::run(&mut c);
     elementwise::run(&mut c);
+    cross_entropy::run(&mut c);
     c.outcome()
 }

@@ -2,6 +2,10 @@
 
 use core::fmt::{self, Write};
 
+use npukern::Float;
+
+use crate::data::close;
+
 /// `name hex` lines (`#` starts a comment), written by `scripts/cross.sh`
 /// with `NPK_BLESS=1` from the host consumer's output.
 const EXPECTED: &str = include_str!("../../expected_hashes.txt");
@@ -68,6 +72,38 @@ impl<'a> Checker<'a> {
             writeln!(self.out, "FAIL {name}: {why}")
         };
         ok
+    }
+
+    /// Checks `got` against `want` element by element, each within
+    /// `tol(index, want)` (NaN matching NaN, infinities exactly); a failure
+    /// names the first element out of it.
+    pub fn within<T: Float>(
+        &mut self,
+        what: &str,
+        got: &[T],
+        want: &[T],
+        tol: impl Fn(usize, f64) -> f64,
+    ) -> bool {
+        let bad = (0..got.len().min(want.len())).find(|&i| {
+            let w = want[i].to_f64();
+            !close(got[i].to_f64(), w, tol(i, w))
+        });
+        match bad {
+            None => self.check(
+                what,
+                got.len() == want.len(),
+                format_args!("lengths differ"),
+            ),
+            Some(i) => self.check(
+                what,
+                false,
+                format_args!(
+                    "element {i}: {:e}, reference {:e}",
+                    got[i].to_f32(),
+                    want[i].to_f32()
+                ),
+            ),
+        }
     }
 
     /// Compares an output's bit hash with the expected one. Prints

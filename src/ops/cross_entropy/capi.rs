@@ -1,16 +1,18 @@
-//! `npk_cross_entropy*`: a skin over `ops::cross_entropy::{plan, prepare,
-//! launch}` — forward, backward and the fused form.
+//! `npk_cross_entropy*`: a skin over `ops::cross_entropy::{plan, prepare}`
+//! — forward, backward and the fused form, which read the same inputs and
+//! differ in their own tensors (`Form`); the shared shape is `capi::skin`.
 
 #![allow(non_camel_case_types)]
 
 use core::ffi::c_void;
+use core::marker::PhantomData;
 
-use super::{plan, prepare, CeMode, CeTensors, CrossEntropyOptions, Reduction};
-use crate::capi::exec::{run, run_size};
+use super::{plan, prepare, CeMode, CeTensors, CrossEntropyCall, CrossEntropyOptions, Reduction};
+use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{npk_exec, npk_status, read_opt_tensor, read_tensor};
 use crate::error::{invalid_fmt, Result};
-use crate::ops::launch;
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
 
 /// How CrossEntropy reduces its per-row losses (the header's
 /// `npk_reduction`; the library's own type is `Reduction`). ABI 2.3.
@@ -91,77 +93,125 @@ unsafe fn read_options(p: *const npk_cross_entropy_options) -> Result<CrossEntro
     })
 }
 
-/// Reads logits, target and weight.
-///
-/// # Safety
-/// Every pointer is NULL or valid for its type.
-unsafe fn read_inputs(
-    logits: *const RawTensor,
-    target: *const RawTensor,
-    weight: *const RawTensor,
-) -> Result<CeTensors> {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        Ok(CeTensors::inputs(
-            read_tensor(logits, "logits")?,
-            (
-                read_tensor(target, "target")?,
-                read_opt_tensor(weight, "weight")?,
-            ),
-        ))
+/// One form of CrossEntropy: its mode and how it reads its own tensors.
+trait Form {
+    /// What the form computes.
+    const MODE: CeMode;
+    /// Its own C arguments as the caller passed them.
+    type Tensors;
+    /// Reads them into `t`.
+    ///
+    /// # Safety
+    /// Every pointer is NULL or valid for its type.
+    unsafe fn read(own: Self::Tensors, t: &mut CeTensors) -> Result<()>;
+}
+
+/// The forward: loss, then lse (nullable).
+struct Forward;
+
+impl Form for Forward {
+    const MODE: CeMode = CeMode::Forward;
+    type Tensors = (*const RawTensor, *const RawTensor);
+
+    unsafe fn read((loss, lse): Self::Tensors, t: &mut CeTensors) -> Result<()> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            t.loss = Some(read_tensor(loss, "loss")?);
+            t.lse = read_opt_tensor(lse, "lse")?;
+        }
+        Ok(())
     }
 }
 
-/// The size call of one form: every form plans from the same inputs.
-///
-/// # Safety
-/// Every pointer is NULL or valid for its type.
-unsafe fn size_call(
-    mode: CeMode,
-    logits: *const RawTensor,
-    target: *const RawTensor,
-    weight: *const RawTensor,
-    opts: *const npk_cross_entropy_options,
-    exec: *const npk_exec,
-    workspace_bytes: *mut usize,
-) -> npk_status {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            Ok(plan(mode, &t, &o, &e.ub)?.1.workspace_bytes)
-        })
+/// The backward: the forward's lse, the upstream gradient, dlogits.
+struct Backward;
+
+impl Form for Backward {
+    const MODE: CeMode = CeMode::Backward;
+    type Tensors = (*const RawTensor, *const RawTensor, *const RawTensor);
+
+    unsafe fn read((lse, grad, dlogits): Self::Tensors, t: &mut CeTensors) -> Result<()> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            t.lse_in = Some(read_tensor(lse, "lse")?);
+            t.grad = Some(read_tensor(grad, "grad")?);
+            t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
+        }
+        Ok(())
     }
 }
 
-/// The run of one form: the inputs and options, then `outputs` reads the
-/// form's own tensors into `t`, then plan and launch.
-///
-/// # Safety
-/// Every pointer is NULL or valid for its type, and `outputs` reads only
-/// such pointers.
-#[allow(clippy::too_many_arguments)]
-unsafe fn run_call(
-    mode: CeMode,
-    logits: *const RawTensor,
-    target: *const RawTensor,
-    weight: *const RawTensor,
-    opts: *const npk_cross_entropy_options,
-    workspace: *mut c_void,
-    workspace_bytes: usize,
-    exec: *const npk_exec,
-    outputs: impl FnOnce(&mut CeTensors) -> Result<()>,
-) -> npk_status {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        run(exec, |e| {
-            let mut t = read_inputs(logits, target, weight)?;
-            let o = read_options(opts)?;
-            outputs(&mut t)?;
-            let call = prepare(mode, &t, &o, &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
+/// The fused form: grad_scale, loss, lse (nullable), dlogits.
+struct Fused;
+
+impl Form for Fused {
+    const MODE: CeMode = CeMode::Fused;
+    type Tensors = (
+        *const RawTensor,
+        *const RawTensor,
+        *const RawTensor,
+        *const RawTensor,
+    );
+
+    unsafe fn read(
+        (grad_scale, loss, lse, dlogits): Self::Tensors,
+        t: &mut CeTensors,
+    ) -> Result<()> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            t.grad = Some(read_tensor(grad_scale, "grad_scale")?);
+            t.loss = Some(read_tensor(loss, "loss")?);
+            t.lse = read_opt_tensor(lse, "lse")?;
+            t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
+        }
+        Ok(())
+    }
+}
+
+/// CrossEntropy's C skin in form `F`: every form reads logits, target,
+/// weight and the options, and plans from them.
+struct Skin<F>(PhantomData<F>);
+
+impl<F: Form> CapiOp for Skin<F> {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        *const RawTensor,
+        *const npk_cross_entropy_options,
+    );
+    type Inputs = (CeTensors, CrossEntropyOptions);
+
+    unsafe fn read((logits, target, weight, opts): Self::Args) -> Result<Self::Inputs> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            let t = CeTensors::inputs(
+                read_tensor(logits, "logits")?,
+                (
+                    read_tensor(target, "target")?,
+                    read_opt_tensor(weight, "weight")?,
+                ),
+            );
+            Ok((t, read_options(opts)?))
+        }
+    }
+
+    fn plan((t, o): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(F::MODE, t, o, ub)?.1.workspace_bytes)
+    }
+}
+
+impl<F: Form> CapiCall for Skin<F> {
+    type Outputs = F::Tensors;
+    type Call = CrossEntropyCall;
+
+    unsafe fn prepare(
+        (mut t, o): Self::Inputs,
+        own: F::Tensors,
+        ub: &UbConfig,
+    ) -> Result<CrossEntropyCall> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe { F::read(own, &mut t)? };
+        prepare(F::MODE, &t, &o, ub)
     }
 }
 
@@ -181,15 +231,7 @@ pub unsafe extern "C" fn npk_cross_entropy_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        size_call(
-            CeMode::Forward,
-            logits,
-            target,
-            weight,
-            opts,
-            exec,
-            workspace_bytes,
-        )
+        skin::workspace_size::<Skin<Forward>>((logits, target, weight, opts), exec, workspace_bytes)
     }
 }
 
@@ -214,24 +256,9 @@ pub unsafe extern "C" fn npk_cross_entropy(
     workspace_bytes: usize,
     exec: *const npk_exec,
 ) -> npk_status {
+    let args = (logits, target, weight, opts);
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run_call(
-            CeMode::Forward,
-            logits,
-            target,
-            weight,
-            opts,
-            workspace,
-            workspace_bytes,
-            exec,
-            |t| {
-                t.loss = Some(read_tensor(loss, "loss")?);
-                t.lse = read_opt_tensor(lse, "lse")?;
-                Ok(())
-            },
-        )
-    }
+    unsafe { skin::launch::<Skin<Forward>>(args, (loss, lse), workspace, workspace_bytes, exec) }
 }
 
 /// Workspace bytes `npk_cross_entropy_grad` needs (0).
@@ -249,12 +276,8 @@ pub unsafe extern "C" fn npk_cross_entropy_grad_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        size_call(
-            CeMode::Backward,
-            logits,
-            target,
-            weight,
-            opts,
+        skin::workspace_size::<Skin<Backward>>(
+            (logits, target, weight, opts),
             exec,
             workspace_bytes,
         )
@@ -282,24 +305,10 @@ pub unsafe extern "C" fn npk_cross_entropy_grad(
     workspace_bytes: usize,
     exec: *const npk_exec,
 ) -> npk_status {
+    let args = (logits, target, weight, opts);
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run_call(
-            CeMode::Backward,
-            logits,
-            target,
-            weight,
-            opts,
-            workspace,
-            workspace_bytes,
-            exec,
-            |t| {
-                t.lse_in = Some(read_tensor(lse, "lse")?);
-                t.grad = Some(read_tensor(grad, "grad")?);
-                t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
-                Ok(())
-            },
-        )
+        skin::launch::<Skin<Backward>>(args, (lse, grad, dlogits), workspace, workspace_bytes, exec)
     }
 }
 
@@ -318,15 +327,7 @@ pub unsafe extern "C" fn npk_cross_entropy_fused_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        size_call(
-            CeMode::Fused,
-            logits,
-            target,
-            weight,
-            opts,
-            exec,
-            workspace_bytes,
-        )
+        skin::workspace_size::<Skin<Fused>>((logits, target, weight, opts), exec, workspace_bytes)
     }
 }
 
@@ -354,24 +355,15 @@ pub unsafe extern "C" fn npk_cross_entropy_fused(
     workspace_bytes: usize,
     exec: *const npk_exec,
 ) -> npk_status {
+    let args = (logits, target, weight, opts);
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run_call(
-            CeMode::Fused,
-            logits,
-            target,
-            weight,
-            opts,
+        skin::launch::<Skin<Fused>>(
+            args,
+            (grad_scale, loss, lse, dlogits),
             workspace,
             workspace_bytes,
             exec,
-            |t| {
-                t.grad = Some(read_tensor(grad_scale, "grad_scale")?);
-                t.loss = Some(read_tensor(loss, "loss")?);
-                t.lse = read_opt_tensor(lse, "lse")?;
-                t.dlogits = Some(read_tensor(dlogits, "dlogits")?);
-                Ok(())
-            },
         )
     }
 }

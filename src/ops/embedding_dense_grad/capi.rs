@@ -1,16 +1,19 @@
 //! `npk_embedding_dense_grad_workspace_size` / `npk_embedding_dense_grad`: a
-//! skin over `ops::embedding_dense_grad::{plan, prepare, launch}`.
+//! skin over `ops::embedding_dense_grad::{plan, prepare}` (the shared shape
+//! is `capi::skin`).
 
 #![allow(non_camel_case_types)]
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, run_size};
+use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{npk_exec, npk_status, read_tensor, RawIndexPolicy};
 use crate::error::{invalid, Result};
-use crate::ops::embedding_dense_grad::{plan, prepare, EmbeddingGradOptions, IndexPolicy};
-use crate::ops::launch;
+use crate::ops::embedding_dense_grad::{
+    plan, prepare, EmbeddingDenseGradCall, EmbeddingGradOptions, IndexPolicy,
+};
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
 
 /// Options of EmbeddingDenseGrad. NULL options = `{ -1, 0, 0,
 /// NPK_INDEX_ERROR, 0 }`.
@@ -49,6 +52,50 @@ unsafe fn read_options(p: *const npk_embedding_grad_options) -> Result<Embedding
     })
 }
 
+/// EmbeddingDenseGrad's C skin.
+struct Skin;
+
+impl CapiOp for Skin {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        u64,
+        *const npk_embedding_grad_options,
+    );
+    type Inputs = (RawTensor, RawTensor, u64, EmbeddingGradOptions);
+
+    unsafe fn read((grad, indices, num_weights, opts): Self::Args) -> Result<Self::Inputs> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            Ok((
+                read_tensor(grad, "grad")?,
+                read_tensor(indices, "indices")?,
+                num_weights,
+                read_options(opts)?,
+            ))
+        }
+    }
+
+    fn plan((grad, indices, num_weights, opts): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(grad, indices, *num_weights, opts, ub)?.workspace_bytes)
+    }
+}
+
+impl CapiCall for Skin {
+    type Outputs = *const RawTensor;
+    type Call = EmbeddingDenseGradCall;
+
+    unsafe fn prepare(
+        (grad, indices, num_weights, opts): Self::Inputs,
+        out: Self::Outputs,
+        ub: &UbConfig,
+    ) -> Result<EmbeddingDenseGradCall> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        let out = unsafe { read_tensor(out, "out")? };
+        prepare(&grad, &indices, num_weights, &opts, &out, ub)
+    }
+}
+
 /// Workspace bytes `npk_embedding_dense_grad` needs (sized from the shapes
 /// and options alone; no index is read).
 ///
@@ -63,16 +110,9 @@ pub unsafe extern "C" fn npk_embedding_dense_grad_workspace_size(
     exec: *const npk_exec,
     workspace_bytes: *mut usize,
 ) -> npk_status {
+    let args = (grad, indices, num_weights, opts);
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let grad = read_tensor(grad, "grad")?;
-            let indices = read_tensor(indices, "indices")?;
-            let opts = read_options(opts)?;
-            let t = plan(&grad, &indices, num_weights, &opts, &e.ub)?;
-            Ok(t.workspace_bytes)
-        })
-    }
+    unsafe { skin::workspace_size::<Skin>(args, exec, workspace_bytes) }
 }
 
 /// EmbeddingDenseGrad: `out[v] = scale(v) * sum of grad[i] over the positions
@@ -96,15 +136,7 @@ pub unsafe extern "C" fn npk_embedding_dense_grad(
     workspace_bytes: usize,
     exec: *const npk_exec,
 ) -> npk_status {
+    let args = (grad, indices, num_weights, opts);
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run(exec, |e| {
-            let grad = read_tensor(grad, "grad")?;
-            let indices = read_tensor(indices, "indices")?;
-            let opts = read_options(opts)?;
-            let out = read_tensor(out, "out")?;
-            let call = prepare(&grad, &indices, num_weights, &opts, &out, &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
-    }
+    unsafe { skin::launch::<Skin>(args, out, workspace, workspace_bytes, exec) }
 }

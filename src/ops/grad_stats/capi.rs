@@ -15,14 +15,17 @@
 use core::ffi::c_void;
 use core::mem::size_of;
 
-use crate::capi::exec::{run, run_size};
+use crate::capi::exec::run;
+use crate::capi::skin::{self, CapiOp};
 use crate::capi::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
 use crate::error::{invalid, Error, Result};
 use crate::ops::grad_stats::{
     clip_with, first_bad, plan_of, stats_with, ClipGradNormOptions, GradSource, GradSummary,
     OutRange, ARG,
 };
+use crate::ops::Exec;
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
 
 /// What `npk_grad_stats` measures over all elements of all tensors.
 #[repr(C)]
@@ -56,6 +59,7 @@ impl From<GradSummary> for npk_grad_summary {
 }
 
 /// The caller's `const npk_tensor* tensors, size_t count`.
+#[derive(Clone, Copy)]
 struct CList {
     p: *const RawTensor,
     n: usize,
@@ -98,6 +102,75 @@ impl GradSource for CList {
         }
         Ok((t.data, t.dtype, c.numel))
     }
+}
+
+/// The size call's skin: the list is all it reads (the runs have no
+/// `OpCall`: they run the engine themselves).
+impl CapiOp for CList {
+    type Args = (*const RawTensor, usize);
+    type Inputs = CList;
+
+    unsafe fn read((p, n): Self::Args) -> Result<CList> {
+        CList::new(p, n)
+    }
+
+    fn plan(list: &CList, ub: &UbConfig) -> Result<u64> {
+        Ok(plan_of(&mut { *list }, ub)?.workspace_bytes)
+    }
+}
+
+/// Returns `s`; when it is a failure, first points `detail->position` at
+/// the first bad tensor (see `mark_bad_tensor`).
+///
+/// # Safety
+/// As for `mark_bad_tensor`.
+unsafe fn marked(
+    s: npk_status,
+    exec: *const npk_exec,
+    list: *const RawTensor,
+    count: usize,
+) -> npk_status {
+    if s != npk_status::NPK_OK {
+        // SAFETY: forwarded from the caller.
+        unsafe { mark_bad_tensor(exec, list, count) };
+    }
+    s
+}
+
+/// The body of `npk_grad_stats` and `npk_clip_grad_norm`: checks the
+/// result pointer `out` (argument `name`), reads the list, runs `f` on it
+/// with `out`'s bytes as a range no tensor may overlap, writes its answer
+/// to `*out`; on failure marks the first bad tensor.
+///
+/// # Safety
+/// As for those functions: the list as for the size call, `out` NULL or
+/// writable.
+unsafe fn run_list<R>(
+    (tensors, count): (*const RawTensor, usize),
+    (out, name): (*mut R, &'static str),
+    exec: *const npk_exec,
+    f: impl FnOnce(&Exec<'_>, &mut CList, OutRange) -> Result<R>,
+) -> npk_status {
+    // SAFETY: forwarded from the caller.
+    let s = unsafe {
+        run(exec, |e| {
+            if out.is_null() {
+                return Err(Error::NullPointer { arg: name });
+            }
+            let mut l = CList::new(tensors, count)?;
+            let o = OutRange {
+                name,
+                addr: out as usize,
+                bytes: size_of::<R>(),
+            };
+            let r = f(e, &mut l, o)?;
+            // SAFETY: non-NULL (checked) and writable (caller).
+            out.write_unaligned(r);
+            Ok(())
+        })
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe { marked(s, exec, tensors, count) }
 }
 
 /// After a failed call: when the tensor list is what was wrong, points
@@ -150,17 +223,10 @@ pub unsafe extern "C" fn npk_grad_stats_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    let s = unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let t = plan_of(&mut CList::new(tensors, count)?, &e.ub)?;
-            Ok(t.workspace_bytes)
-        })
-    };
-    if s != npk_status::NPK_OK {
-        // SAFETY: as above.
-        unsafe { mark_bad_tensor(exec, tensors, count) };
+    unsafe {
+        let s = skin::workspace_size::<CList>((tensors, count), exec, workspace_bytes);
+        marked(s, exec, tensors, count)
     }
-    s
 }
 
 /// Sum of squares, NaN/Inf counts, min, max and absmax over every element of
@@ -182,27 +248,12 @@ pub unsafe extern "C" fn npk_grad_stats(
     exec: *const npk_exec,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    let s = unsafe {
-        run(exec, |e| {
-            if out.is_null() {
-                return Err(Error::NullPointer { arg: "out" });
-            }
-            let mut l = CList::new(tensors, count)?;
-            let o = OutRange {
-                name: "out",
-                addr: out as usize,
-                bytes: size_of::<npk_grad_summary>(),
-            };
-            let sum = stats_with(e, &mut l, workspace, workspace_bytes, Some(o))?;
-            out.write_unaligned(sum.into());
-            Ok(())
+    unsafe {
+        run_list((tensors, count), (out, "out"), exec, |e, l, o| {
+            let sum = stats_with(e, l, workspace, workspace_bytes, Some(o))?;
+            Ok(sum.into())
         })
-    };
-    if s != npk_status::NPK_OK {
-        // SAFETY: as above.
-        unsafe { mark_bad_tensor(exec, tensors, count) };
     }
-    s
 }
 
 /// `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
@@ -228,30 +279,17 @@ pub unsafe extern "C" fn npk_clip_grad_norm(
     workspace_bytes: usize,
     exec: *const npk_exec,
 ) -> npk_status {
-    // SAFETY: every pointer is NULL or valid (this function's contract).
-    let s = unsafe {
-        run(exec, |e| {
-            if total_norm.is_null() {
-                return Err(Error::NullPointer { arg: "total_norm" });
-            }
-            let mut l = CList::new(tensors, count)?;
-            let o = OutRange {
-                name: "total_norm",
-                addr: total_norm as usize,
-                bytes: size_of::<f64>(),
-            };
-            let opts = ClipGradNormOptions {
-                max_norm,
-                error_if_nonfinite: error_if_nonfinite != 0,
-            };
-            let n = clip_with(e, &mut l, &opts, workspace, workspace_bytes, Some(o))?;
-            total_norm.write_unaligned(n);
-            Ok(())
-        })
+    let opts = ClipGradNormOptions {
+        max_norm,
+        error_if_nonfinite: error_if_nonfinite != 0,
     };
-    if s != npk_status::NPK_OK {
-        // SAFETY: as above.
-        unsafe { mark_bad_tensor(exec, tensors, count) };
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run_list(
+            (tensors, count),
+            (total_norm, "total_norm"),
+            exec,
+            |e, l, o| clip_with(e, l, &opts, workspace, workspace_bytes, Some(o)),
+        )
     }
-    s
 }

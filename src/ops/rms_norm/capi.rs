@@ -1,15 +1,59 @@
 //! `npk_rms_norm_workspace_size` / `npk_rms_norm`: a skin over
-//! `ops::rms_norm::{plan, prepare, launch}`.
+//! `ops::rms_norm::{plan, prepare}` (the shared shape is `capi::skin`).
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, run_size};
+use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{
     npk_exec, npk_rms_norm_options, npk_status, read_norm_options, read_opt_tensor, read_tensor,
 };
-use crate::ops::launch;
-use crate::ops::rms_norm::{plan, prepare};
+use crate::error::Result;
+use crate::ops::norm::RmsNormOptions;
+use crate::ops::rms_norm::{plan, prepare, RmsNormCall};
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
+
+/// RmsNorm's C skin.
+struct Skin;
+
+impl CapiOp for Skin {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        *const npk_rms_norm_options,
+    );
+    type Inputs = (RawTensor, RawTensor, RmsNormOptions);
+
+    unsafe fn read((x, gamma, opts): Self::Args) -> Result<Self::Inputs> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            Ok((
+                read_tensor(x, "x")?,
+                read_tensor(gamma, "gamma")?,
+                read_norm_options(opts)?,
+            ))
+        }
+    }
+
+    fn plan((x, gamma, opts): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(x, gamma, opts, ub)?.workspace_bytes)
+    }
+}
+
+impl CapiCall for Skin {
+    type Outputs = (*const RawTensor, *const RawTensor);
+    type Call = RmsNormCall;
+
+    unsafe fn prepare(
+        (x, gamma, opts): Self::Inputs,
+        (y, rstd): Self::Outputs,
+        ub: &UbConfig,
+    ) -> Result<RmsNormCall> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        let (y, rstd) = unsafe { (read_tensor(y, "y")?, read_opt_tensor(rstd, "rstd")?) };
+        prepare(&x, &gamma, &opts, &y, rstd.as_ref(), ub)
+    }
+}
 
 /// Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`
 /// must be passed to both calls: the plan depends on its tiling fields).
@@ -26,15 +70,7 @@ pub unsafe extern "C" fn npk_rms_norm_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let x = read_tensor(x, "x")?;
-            let gamma = read_tensor(gamma, "gamma")?;
-            let opts = read_norm_options(opts)?;
-            let t = plan(&x, &gamma, &opts, &e.ub)?;
-            Ok(t.workspace_bytes)
-        })
-    }
+    unsafe { skin::workspace_size::<Skin>((x, gamma, opts), exec, workspace_bytes) }
 }
 
 /// RmsNorm: `rstd = 1/sqrt(mean(x^2) + eps)` per row, `y = x * rstd *
@@ -58,14 +94,12 @@ pub unsafe extern "C" fn npk_rms_norm(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            let x = read_tensor(x, "x")?;
-            let gamma = read_tensor(gamma, "gamma")?;
-            let opts = read_norm_options(opts)?;
-            let y = read_tensor(y, "y")?;
-            let rstd = read_opt_tensor(rstd, "rstd")?;
-            let call = prepare(&x, &gamma, &opts, &y, rstd.as_ref(), &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
+        skin::launch::<Skin>(
+            (x, gamma, opts),
+            (y, rstd),
+            workspace,
+            workspace_bytes,
+            exec,
+        )
     }
 }

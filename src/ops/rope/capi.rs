@@ -1,16 +1,16 @@
 //! `npk_rope_workspace_size` / `npk_rope`: a skin over
-//! `ops::rope::{plan, prepare, launch}`.
+//! `ops::rope::{plan, prepare}` (the shared shape is `capi::skin`).
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, run_size};
+use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{
     elem_rounding, npk_exec, npk_status, read_opt_tensor, read_tensor, RawElemRounding,
 };
 use crate::error::Result;
-use crate::ops::launch;
-use crate::ops::rope::{plan, prepare, RopeOptions};
+use crate::ops::rope::{plan, prepare, RopeCall, RopeOptions};
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
 
 /// Options of RoPE. NULL options = `{ NPK_ELEM_ROUNDING_FUSED, 0 }`. ABI 2.2.
 #[repr(C)]
@@ -38,6 +38,64 @@ unsafe fn read_rope_options(p: *const npk_rope_options) -> Result<RopeOptions> {
     })
 }
 
+/// RoPE's C skin.
+struct Skin;
+
+impl CapiOp for Skin {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        *const RawTensor,
+        *const RawTensor,
+        *const npk_rope_options,
+    );
+    type Inputs = (
+        RawTensor,
+        Option<RawTensor>,
+        RawTensor,
+        RawTensor,
+        RopeOptions,
+    );
+
+    unsafe fn read((q, k, cos, sin, opts): Self::Args) -> Result<Self::Inputs> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            Ok((
+                read_tensor(q, "q")?,
+                read_opt_tensor(k, "k")?,
+                read_tensor(cos, "cos")?,
+                read_tensor(sin, "sin")?,
+                read_rope_options(opts)?,
+            ))
+        }
+    }
+
+    fn plan((q, k, cos, sin, opts): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(q, k.as_ref(), cos, sin, opts, ub)?.workspace_bytes)
+    }
+}
+
+impl CapiCall for Skin {
+    type Outputs = (*const RawTensor, *const RawTensor);
+    type Call = RopeCall;
+
+    unsafe fn prepare(
+        (q, k, cos, sin, opts): Self::Inputs,
+        (q_out, k_out): Self::Outputs,
+        ub: &UbConfig,
+    ) -> Result<RopeCall> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        let (q_out, k_out) = unsafe {
+            (
+                read_tensor(q_out, "q_out")?,
+                read_opt_tensor(k_out, "k_out")?,
+            )
+        };
+        let (k, k_out) = (k.as_ref(), k_out.as_ref());
+        prepare(&q, k, &cos, &sin, &opts, &q_out, k_out, ub)
+    }
+}
+
 /// Workspace bytes `npk_rope` needs (0; the same arguments as the run).
 ///
 /// # Safety
@@ -53,16 +111,7 @@ pub unsafe extern "C" fn npk_rope_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let q = read_tensor(q, "q")?;
-            let k = read_opt_tensor(k, "k")?;
-            let cos = read_tensor(cos, "cos")?;
-            let sin = read_tensor(sin, "sin")?;
-            let opts = read_rope_options(opts)?;
-            Ok(plan(&q, k.as_ref(), &cos, &sin, &opts, &e.ub)?.workspace_bytes)
-        })
-    }
+    unsafe { skin::workspace_size::<Skin>((q, k, cos, sin, opts), exec, workspace_bytes) }
 }
 
 /// RoPE (rotate-half) of `q` and, if not NULL, `k` (`[..., head_dim]`, one
@@ -89,25 +138,12 @@ pub unsafe extern "C" fn npk_rope(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
-        run(exec, |e| {
-            let q = read_tensor(q, "q")?;
-            let k = read_opt_tensor(k, "k")?;
-            let cos = read_tensor(cos, "cos")?;
-            let sin = read_tensor(sin, "sin")?;
-            let opts = read_rope_options(opts)?;
-            let q_out = read_tensor(q_out, "q_out")?;
-            let k_out = read_opt_tensor(k_out, "k_out")?;
-            let call = prepare(
-                &q,
-                k.as_ref(),
-                &cos,
-                &sin,
-                &opts,
-                &q_out,
-                k_out.as_ref(),
-                &e.ub,
-            )?;
-            launch(e, call, workspace, workspace_bytes)
-        })
+        skin::launch::<Skin>(
+            (q, k, cos, sin, opts),
+            (q_out, k_out),
+            workspace,
+            workspace_bytes,
+            exec,
+        )
     }
 }

@@ -1,16 +1,16 @@
 //! `npk_swiglu_workspace_size` / `npk_swiglu`: a skin over
-//! `ops::swiglu::{plan, prepare, launch}`.
+//! `ops::swiglu::{plan, prepare}` (the shared shape is `capi::skin`).
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, run_size};
+use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{
     elem_rounding, npk_exec, npk_status, read_opt_tensor, read_tensor, RawElemRounding,
 };
 use crate::error::Result;
-use crate::ops::launch;
-use crate::ops::swiglu::{plan, prepare, SwigluOptions};
+use crate::ops::swiglu::{plan, prepare, SwigluCall, SwigluOptions};
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
 
 /// Options of SwiGLU and SwiGluGrad. NULL options = `{ -1,
 /// NPK_ELEM_ROUNDING_FUSED }`. ABI 2.2.
@@ -39,6 +39,50 @@ pub(crate) unsafe fn read_swiglu_options(p: *const npk_swiglu_options) -> Result
     })
 }
 
+/// SwiGLU's C skin.
+struct Skin;
+
+impl CapiOp for Skin {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        *const npk_swiglu_options,
+    );
+    type Inputs = (RawTensor, Option<RawTensor>, SwigluOptions);
+
+    unsafe fn read((a, b, opts): Self::Args) -> Result<Self::Inputs> {
+        // `a` is torch_npu's `x` when `b` is NULL (the split form).
+        let nb = if b.is_null() { "x" } else { "gate" };
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            Ok((
+                read_tensor(a, nb)?,
+                read_opt_tensor(b, "up")?,
+                read_swiglu_options(opts)?,
+            ))
+        }
+    }
+
+    fn plan((a, b, opts): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(a, b.as_ref(), opts, ub)?.workspace_bytes)
+    }
+}
+
+impl CapiCall for Skin {
+    type Outputs = *const RawTensor;
+    type Call = SwigluCall;
+
+    unsafe fn prepare(
+        (a, b, opts): Self::Inputs,
+        y: Self::Outputs,
+        ub: &UbConfig,
+    ) -> Result<SwigluCall> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        let y = unsafe { read_tensor(y, "y")? };
+        prepare(&a, b.as_ref(), &opts, &y, ub)
+    }
+}
+
 /// Workspace bytes `npk_swiglu` needs (0; the same arguments as the run).
 ///
 /// # Safety
@@ -52,15 +96,7 @@ pub unsafe extern "C" fn npk_swiglu_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let nb = if b.is_null() { "x" } else { "gate" };
-            let a = read_tensor(a, nb)?;
-            let b = read_opt_tensor(b, "up")?;
-            let opts = read_swiglu_options(opts)?;
-            Ok(plan(&a, b.as_ref(), &opts, &e.ub)?.workspace_bytes)
-        })
-    }
+    unsafe { skin::workspace_size::<Skin>((a, b, opts), exec, workspace_bytes) }
 }
 
 /// SwiGLU: `y = silu(a) * b`. With `b` NULL, `a` is torch_npu's `x`, split
@@ -82,15 +118,5 @@ pub unsafe extern "C" fn npk_swiglu(
     exec: *const npk_exec,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run(exec, |e| {
-            let nb = if b.is_null() { "x" } else { "gate" };
-            let a = read_tensor(a, nb)?;
-            let b = read_opt_tensor(b, "up")?;
-            let opts = read_swiglu_options(opts)?;
-            let y = read_tensor(y, "y")?;
-            let call = prepare(&a, b.as_ref(), &opts, &y, &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
-    }
+    unsafe { skin::launch::<Skin>((a, b, opts), y, workspace, workspace_bytes, exec) }
 }

@@ -1,14 +1,67 @@
 //! `npk_swiglu_grad_workspace_size` / `npk_swiglu_grad`: a skin over
-//! `ops::swiglu_grad::{plan, prepare, launch}`.
+//! `ops::swiglu_grad::{plan, prepare}` (the shared shape is `capi::skin`).
 
 use core::ffi::c_void;
 
-use crate::capi::exec::{run, run_size};
+use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{npk_exec, npk_status, read_opt_tensor, read_tensor};
-use crate::ops::launch;
+use crate::error::Result;
 use crate::ops::swiglu::capi::{npk_swiglu_options, read_swiglu_options};
-use crate::ops::swiglu_grad::{plan, prepare};
+use crate::ops::swiglu::SwigluOptions;
+use crate::ops::swiglu_grad::{plan, prepare, SwigluGradCall};
 use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
+
+/// SwiGluGrad's C skin.
+struct Skin;
+
+impl CapiOp for Skin {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        *const RawTensor,
+        *const npk_swiglu_options,
+    );
+    type Inputs = (RawTensor, RawTensor, Option<RawTensor>, SwigluOptions);
+
+    unsafe fn read((dy, a, b, opts): Self::Args) -> Result<Self::Inputs> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            Ok((
+                read_tensor(dy, "dy")?,
+                read_tensor(a, if b.is_null() { "x" } else { "gate" })?,
+                read_opt_tensor(b, "up")?,
+                read_swiglu_options(opts)?,
+            ))
+        }
+    }
+
+    fn plan((dy, a, b, opts): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(dy, a, b.as_ref(), opts, ub)?.workspace_bytes)
+    }
+}
+
+impl CapiCall for Skin {
+    type Outputs = (*const RawTensor, *const RawTensor);
+    type Call = SwigluGradCall;
+
+    unsafe fn prepare(
+        (dy, a, b, opts): Self::Inputs,
+        (da, db): Self::Outputs,
+        ub: &UbConfig,
+    ) -> Result<SwigluGradCall> {
+        // `b` was read as None exactly when it is NULL (the split form).
+        let split = b.is_none();
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        let (da, db) = unsafe {
+            (
+                read_tensor(da, if split { "dx" } else { "dgate" })?,
+                read_opt_tensor(db, if split { "db" } else { "dup" })?,
+            )
+        };
+        prepare(&dy, &a, b.as_ref(), &opts, &da, db.as_ref(), ub)
+    }
+}
 
 /// Workspace bytes `npk_swiglu_grad` needs (0; the same arguments as the run).
 ///
@@ -24,15 +77,7 @@ pub unsafe extern "C" fn npk_swiglu_grad_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run_size(exec, workspace_bytes, |e| {
-            let dy = read_tensor(dy, "dy")?;
-            let a = read_tensor(a, if b.is_null() { "x" } else { "gate" })?;
-            let b = read_opt_tensor(b, "up")?;
-            let opts = read_swiglu_options(opts)?;
-            Ok(plan(&dy, &a, b.as_ref(), &opts, &e.ub)?.workspace_bytes)
-        })
-    }
+    unsafe { skin::workspace_size::<Skin>((dy, a, b, opts), exec, workspace_bytes) }
 }
 
 /// SwiGluGrad: with `b` NULL (the split form), `da` is the gradient of `x`
@@ -56,17 +101,5 @@ pub unsafe extern "C" fn npk_swiglu_grad(
     exec: *const npk_exec,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe {
-        run(exec, |e| {
-            let split = b.is_null();
-            let dy = read_tensor(dy, "dy")?;
-            let a = read_tensor(a, if split { "x" } else { "gate" })?;
-            let b = read_opt_tensor(b, "up")?;
-            let opts = read_swiglu_options(opts)?;
-            let da = read_tensor(da, if split { "dx" } else { "dgate" })?;
-            let db = read_opt_tensor(db, if split { "db" } else { "dup" })?;
-            let call = prepare(&dy, &a, b.as_ref(), &opts, &da, db.as_ref(), &e.ub)?;
-            launch(e, call, workspace, workspace_bytes)
-        })
-    }
+    unsafe { skin::launch::<Skin>((dy, a, b, opts), (da, db), workspace, workspace_bytes, exec) }
 }
