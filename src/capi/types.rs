@@ -333,10 +333,11 @@ pub(crate) unsafe fn read_tensor(p: *const RawTensor, arg: &'static str) -> Resu
             core::ptr::addr_of!((*p).shape).read_unaligned(),
         )
     };
-    let dtype = DType::from_u32(dtype).ok_or(crate::error::dtype_err!(
-        arg,
-        "dtype code {dtype} is not an npk_dtype value"
-    ))?;
+    // ok_or_else: the reason is formatted only on the error path (ok_or
+    // formatted it on every tensor of every call).
+    let dtype = DType::from_u32(dtype).ok_or_else(|| {
+        crate::error::dtype_err!(arg, "dtype code {dtype} is not an npk_dtype value")
+    })?;
     Ok(RawTensor {
         data,
         dtype,
