@@ -1,6 +1,7 @@
 // The npukern:: op library: schemas (torch_npu's where it has them), the CPU
 // kernels, and the Python module stub that loading the package imports.
-// Fake (meta) implementations and autograd are registered from Python
+// The autograd formulas are in autograd.cpp; fake (meta) implementations and
+// the double-backward composites are registered from Python
 // (npukern_torch/_meta.py, npukern_torch/_autograd.py).
 #include <Python.h>
 #include <torch/library.h>
@@ -56,6 +57,19 @@ TORCH_LIBRARY(npukern, m) {
   m.def("cross_entropy_fused_(Tensor(a!) logits, Tensor target, Tensor? weight, Tensor grad_scale, "
         "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, float softcap=0.0) -> "
         "(Tensor, Tensor)");
+  // The differentiable float32 composites the autograd formulas
+  // (autograd.cpp) run for double backward and for the RoPE tables'
+  // gradients: CompositeImplicitAutograd implementations registered from
+  // Python (npukern_torch/_autograd.py, over npukern_torch/_composite.py).
+  m.def("_rms_norm_grads_composite(Tensor dy, Tensor x, Tensor gamma, float eps, float offset, Tensor? dx_extra) "
+        "-> (Tensor, Tensor)");
+  m.def("_silu_mul_grads_composite(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  m.def("_swiglu_grad_composite(Tensor dy, Tensor x, int dim) -> Tensor");
+  m.def("_rotary_dx_composite(Tensor g, Tensor cos, Tensor sin, bool backward, Tensor like) -> Tensor");
+  m.def("_rotary_table_grads_composite(Tensor[] g, Tensor[] x, Tensor cos, Tensor sin, bool backward) -> "
+        "(Tensor, Tensor)");
+  m.def("_embedding_grad_of_grad_composite(Tensor ggw, Tensor indices, SymInt vocab_start, SymInt padding_idx, "
+        "bool scale_grad_by_freq, ScalarType grad_dtype) -> Tensor");
   m.def("grad_stats(Tensor[] grads) -> Tensor");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, bool error_if_nonfinite=False) -> Tensor");
 }

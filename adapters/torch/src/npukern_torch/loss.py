@@ -189,19 +189,3 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     return _LinearCrossEntropy.apply(input, weight, target, bias, ignore_index, red, label_smoothing, z_loss,
                                      cap, chunk_bytes or CHUNK_BYTES)
 
-
-def _ce_setup(ctx, inputs, output):
-    logits, target, weight, reduction, ignore_index, label_smoothing, lse_square_scale, softcap = inputs
-    _loss, lse = output
-    ctx.save_for_backward(logits, target, weight, lse)
-    ctx.mark_non_differentiable(lse)
-    ctx.args = (reduction, ignore_index, label_smoothing, lse_square_scale, softcap)
-
-
-def _ce_backward(ctx, grad, _dlse):
-    logits, target, weight, lse = ctx.saved_tensors
-    dlogits = ops.cross_entropy_backward(grad.float().contiguous(), logits, target, weight, lse, *ctx.args)
-    return dlogits, None, None, None, None, None, None, None
-
-
-torch.library.register_autograd("npukern::cross_entropy", _ce_backward, setup_context=_ce_setup)

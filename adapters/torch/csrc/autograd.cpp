@@ -1,0 +1,659 @@
+// The autograd formulas of the npukern:: ops, in C++ (registered at the
+// Autograd key). Each forward op, called with nothing that requires grad (or
+// with grad mode off), goes straight to its CPU kernel below autograd: no
+// graph node, no Python. Otherwise a torch::autograd::Function saves what the
+// backward op needs (x or x_sum, gamma, rstd; the indices) and its backward
+// calls npukern's backward op through the dispatcher. rstd and lse are
+// auxiliary outputs, not differentiable (as in torch_npu): they are returned
+// beside the Function's outputs, never through it.
+//
+// Double backward: when a backward runs with create_graph=True and any
+// tensor it reads requires grad, the norms, SwiGLU and RoPE (and the cos/sin
+// gradients, whenever they are wanted) run the differentiable float32 torch
+// composites of npukern_torch/_composite.py instead, called as the
+// npukern::_*_composite ops (schemas in register.cpp, CompositeImplicitAutograd
+// implementations registered from Python by npukern_torch/_autograd.py), so
+// that second derivatives are exact. The embedding's backward op is linear in
+// its gradient and has its own derivative (a lookup, also a composite). The
+// backward ops called directly have no derivative and say so.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <initializer_list>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+namespace npk_torch::grad {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::Function;
+using torch::autograd::variable_list;
+
+// ---------------------------------------------------------------------------
+// The ops, looked up once (typed handles: unboxed calls).
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> find(const char *name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+#define NPK_OP(fn, name, ...)                                   \
+  const c10::TypedOperatorHandle<__VA_ARGS__> &fn() {           \
+    static const auto handle = find<__VA_ARGS__>("npukern::" name); \
+    return handle;                                              \
+  }
+
+using T2 = std::tuple<Tensor, Tensor>;
+using T3 = std::tuple<Tensor, Tensor, Tensor>;
+using Opt = std::optional<Tensor>;
+using c10::SymInt;
+
+NPK_OP(rms_norm_op, "rms_norm", T2(const Tensor &, const Tensor &, double, double, bool))
+NPK_OP(rms_norm_backward_op, "rms_norm_backward",
+       T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, double))
+NPK_OP(add_rms_norm_op, "add_rms_norm", T3(const Tensor &, const Tensor &, const Tensor &, double, double, bool))
+NPK_OP(add_rms_norm_backward_op, "add_rms_norm_backward",
+       T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, double))
+NPK_OP(embedding_op, "embedding", Tensor(const Tensor &, const Tensor &, SymInt, bool))
+NPK_OP(embedding_shard_op, "embedding_shard", Tensor(const Tensor &, const Tensor &, SymInt, SymInt, SymInt, bool))
+NPK_OP(dense_grad_op, "embedding_dense_backward", Tensor(const Tensor &, const Tensor &, SymInt, SymInt, bool))
+NPK_OP(dense_grad_shard_op, "embedding_dense_backward_shard",
+       Tensor(const Tensor &, const Tensor &, SymInt, SymInt, SymInt, bool))
+NPK_OP(swiglu_op, "swiglu", Tensor(const Tensor &, int64_t, bool))
+NPK_OP(swiglu_backward_op, "swiglu_backward", Tensor(const Tensor &, const Tensor &, int64_t, bool))
+NPK_OP(silu_mul_op, "silu_mul", Tensor(const Tensor &, const Tensor &, bool))
+NPK_OP(silu_mul_backward_op, "silu_mul_backward", T2(const Tensor &, const Tensor &, const Tensor &, bool))
+NPK_OP(rotary_mul_op, "rotary_mul", Tensor(const Tensor &, const Tensor &, const Tensor &, bool, bool))
+NPK_OP(rope_qk_op, "rope_qk", T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, bool, bool))
+NPK_OP(cross_entropy_op, "cross_entropy",
+       T2(const Tensor &, const Tensor &, const Opt &, int64_t, int64_t, double, double, double))
+NPK_OP(cross_entropy_backward_op, "cross_entropy_backward",
+       Tensor(const Tensor &, const Tensor &, const Tensor &, const Opt &, const Tensor &, int64_t, int64_t, double,
+              double, double))
+
+// The differentiable float32 composites (npukern_torch/_composite.py).
+NPK_OP(rms_norm_grads_composite, "_rms_norm_grads_composite",
+       T2(const Tensor &, const Tensor &, const Tensor &, double, double, const Opt &))
+NPK_OP(silu_mul_grads_composite, "_silu_mul_grads_composite", T2(const Tensor &, const Tensor &, const Tensor &))
+NPK_OP(swiglu_grad_composite, "_swiglu_grad_composite", Tensor(const Tensor &, const Tensor &, int64_t))
+NPK_OP(rotary_dx_composite, "_rotary_dx_composite",
+       Tensor(const Tensor &, const Tensor &, const Tensor &, bool, const Tensor &))
+NPK_OP(rotary_table_grads_composite, "_rotary_table_grads_composite",
+       T2(at::TensorList, at::TensorList, const Tensor &, const Tensor &, bool))
+NPK_OP(embedding_grad_of_grad_composite, "_embedding_grad_of_grad_composite",
+       Tensor(const Tensor &, const Tensor &, SymInt, SymInt, bool, at::ScalarType))
+
+#undef NPK_OP
+
+// ---------------------------------------------------------------------------
+// Helpers.
+
+bool any_requires_grad(std::initializer_list<const Tensor *> ts) {
+  for (const Tensor *t : ts)
+    if (t->defined() && t->requires_grad()) return true;
+  return false;
+}
+
+// Whether a forward must record a graph node (what register_autograd's
+// kernel asked: grad mode on and any input requiring grad).
+bool recording(std::initializer_list<const Tensor *> ts) {
+  return c10::GradMode::is_enabled() && any_requires_grad(ts);
+}
+
+// True inside a create_graph=True backward that must record how the
+// gradients depend on their inputs.
+bool building_graph(std::initializer_list<const Tensor *> ts) { return recording(ts); }
+
+// The kernel's dgamma is f32 (the main-grad dtype); autograd needs gamma's.
+Tensor cast_dgamma(const Tensor &dgamma, const Tensor &gamma) {
+  return dgamma.scalar_type() == gamma.scalar_type() ? dgamma : dgamma.to(gamma.scalar_type());
+}
+
+// The auxiliary outputs (rstd, lse): not differentiable, so not outputs of
+// the autograd Function (whose mark_non_differentiable compiled autograd
+// refuses); its forward leaves one here for the kernel that called apply, on
+// the same thread, right after.
+thread_local Tensor aux_output;
+
+Tensor take_aux_output() { return std::exchange(aux_output, Tensor()); }
+
+// The keys below autograd, for the no-grad path's redispatch (the guard
+// keeps whatever the kernel itself calls below autograd too).
+constexpr c10::DispatchKeySet kBelow = c10::after_ADInplaceOrView_keyset;
+using Below = at::AutoDispatchBelowADInplaceOrView;
+
+// ---------------------------------------------------------------------------
+// RmsNorm, AddRmsNorm.
+
+struct RmsNorm : Function<RmsNorm> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &gamma, double eps,
+                               double offset, bool cast_before_gamma) {
+    Below guard;
+    auto [y, rstd] = rms_norm_op().call(x, gamma, eps, offset, cast_before_gamma);
+    ctx->save_for_backward({x, gamma, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    aux_output = rstd;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &gamma = saved[1], &rstd = saved[2], &dy = grads[0];
+    const double eps = ctx->saved_data["eps"].toDouble(), offset = ctx->saved_data["offset"].toDouble();
+    if (building_graph({&dy, &x, &gamma})) {
+      auto [dx, dgamma] = rms_norm_grads_composite().call(dy, x, gamma, eps, offset, std::nullopt);
+      return {dx, dgamma, {}, {}, {}};
+    }
+    auto [dx, dgamma] = rms_norm_backward_op().call(dy, x, gamma, rstd, offset);
+    return {dx, cast_dgamma(dgamma, gamma), {}, {}, {}};
+  }
+};
+
+T2 rms_norm(c10::DispatchKeySet ks, const Tensor &x, const Tensor &gamma, double eps, double offset,
+            bool cast_before_gamma) {
+  if (!recording({&x, &gamma})) {
+    Below guard;
+    return rms_norm_op().redispatch(ks & kBelow, x, gamma, eps, offset, cast_before_gamma);
+  }
+  variable_list out = RmsNorm::apply(x, gamma, eps, offset, cast_before_gamma);
+  return {out[0], take_aux_output()};
+}
+
+struct AddRmsNorm : Function<AddRmsNorm> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &x1, const Tensor &x2, const Tensor &gamma,
+                               double eps, double offset, bool cast_before_gamma) {
+    Below guard;
+    auto [y, rstd, x_sum] = add_rms_norm_op().call(x1, x2, gamma, eps, offset, cast_before_gamma);
+    ctx->save_for_backward({x_sum, gamma, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    aux_output = rstd;
+    return {y, x_sum};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &x_sum = saved[0], &gamma = saved[1], &rstd = saved[2], &dy = grads[0], &dx_sum = grads[1];
+    const double eps = ctx->saved_data["eps"].toDouble(), offset = ctx->saved_data["offset"].toDouble();
+    if (building_graph({&dy, &x_sum, &gamma, &dx_sum})) {
+      auto [dx, dgamma] = rms_norm_grads_composite().call(dy, x_sum, gamma, eps, offset, dx_sum);
+      return {dx, dx, dgamma, {}, {}, {}};
+    }
+    auto [dx, dgamma] = add_rms_norm_backward_op().call(dy, x_sum, gamma, rstd, dx_sum, offset);
+    // x_sum = x1 + x2: both addends get the same gradient.
+    return {dx, dx, cast_dgamma(dgamma, gamma), {}, {}, {}};
+  }
+};
+
+T3 add_rms_norm(c10::DispatchKeySet ks, const Tensor &x1, const Tensor &x2, const Tensor &gamma, double eps,
+                double offset, bool cast_before_gamma) {
+  if (!recording({&x1, &x2, &gamma})) {
+    Below guard;
+    return add_rms_norm_op().redispatch(ks & kBelow, x1, x2, gamma, eps, offset, cast_before_gamma);
+  }
+  variable_list out = AddRmsNorm::apply(x1, x2, gamma, eps, offset, cast_before_gamma);
+  return {out[0], take_aux_output(), out[1]};
+}
+
+// ---------------------------------------------------------------------------
+// Embedding lookups and EmbeddingDenseGrad (whose derivative in its grad is
+// the lookup of the table's gradient: a composite).
+
+struct Embedding : Function<Embedding> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &weight, const Tensor &indices,
+                               SymInt padding_idx, bool scale_grad_by_freq) {
+    Tensor out;
+    {
+      Below guard;
+      out = embedding_op().call(weight, indices, padding_idx, scale_grad_by_freq);
+    }
+    ctx->save_for_backward({indices});
+    ctx->saved_data["num_weights"] = weight.sym_size(0);
+    ctx->saved_data["padding_idx"] = std::move(padding_idx);
+    ctx->saved_data["scale_grad_by_freq"] = scale_grad_by_freq;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const Tensor indices = ctx->get_saved_variables()[0];
+    Tensor dw = dense_grad_op().call(grads[0], indices, ctx->saved_data["num_weights"].toSymInt(),
+                                     ctx->saved_data["padding_idx"].toSymInt(),
+                                     ctx->saved_data["scale_grad_by_freq"].toBool());
+    return {dw, {}, {}, {}};
+  }
+};
+
+Tensor embedding(c10::DispatchKeySet ks, const Tensor &weight, const Tensor &indices, SymInt padding_idx,
+                 bool scale_grad_by_freq) {
+  if (!recording({&weight, &indices})) {
+    Below guard;
+    return embedding_op().redispatch(ks & kBelow, weight, indices, std::move(padding_idx), scale_grad_by_freq);
+  }
+  return Embedding::apply(weight, indices, std::move(padding_idx), scale_grad_by_freq)[0];
+}
+
+struct EmbeddingShard : Function<EmbeddingShard> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &weight, const Tensor &indices,
+                               SymInt num_embeddings, SymInt vocab_start, SymInt padding_idx,
+                               bool scale_grad_by_freq) {
+    Tensor out;
+    {
+      Below guard;
+      out = embedding_shard_op().call(weight, indices, std::move(num_embeddings), vocab_start, padding_idx,
+                                      scale_grad_by_freq);
+    }
+    ctx->save_for_backward({indices});
+    ctx->saved_data["rows"] = weight.sym_size(0);
+    ctx->saved_data["vocab_start"] = std::move(vocab_start);
+    ctx->saved_data["padding_idx"] = std::move(padding_idx);
+    ctx->saved_data["scale_grad_by_freq"] = scale_grad_by_freq;
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const Tensor indices = ctx->get_saved_variables()[0];
+    Tensor dw = dense_grad_shard_op().call(grads[0], indices, ctx->saved_data["rows"].toSymInt(),
+                                           ctx->saved_data["vocab_start"].toSymInt(),
+                                           ctx->saved_data["padding_idx"].toSymInt(),
+                                           ctx->saved_data["scale_grad_by_freq"].toBool());
+    return {dw, {}, {}, {}, {}, {}};
+  }
+};
+
+Tensor embedding_shard(c10::DispatchKeySet ks, const Tensor &weight, const Tensor &indices, SymInt num_embeddings,
+                       SymInt vocab_start, SymInt padding_idx, bool scale_grad_by_freq) {
+  if (!recording({&weight, &indices})) {
+    Below guard;
+    return embedding_shard_op().redispatch(ks & kBelow, weight, indices, std::move(num_embeddings),
+                                           std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
+  }
+  return EmbeddingShard::apply(weight, indices, std::move(num_embeddings), std::move(vocab_start),
+                               std::move(padding_idx), scale_grad_by_freq)[0];
+}
+
+// The derivative of EmbeddingDenseGrad (whole table: vocab_start 0, or one
+// shard) in its `grad` input.
+Tensor dense_grad_of_grad(AutogradContext *ctx, const Tensor &ggw) {
+  const Tensor indices = ctx->get_saved_variables()[0];
+  return embedding_grad_of_grad_composite().call(
+      ggw, indices, ctx->saved_data["vocab_start"].toSymInt(), ctx->saved_data["padding_idx"].toSymInt(),
+      ctx->saved_data["scale_grad_by_freq"].toBool(),
+      static_cast<at::ScalarType>(ctx->saved_data["grad_dtype"].toInt()));
+}
+
+void save_dense_grad(AutogradContext *ctx, const Tensor &grad, const Tensor &indices, SymInt vocab_start,
+                     SymInt padding_idx, bool scale_grad_by_freq) {
+  ctx->save_for_backward({indices});
+  ctx->saved_data["vocab_start"] = std::move(vocab_start);
+  ctx->saved_data["padding_idx"] = std::move(padding_idx);
+  ctx->saved_data["scale_grad_by_freq"] = scale_grad_by_freq;
+  ctx->saved_data["grad_dtype"] = static_cast<int64_t>(grad.scalar_type());
+}
+
+struct DenseGrad : Function<DenseGrad> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &grad, const Tensor &indices, SymInt num_weights,
+                               SymInt padding_idx, bool scale_grad_by_freq) {
+    Tensor out;
+    {
+      Below guard;
+      out = dense_grad_op().call(grad, indices, std::move(num_weights), padding_idx, scale_grad_by_freq);
+    }
+    save_dense_grad(ctx, grad, indices, SymInt(0), std::move(padding_idx), scale_grad_by_freq);
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    return {dense_grad_of_grad(ctx, grads[0]), {}, {}, {}, {}};
+  }
+};
+
+Tensor embedding_dense_backward(c10::DispatchKeySet ks, const Tensor &grad, const Tensor &indices,
+                                SymInt num_weights, SymInt padding_idx, bool scale_grad_by_freq) {
+  if (!recording({&grad, &indices})) {
+    Below guard;
+    return dense_grad_op().redispatch(ks & kBelow, grad, indices, std::move(num_weights), std::move(padding_idx),
+                                      scale_grad_by_freq);
+  }
+  return DenseGrad::apply(grad, indices, std::move(num_weights), std::move(padding_idx), scale_grad_by_freq)[0];
+}
+
+struct DenseGradShard : Function<DenseGradShard> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &grad, const Tensor &indices, SymInt num_weights,
+                               SymInt vocab_start, SymInt padding_idx, bool scale_grad_by_freq) {
+    Tensor out;
+    {
+      Below guard;
+      out = dense_grad_shard_op().call(grad, indices, std::move(num_weights), vocab_start, padding_idx,
+                                       scale_grad_by_freq);
+    }
+    save_dense_grad(ctx, grad, indices, std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    return {dense_grad_of_grad(ctx, grads[0]), {}, {}, {}, {}, {}};
+  }
+};
+
+Tensor embedding_dense_backward_shard(c10::DispatchKeySet ks, const Tensor &grad, const Tensor &indices,
+                                      SymInt num_weights, SymInt vocab_start, SymInt padding_idx,
+                                      bool scale_grad_by_freq) {
+  if (!recording({&grad, &indices})) {
+    Below guard;
+    return dense_grad_shard_op().redispatch(ks & kBelow, grad, indices, std::move(num_weights),
+                                            std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
+  }
+  return DenseGradShard::apply(grad, indices, std::move(num_weights), std::move(vocab_start), std::move(padding_idx),
+                               scale_grad_by_freq)[0];
+}
+
+// ---------------------------------------------------------------------------
+// The backward ops: no derivative of their own.
+
+[[noreturn]] void no_derivative(const char *op) {
+  TORCH_CHECK(false, "npukern::", op, " has no derivative of its own (no double backward for it)");
+}
+
+[[noreturn]] void no_norm_derivative(const char *op) {
+  TORCH_CHECK(false, "npukern::", op,
+              " has no derivative of its own (its rstd input hides how it depends on x); to differentiate a norm "
+              "twice, call backward with create_graph=True through npukern.rms_norm / add_rms_norm (or the "
+              "modules), which then run a differentiable composite");
+}
+
+struct RmsNormBackward : Function<RmsNormBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dy, const Tensor &x, const Tensor &gamma,
+                               const Tensor &rstd, double offset) {
+    Below guard;
+    auto [dx, dgamma] = rms_norm_backward_op().call(dy, x, gamma, rstd, offset);
+    return {dx, dgamma};
+  }
+  static variable_list backward(AutogradContext *, variable_list) { no_norm_derivative("rms_norm_backward"); }
+};
+
+T2 rms_norm_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, const Tensor &gamma,
+                     const Tensor &rstd, double offset) {
+  if (!recording({&dy, &x, &gamma, &rstd})) {
+    Below guard;
+    return rms_norm_backward_op().redispatch(ks & kBelow, dy, x, gamma, rstd, offset);
+  }
+  variable_list out = RmsNormBackward::apply(dy, x, gamma, rstd, offset);
+  return {out[0], out[1]};
+}
+
+struct AddRmsNormBackward : Function<AddRmsNormBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dy, const Tensor &x_sum, const Tensor &gamma,
+                               const Tensor &rstd, const Tensor &dx_sum, double offset) {
+    Below guard;
+    auto [dx, dgamma] = add_rms_norm_backward_op().call(dy, x_sum, gamma, rstd, dx_sum, offset);
+    return {dx, dgamma};
+  }
+  static variable_list backward(AutogradContext *, variable_list) { no_norm_derivative("add_rms_norm_backward"); }
+};
+
+T2 add_rms_norm_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x_sum, const Tensor &gamma,
+                         const Tensor &rstd, const Tensor &dx_sum, double offset) {
+  if (!recording({&dy, &x_sum, &gamma, &rstd, &dx_sum})) {
+    Below guard;
+    return add_rms_norm_backward_op().redispatch(ks & kBelow, dy, x_sum, gamma, rstd, dx_sum, offset);
+  }
+  variable_list out = AddRmsNormBackward::apply(dy, x_sum, gamma, rstd, dx_sum, offset);
+  return {out[0], out[1]};
+}
+
+struct SwigluBackward : Function<SwigluBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dy, const Tensor &x, int64_t dim, bool eager) {
+    Below guard;
+    return {swiglu_backward_op().call(dy, x, dim, eager)};
+  }
+  static variable_list backward(AutogradContext *, variable_list) { no_derivative("swiglu_backward"); }
+};
+
+Tensor swiglu_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, int64_t dim, bool eager) {
+  if (!recording({&dy, &x})) {
+    Below guard;
+    return swiglu_backward_op().redispatch(ks & kBelow, dy, x, dim, eager);
+  }
+  return SwigluBackward::apply(dy, x, dim, eager)[0];
+}
+
+struct SiluMulBackward : Function<SiluMulBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dy, const Tensor &gate, const Tensor &up,
+                               bool eager) {
+    Below guard;
+    auto [dgate, dup] = silu_mul_backward_op().call(dy, gate, up, eager);
+    return {dgate, dup};
+  }
+  static variable_list backward(AutogradContext *, variable_list) { no_derivative("silu_mul_backward"); }
+};
+
+T2 silu_mul_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &gate, const Tensor &up, bool eager) {
+  if (!recording({&dy, &gate, &up})) {
+    Below guard;
+    return silu_mul_backward_op().redispatch(ks & kBelow, dy, gate, up, eager);
+  }
+  variable_list out = SiluMulBackward::apply(dy, gate, up, eager);
+  return {out[0], out[1]};
+}
+
+// ---------------------------------------------------------------------------
+// SwiGLU.
+
+struct Swiglu : Function<Swiglu> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &x, int64_t dim, bool eager) {
+    Below guard;
+    Tensor y = swiglu_op().call(x, dim, eager);
+    ctx->save_for_backward({x});
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["eager"] = eager;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    const Tensor &grad = grads[0];
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    if (building_graph({&grad, &x})) return {swiglu_grad_composite().call(grad, x, dim), {}, {}};
+    return {swiglu_backward_op().call(grad, x, dim, ctx->saved_data["eager"].toBool()), {}, {}};
+  }
+};
+
+Tensor swiglu(c10::DispatchKeySet ks, const Tensor &x, int64_t dim, bool eager) {
+  if (!recording({&x})) {
+    Below guard;
+    return swiglu_op().redispatch(ks & kBelow, x, dim, eager);
+  }
+  return Swiglu::apply(x, dim, eager)[0];
+}
+
+struct SiluMul : Function<SiluMul> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &gate, const Tensor &up, bool eager) {
+    Below guard;
+    Tensor y = silu_mul_op().call(gate, up, eager);
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["eager"] = eager;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &gate = saved[0], &up = saved[1], &grad = grads[0];
+    if (building_graph({&grad, &gate, &up})) {
+      auto [dgate, dup] = silu_mul_grads_composite().call(grad, gate, up);
+      return {dgate, dup, {}};
+    }
+    auto [dgate, dup] = silu_mul_backward_op().call(grad, gate, up, ctx->saved_data["eager"].toBool());
+    return {dgate, dup, {}};
+  }
+};
+
+Tensor silu_mul(c10::DispatchKeySet ks, const Tensor &gate, const Tensor &up, bool eager) {
+  if (!recording({&gate, &up})) {
+    Below guard;
+    return silu_mul_op().redispatch(ks & kBelow, gate, up, eager);
+  }
+  return SiluMul::apply(gate, up, eager)[0];
+}
+
+// ---------------------------------------------------------------------------
+// RoPE. dx per (grad, x) pair and the cos/sin gradients: the kernel rotates
+// the gradients; the tables' gradients (rarely wanted: Hugging Face computes
+// cos/sin without grad) and everything under create_graph=True (double
+// backward) come from the differentiable float32 composite.
+
+struct Rotation {
+  variable_list dxs;
+  Tensor dcos, dsin;
+};
+
+Rotation rotation_grads(AutogradContext *ctx, const variable_list &gs, const variable_list &xs, const Tensor &cos,
+                        const Tensor &sin, size_t cos_at) {
+  const bool backward = ctx->saved_data["backward"].toBool(), eager = ctx->saved_data["eager"].toBool();
+  Rotation r;
+  bool building = building_graph({&cos, &sin});
+  for (size_t i = 0; i < gs.size() && !building; i++) building = building_graph({&gs[i], &xs[i]});
+  if (building) {
+    for (size_t i = 0; i < gs.size(); i++)
+      r.dxs.push_back(rotary_dx_composite().call(gs[i], cos, sin, backward, xs[i]));
+  } else if (gs.size() == 1) {
+    r.dxs.push_back(rotary_mul_op().call(gs[0], cos, sin, eager, !backward));
+  } else {
+    auto [dq, dk] = rope_qk_op().call(gs[0], gs[1], cos, sin, eager, !backward);
+    r.dxs = {dq, dk};
+  }
+  if (ctx->needs_input_grad(cos_at) || ctx->needs_input_grad(cos_at + 1))
+    std::tie(r.dcos, r.dsin) = rotary_table_grads_composite().call(gs, xs, cos, sin, backward);
+  return r;
+}
+
+struct RotaryMul : Function<RotaryMul> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &cos, const Tensor &sin,
+                               bool eager, bool backward) {
+    Below guard;
+    Tensor y = rotary_mul_op().call(x, cos, sin, eager, backward);
+    ctx->save_for_backward({x, cos, sin});
+    ctx->saved_data["eager"] = eager;
+    ctx->saved_data["backward"] = backward;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    Rotation r = rotation_grads(ctx, {grads[0]}, {saved[0]}, saved[1], saved[2], 1);
+    return {r.dxs[0], r.dcos, r.dsin, {}, {}};
+  }
+};
+
+Tensor rotary_mul(c10::DispatchKeySet ks, const Tensor &x, const Tensor &cos, const Tensor &sin, bool eager,
+                  bool backward) {
+  if (!recording({&x, &cos, &sin})) {
+    Below guard;
+    return rotary_mul_op().redispatch(ks & kBelow, x, cos, sin, eager, backward);
+  }
+  return RotaryMul::apply(x, cos, sin, eager, backward)[0];
+}
+
+struct RopeQk : Function<RopeQk> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &q, const Tensor &k, const Tensor &cos,
+                               const Tensor &sin, bool eager, bool backward) {
+    Below guard;
+    auto [qo, ko] = rope_qk_op().call(q, k, cos, sin, eager, backward);
+    ctx->save_for_backward({q, k, cos, sin});
+    ctx->saved_data["eager"] = eager;
+    ctx->saved_data["backward"] = backward;
+    return {qo, ko};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1];
+    // (Autograd hands zeros for an unused output; kept for an undefined one.)
+    Tensor gq = grads[0].defined() ? grads[0] : at::zeros_like(q);
+    Tensor gk = grads[1].defined() ? grads[1] : at::zeros_like(k);
+    Rotation r = rotation_grads(ctx, {gq, gk}, {q, k}, saved[2], saved[3], 2);
+    return {r.dxs[0], r.dxs[1], r.dcos, r.dsin, {}, {}};
+  }
+};
+
+T2 rope_qk(c10::DispatchKeySet ks, const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin, bool eager,
+           bool backward) {
+  if (!recording({&q, &k, &cos, &sin})) {
+    Below guard;
+    return rope_qk_op().redispatch(ks & kBelow, q, k, cos, sin, eager, backward);
+  }
+  variable_list out = RopeQk::apply(q, k, cos, sin, eager, backward);
+  return {out[0], out[1]};
+}
+
+// ---------------------------------------------------------------------------
+// CrossEntropy: the loss is differentiable in the logits; lse is not.
+
+struct CrossEntropy : Function<CrossEntropy> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &logits, const Tensor &target, const Opt &weight,
+                               int64_t reduction, int64_t ignore_index, double label_smoothing,
+                               double lse_square_scale, double softcap) {
+    Below guard;
+    auto [loss, lse] = cross_entropy_op().call(logits, target, weight, reduction, ignore_index, label_smoothing,
+                                               lse_square_scale, softcap);
+    ctx->save_for_backward({logits, target, weight.has_value() ? *weight : Tensor(), lse});
+    ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["label_smoothing"] = label_smoothing;
+    ctx->saved_data["lse_square_scale"] = lse_square_scale;
+    ctx->saved_data["softcap"] = softcap;
+    aux_output = lse;
+    return {loss};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Opt weight = saved[2].defined() ? Opt(saved[2]) : std::nullopt;
+    auto &d = ctx->saved_data;
+    Tensor dlogits = cross_entropy_backward_op().call(
+        grads[0].to(at::kFloat).contiguous(), saved[0], saved[1], weight, saved[3], d["reduction"].toInt(),
+        d["ignore_index"].toInt(), d["label_smoothing"].toDouble(), d["lse_square_scale"].toDouble(),
+        d["softcap"].toDouble());
+    return {dlogits, {}, {}, {}, {}, {}, {}, {}};
+  }
+};
+
+T2 cross_entropy(c10::DispatchKeySet ks, const Tensor &logits, const Tensor &target, const Opt &weight,
+                 int64_t reduction, int64_t ignore_index, double label_smoothing, double lse_square_scale,
+                 double softcap) {
+  const Tensor none;
+  if (!recording({&logits, &target, weight.has_value() ? &*weight : &none})) {
+    Below guard;
+    return cross_entropy_op().redispatch(ks & kBelow, logits, target, weight, reduction, ignore_index,
+                                         label_smoothing, lse_square_scale, softcap);
+  }
+  variable_list out = CrossEntropy::apply(logits, target, weight, reduction, ignore_index, label_smoothing,
+                                          lse_square_scale, softcap);
+  return {out[0], take_aux_output()};
+}
+
+}  // namespace npk_torch::grad
+
+TORCH_LIBRARY_IMPL(npukern, Autograd, m) {
+  using namespace npk_torch::grad;
+  m.impl("rms_norm", TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
+  m.impl("rms_norm_backward", TORCH_FN(rms_norm_backward));
+  m.impl("add_rms_norm_backward", TORCH_FN(add_rms_norm_backward));
+  m.impl("embedding", TORCH_FN(embedding));
+  m.impl("embedding_shard", TORCH_FN(embedding_shard));
+  m.impl("embedding_dense_backward", TORCH_FN(embedding_dense_backward));
+  m.impl("embedding_dense_backward_shard", TORCH_FN(embedding_dense_backward_shard));
+  m.impl("swiglu", TORCH_FN(swiglu));
+  m.impl("swiglu_backward", TORCH_FN(swiglu_backward));
+  m.impl("silu_mul", TORCH_FN(silu_mul));
+  m.impl("silu_mul_backward", TORCH_FN(silu_mul_backward));
+  m.impl("rotary_mul", TORCH_FN(rotary_mul));
+  m.impl("rope_qk", TORCH_FN(rope_qk));
+  m.impl("cross_entropy", TORCH_FN(cross_entropy));
+}
