@@ -1,10 +1,7 @@
 // SwiGLU and RoPE as ATen CPU kernels over the C ABI (two-phase calls; these
 // operators need no workspace, but the size call validates like any other).
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 
 #include <tuple>
-#include <vector>
 
 #include "glue.h"
 #include "ops.h"
@@ -21,8 +18,8 @@ npk_swiglu_options swiglu_options(int64_t dim, bool eager) {
 }
 
 // x's shape with `dim` halved (the library checks dim and evenness).
-std::vector<int64_t> half_shape(const at::Tensor &x, int64_t dim, const char *op) {
-  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+c10::SmallVector<int64_t, NPK_MAX_DIMS> half_shape(const at::Tensor &x, int64_t dim, const char *op) {
+  c10::SmallVector<int64_t, NPK_MAX_DIMS> s(x.sizes().begin(), x.sizes().end());
   int64_t d = dim < 0 ? dim + x.dim() : dim;
   TORCH_CHECK_INDEX(d >= 0 && d < x.dim(), op, ": dim ", dim, " is out of range for x of rank ", x.dim());
   s[static_cast<size_t>(d)] /= 2;
@@ -46,12 +43,15 @@ void rope_call(const char *op, const at::Tensor &q, const at::Tensor *k, const a
   o.backward = backward ? 1u : 0u;
   Call call(op);
   if (!k) call.rename("q", "x", "q_out", "y");
+  call.tensors({&q, k, &cos, &sin, &q_out, k_out});
   call.outputs({&q_out, k_out});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_rope_workspace_size(&qt, k ? &kt : nullptr, &ct, &st, &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_rope(&qt, k ? &kt : nullptr, &ct, &st, &o, &qot, k ? &kot : nullptr, Call::data(ws), bytes,
-                      call.exec()));
+  call.run(
+      [&](size_t *bytes) {
+        return npk_rope_workspace_size(&qt, k ? &kt : nullptr, &ct, &st, &o, call.exec(), bytes);
+      },
+      [&](void *ws, size_t bytes) {
+        return npk_rope(&qt, k ? &kt : nullptr, &ct, &st, &o, &qot, k ? &kot : nullptr, ws, bytes, call.exec());
+      });
 }
 
 }  // namespace
@@ -59,45 +59,47 @@ void rope_call(const char *op, const at::Tensor &q, const at::Tensor *k, const a
 at::Tensor swiglu(const at::Tensor &x_in, int64_t dim, bool eager) {
   const char *op = "npukern::swiglu";
   at::Tensor x = cpu_contiguous(x_in, op, "x");
-  at::Tensor y = at::empty(half_shape(x, dim, op), x.options());
+  at::Tensor y = empty_output(half_shape(x, dim, op), x.scalar_type());
   npk_tensor xt = describe(x, op, "x"), yt = describe(y, op, "y");
   const npk_swiglu_options o = swiglu_options(dim, eager);
   Call call(op);
+  call.tensors({&x, &y});
   call.outputs({&y});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_swiglu_workspace_size(&xt, nullptr, &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_swiglu(&xt, nullptr, &o, &yt, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_swiglu_workspace_size(&xt, nullptr, &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) { return npk_swiglu(&xt, nullptr, &o, &yt, ws, bytes, call.exec()); });
   return y;
 }
 
 at::Tensor swiglu_backward(const at::Tensor &dy_in, const at::Tensor &x_in, int64_t dim, bool eager) {
   const char *op = "npukern::swiglu_backward";
   at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), x = cpu_contiguous(x_in, op, "x");
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dx = empty_output_like(x);
   npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), dxt = describe(dx, op, "dx");
   const npk_swiglu_options o = swiglu_options(dim, eager);
   Call call(op);
+  call.tensors({&dy, &x, &dx});
   call.outputs({&dx});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_swiglu_grad_workspace_size(&dyt, &xt, nullptr, &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_swiglu_grad(&dyt, &xt, nullptr, &o, &dxt, nullptr, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_swiglu_grad_workspace_size(&dyt, &xt, nullptr, &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_swiglu_grad(&dyt, &xt, nullptr, &o, &dxt, nullptr, ws, bytes, call.exec());
+      });
   return dx;
 }
 
 at::Tensor silu_mul(const at::Tensor &gate_in, const at::Tensor &up_in, bool eager) {
   const char *op = "npukern::silu_mul";
   at::Tensor gate = cpu_contiguous(gate_in, op, "gate"), up = cpu_contiguous(up_in, op, "up");
-  at::Tensor y = at::empty_like(gate, at::MemoryFormat::Contiguous);
+  at::Tensor y = empty_output_like(gate);
   npk_tensor gt = describe(gate, op, "gate"), ut = describe(up, op, "up"), yt = describe(y, op, "y");
   const npk_swiglu_options o = swiglu_options(-1, eager);
   Call call(op);
+  call.tensors({&gate, &up, &y});
   call.outputs({&y});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_swiglu_workspace_size(&gt, &ut, &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_swiglu(&gt, &ut, &o, &yt, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_swiglu_workspace_size(&gt, &ut, &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) { return npk_swiglu(&gt, &ut, &o, &yt, ws, bytes, call.exec()); });
   return y;
 }
 
@@ -106,17 +108,17 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy_in, co
   const char *op = "npukern::silu_mul_backward";
   at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), gate = cpu_contiguous(gate_in, op, "gate");
   at::Tensor up = cpu_contiguous(up_in, op, "up");
-  at::Tensor dgate = at::empty_like(gate, at::MemoryFormat::Contiguous);
-  at::Tensor dup = at::empty_like(gate, at::MemoryFormat::Contiguous);
+  at::Tensor dgate = empty_output_like(gate);
+  at::Tensor dup = empty_output_like(gate);
   npk_tensor dyt = describe(dy, op, "dy"), gt = describe(gate, op, "gate"), ut = describe(up, op, "up");
   npk_tensor dgt = describe(dgate, op, "dgate"), dut = describe(dup, op, "dup");
   const npk_swiglu_options o = swiglu_options(-1, eager);
   Call call(op);
+  call.tensors({&dy, &gate, &up, &dgate, &dup});
   call.outputs({&dgate, &dup});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_swiglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_swiglu_grad(&dyt, &gt, &ut, &o, &dgt, &dut, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_swiglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) { return npk_swiglu_grad(&dyt, &gt, &ut, &o, &dgt, &dut, ws, bytes, call.exec()); });
   return {dgate, dup};
 }
 
@@ -125,7 +127,7 @@ at::Tensor rotary_mul(const at::Tensor &x_in, const at::Tensor &cos_in, const at
   const char *op = "npukern::rotary_mul";
   at::Tensor x = cpu_contiguous(x_in, op, "x"), cos = cpu_contiguous(cos_in, op, "cos");
   at::Tensor sin = cpu_contiguous(sin_in, op, "sin");
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor y = empty_output_like(x);
   rope_call(op, x, nullptr, cos, sin, eager, backward, y, nullptr);
   return y;
 }
@@ -135,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor &q_in, const at::Ten
   const char *op = "npukern::rope_qk";
   at::Tensor q = cpu_contiguous(q_in, op, "q"), k = cpu_contiguous(k_in, op, "k");
   at::Tensor cos = cpu_contiguous(cos_in, op, "cos"), sin = cpu_contiguous(sin_in, op, "sin");
-  at::Tensor qo = at::empty_like(q, at::MemoryFormat::Contiguous), ko = at::empty_like(k, at::MemoryFormat::Contiguous);
+  at::Tensor qo = empty_output_like(q), ko = empty_output_like(k);
   rope_call(op, q, &k, cos, sin, eager, backward, qo, &ko);
   return {qo, ko};
 }

@@ -1,7 +1,6 @@
 // Embedding lookup (whole table or one vocab shard) and EmbeddingDenseGrad
 // over the C ABI.
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cstring>
@@ -65,7 +64,7 @@ at::Tensor lookup(const char *op, const at::Tensor &weight_in, const at::Tensor 
   }
   std::vector<int64_t> shape(indices_in.sizes().begin(), indices_in.sizes().end());
   shape.push_back(weight.size(1));
-  at::Tensor out = at::empty(shape, weight.options());
+  at::Tensor out = empty_output(shape, weight.scalar_type());
   const size_t row_bytes = static_cast<size_t>(weight.size(1)) * weight.element_size();
   if (n == 0 || row_bytes == 0) return out;
   char *dst = static_cast<char *>(out.data_ptr());
@@ -91,16 +90,18 @@ at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tenso
   at::Tensor grad = cpu_contiguous(grad_in.reshape({indices_in.numel(), grad_in.size(-1)}), op, "grad");
   at::Tensor indices = cpu_contiguous(indices_in.reshape({-1}), op, "indices");
   TORCH_CHECK_VALUE(num_weights >= 0, op, ": num_weights must be >= 0, got ", num_weights);
-  at::Tensor out = at::empty({num_weights, grad.size(-1)}, grad.options());
+  at::Tensor out = empty_output({num_weights, grad.size(-1)}, grad.scalar_type());
   npk_tensor gt = describe(grad, op, "grad"), it = describe(indices, op, "indices"), ot = describe(out, op, "out");
   const uint64_t nw = static_cast<uint64_t>(num_weights);
 
   Call call(op);
+  call.tensors({&grad, &indices, &out});
   call.outputs({&out});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_embedding_dense_grad_workspace_size(&gt, &it, nw, &opts, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_embedding_dense_grad(&gt, &it, nw, &opts, &ot, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_embedding_dense_grad_workspace_size(&gt, &it, nw, &opts, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_embedding_dense_grad(&gt, &it, nw, &opts, &ot, ws, bytes, call.exec());
+      });
   return out;
 }
 

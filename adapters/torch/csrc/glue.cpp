@@ -1,9 +1,12 @@
 #include "glue.h"
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +29,10 @@ namespace {
 // npk_exec and detail, so concurrent calls never share an error detail.
 extern "C" void aten_parallel_for(void * /*runner_ctx*/, size_t n_blocks, npk_task_fn task,
                                   void *task_ctx) {
+  if (n_blocks == 1) {  // nothing to share out
+    task(task_ctx, 0);
+    return;
+  }
   try {
     at::parallel_for(0, static_cast<int64_t>(n_blocks), 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; b++) task(task_ctx, static_cast<size_t>(b));
@@ -80,6 +87,7 @@ namespace {
 // The store policy's inputs (docs/performance.md "Store policy").
 constexpr size_t kStreamMinBytes = size_t{8} << 20;  // STREAM_MIN_BYTES, src/tiling.rs
 constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+constexpr int64_t kGrainSize = 32768;  // at::internal::GRAIN_SIZE (ATen/TensorIterator.h)
 
 enum class Pages { Resident, FreshHuge, Fresh };
 
@@ -201,15 +209,67 @@ void Call::check(npk_status status) const {
   }
 }
 
-at::Tensor Call::workspace(size_t bytes) {
-  TORCH_CHECK(bytes <= static_cast<size_t>(INT64_MAX), "npukern: workspace of ", bytes, " bytes");
-  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+void Call::tensors(std::initializer_list<const at::Tensor *> ts) {
+  for (const at::Tensor *t : ts)
+    if (t != nullptr && t->defined() && t->numel() >= kGrainSize) return;
+  exec_.parallel_for = nullptr;  // the library runs the blocks in order on this thread
 }
 
-void *Call::data(at::Tensor &ws) { return ws.numel() ? ws.data_ptr() : nullptr; }
+namespace {
 
-std::vector<int64_t> reduced_shape(const at::Tensor &x, int64_t normalized_dims) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+// The workspace buffer each thread keeps (grown to the largest request up to
+// kThreadWorkspaceBytes); `busy` while a call on this thread uses it (a call
+// never starts another on its thread, but a second one would get its own).
+constexpr size_t kThreadWorkspaceBytes = size_t{1} << 20;
+
+struct ThreadWorkspace {
+  at::DataPtr data;
+  size_t bytes = 0;
+  bool busy = false;
+};
+
+thread_local ThreadWorkspace thread_ws;
+
+}  // namespace
+
+bool Call::claim_thread_workspace(void **ws, size_t *bytes) {
+  if (thread_ws.busy) return false;
+  thread_ws.busy = holds_thread_ws_ = true;
+  *ws = thread_ws.data.get();
+  *bytes = thread_ws.bytes;
+  return true;
+}
+
+void Call::release_thread_workspace() {
+  if (holds_thread_ws_) thread_ws.busy = holds_thread_ws_ = false;
+}
+
+void *Call::workspace(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  if (bytes <= kThreadWorkspaceBytes && !thread_ws.busy) {
+    if (thread_ws.bytes < bytes) {
+      const size_t grown = std::max<size_t>(bytes, size_t{64} << 10);
+      thread_ws.data = at::DataPtr();  // free the old one first
+      thread_ws.bytes = 0;
+      thread_ws.data = c10::GetCPUAllocator()->allocate(grown);
+      thread_ws.bytes = grown;
+    }
+    thread_ws.busy = holds_thread_ws_ = true;
+    return thread_ws.data.get();
+  }
+  TORCH_CHECK(bytes <= static_cast<size_t>(INT64_MAX), "npukern: workspace of ", bytes, " bytes");
+  ws_ = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+  return ws_.data_ptr();
+}
+
+Call::~Call() { release_thread_workspace(); }
+
+at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
+}
+
+c10::SmallVector<int64_t, NPK_MAX_DIMS> reduced_shape(const at::Tensor &x, int64_t normalized_dims) {
+  c10::SmallVector<int64_t, NPK_MAX_DIMS> shape(x.sizes().begin(), x.sizes().end());
   for (int64_t i = x.dim() - normalized_dims; i < x.dim(); i++) shape[i] = 1;
   return shape;
 }

@@ -1,15 +1,16 @@
 // The adapter's glue between ATen and the npukern C ABI (include/npukern.h):
-// tensor descriptors, the exec (at::parallel_for as the runner), the
-// workspace from PyTorch's allocator, and npk_error_detail turned into the
-// exception types PyTorch maps to IndexError / TypeError / ValueError.
+// tensor descriptors, the exec (at::parallel_for as the runner, or the
+// calling thread for small calls), the outputs and the workspace, and
+// npk_error_detail turned into the exception types PyTorch maps to
+// IndexError / TypeError / ValueError.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstddef>
 #include <initializer_list>
-#include <vector>
 
 #include "npukern.h"
 
@@ -52,20 +53,69 @@ class Call {
   // the pages are asked, not assumed. Changes no output bit.
   void outputs(std::initializer_list<const at::Tensor *> ts);
 
-  // A workspace of `bytes` from PyTorch's CPU allocator (kept alive by the
-  // returned tensor); `data(ws)` is NULL when bytes == 0.
-  static at::Tensor workspace(size_t bytes);
-  static void *data(at::Tensor &ws);
+  // Every tensor the call reads or writes: when each has fewer elements than
+  // torch's own grain (at::internal::GRAIN_SIZE, 32768: the size under
+  // which torch's elementwise kernels stay on one thread), the call runs on
+  // the calling thread (no runner: the library runs the same blocks in
+  // order, so the same bits). An OpenMP fork-join costs more than such a
+  // call saves (RmsNorm of 2 x 4096 bf16 on 2 threads of an idle Zen 4:
+  // 4.5 us on one, 5.8 us on both; 8 x 4096: 8.2 and 7.2), and far more
+  // when another process holds a core (13-30 us, tails of 60-190 us).
+  void tensors(std::initializer_list<const at::Tensor *> ts);
+
+  // Runs one operator: `launch(ws, bytes)` (npk_<op>) is first given the
+  // workspace buffer this thread keeps, whatever its size (docs/c-api.md: a
+  // larger workspace than the plan needs is fine, and a call that refuses
+  // writes nothing), so the plan is cut once (0.1 us of a 1 x 4096 RmsNorm)
+  // and nothing is allocated; only when that is too small
+  // (NPK_ERR_WORKSPACE_TOO_SMALL), the two phases: `size(&bytes)`
+  // (npk_<op>_workspace_size), `workspace(bytes)`, `launch`. Either way a
+  // non-OK status throws (`check`).
+  template <class Size, class Launch>
+  void run(Size &&size, Launch &&launch) {
+    size_t have = 0;
+    void *ws = nullptr;
+    if (claim_thread_workspace(&ws, &have)) {
+      const npk_status status = launch(ws, have);
+      if (status != NPK_ERR_WORKSPACE_TOO_SMALL) return check(status);
+      release_thread_workspace();
+    }
+    size_t bytes = 0;
+    check(size(&bytes));
+    void *sized = workspace(bytes);
+    check(launch(sized, bytes));
+  }
+
+  // A workspace of `bytes` for this call (NULL when bytes == 0), alive until
+  // the Call is destroyed: up to 1 MiB (decode-size calls: a norm's
+  // per-block arenas, a loss's row sums) the thread's buffer, grown to fit
+  // (a 32 KiB at::empty and its free cost 1.1 us of a 1 x 4096 RmsNorm's
+  // 4.9); larger ones come from PyTorch's CPU allocator.
+  void *workspace(size_t bytes);
+  ~Call();
 
  private:
+  // The thread's buffer (NULL and 0 bytes before its first use) for this
+  // call; false when another call on this thread holds it.
+  bool claim_thread_workspace(void **ws, size_t *bytes);
+  void release_thread_workspace();
+
   const char *op_;
+  at::Tensor ws_;                 // a workspace too large for the thread's buffer
+  bool holds_thread_ws_ = false;  // this call holds the thread's buffer
   const char *renames_[4] = {nullptr, nullptr, nullptr, nullptr};
   npk_error_detail detail_{};
   npk_exec exec_{};
 };
 
+// A new contiguous CPU tensor for an op's output (ATen's CPU allocator,
+// without the dispatcher's trip through empty_like / empty: the kernels run
+// below every other key; 0.15 us an output).
+at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype);
+inline at::Tensor empty_output_like(const at::Tensor &t) { return empty_output(t.sizes(), t.scalar_type()); }
+
 // x's shape with its trailing `normalized_dims` dims set to 1 (torch_npu's rstd).
-std::vector<int64_t> reduced_shape(const at::Tensor &x, int64_t normalized_dims);
+c10::SmallVector<int64_t, NPK_MAX_DIMS> reduced_shape(const at::Tensor &x, int64_t normalized_dims);
 
 // Rejects a gamma that cannot cover x's trailing dims before any output is
 // allocated from its shape (the library checks the dims themselves).

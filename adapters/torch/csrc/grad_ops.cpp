@@ -33,10 +33,10 @@ struct GradList {
   const npk_tensor *data() const { return desc.empty() ? nullptr : desc.data(); }
 
   // Phase one: the workspace npk_grad_stats and npk_clip_grad_norm need.
-  at::Tensor workspace(const Call &call, size_t *bytes) const {
+  void *workspace(Call &call, size_t *bytes) const {
     *bytes = 0;
     call.check(npk_grad_stats_workspace_size(data(), desc.size(), call.exec(), bytes));
-    return Call::workspace(*bytes);
+    return call.workspace(*bytes);
   }
 };
 
@@ -47,9 +47,9 @@ at::Tensor grad_stats(at::TensorList grads) {
   GradList list(op, grads);
   Call call(op);
   size_t bytes = 0;
-  at::Tensor ws = list.workspace(call, &bytes);
+  void *ws = list.workspace(call, &bytes);
   npk_grad_summary s{};
-  call.check(npk_grad_stats(list.data(), list.desc.size(), &s, Call::data(ws), bytes, call.exec()));
+  call.check(npk_grad_stats(list.data(), list.desc.size(), &s, ws, bytes, call.exec()));
   at::Tensor out = at::empty({6}, at::TensorOptions().dtype(at::kDouble));
   double *o = out.data_ptr<double>();
   o[0] = s.sum_sq;
@@ -66,10 +66,10 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, bool error_if_
   GradList list(op, grads);
   Call call(op);
   size_t bytes = 0;
-  at::Tensor ws = list.workspace(call, &bytes);
+  void *ws = list.workspace(call, &bytes);
   double total = 0.0;
   call.check(npk_clip_grad_norm(list.data(), list.desc.size(), max_norm, error_if_nonfinite ? 1 : 0, &total,
-                                Call::data(ws), bytes, call.exec()));
+                                ws, bytes, call.exec()));
   for (size_t i = 0; i < grads.size(); i++)
     if (!list.work[i].is_same(grads[i])) grads[i].copy_(list.work[i]);
   at::Tensor out = at::empty({}, at::TensorOptions().dtype(at::kDouble));

@@ -1,7 +1,5 @@
 // CrossEntropy (forward, backward, and the fused per-chunk step of the
 // linear cross-entropy) as ATen CPU kernels over the C ABI.
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 
 #include <tuple>
 
@@ -61,9 +59,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, co
   at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
   const int64_t n = rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  const auto f32 = logits.options().dtype(at::kFloat);
-  at::Tensor loss = reduction == 0 ? at::empty({n}, f32) : at::empty({}, f32);
-  at::Tensor lse = at::empty({n}, f32);
+  at::Tensor loss = reduction == 0 ? empty_output({n}, at::kFloat) : empty_output({}, at::kFloat);
+  at::Tensor lse = empty_output({n}, at::kFloat);
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
   if (reduction != 0) {  // the C ABI's scalar is one element
@@ -72,10 +69,12 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, co
   }
   const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
   Call call(op);
-  size_t bytes = 0;
-  call.check(npk_cross_entropy_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_cross_entropy(&lt, &tt, weight.ptr(), &o, &losst, &lset, Call::data(ws), bytes, call.exec()));
+  call.tensors({&logits, &target, &weight.t, &loss, &lse});
+  call.run(
+      [&](size_t *bytes) { return npk_cross_entropy_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_cross_entropy(&lt, &tt, weight.ptr(), &o, &losst, &lset, ws, bytes, call.exec());
+      });
   return {loss, lse};
 }
 
@@ -90,7 +89,7 @@ at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &l
   at::Tensor grad = cpu_contiguous(grad_in, op, "grad");
   rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  at::Tensor dlogits = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  at::Tensor dlogits = empty_output_like(logits);
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor lset = describe(lse, op, "lse"), gt = describe(grad, op, "grad");
   npk_tensor dt = describe(dlogits, op, "dlogits");
@@ -100,12 +99,15 @@ at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &l
   }
   const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
   Call call(op);
+  call.tensors({&grad, &logits, &target, &weight.t, &lse, &dlogits});
   call.outputs({&dlogits});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_cross_entropy_grad_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_cross_entropy_grad(&lt, &tt, weight.ptr(), &lset, &gt, &o, &dt, Call::data(ws), bytes,
-                                    call.exec()));
+  call.run(
+      [&](size_t *bytes) {
+        return npk_cross_entropy_grad_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
+      },
+      [&](void *ws, size_t bytes) {
+        return npk_cross_entropy_grad(&lt, &tt, weight.ptr(), &lset, &gt, &o, &dt, ws, bytes, call.exec());
+      });
   return dlogits;
 }
 
@@ -121,8 +123,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, cons
   at::Tensor grad_scale = cpu_contiguous(grad_scale_in, op, "grad_scale");
   const int64_t n = rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  const auto f32 = logits.options().dtype(at::kFloat);
-  at::Tensor loss = at::empty({n}, f32), lse = at::empty({n}, f32);
+  at::Tensor loss = empty_output({n}, at::kFloat), lse = empty_output({n}, at::kFloat);
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor st = describe(grad_scale, op, "grad_scale");
   if (grad_scale.dim() == 0) {
@@ -132,11 +133,14 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, cons
   npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
   const npk_cross_entropy_options o = ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap);
   Call call(op);
-  size_t bytes = 0;
-  call.check(npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &losst, &lset, &lt, Call::data(ws), bytes,
-                                     call.exec()));
+  call.tensors({&logits, &target, &weight.t, &grad_scale, &loss, &lse});
+  call.run(
+      [&](size_t *bytes) {
+        return npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
+      },
+      [&](void *ws, size_t bytes) {
+        return npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &losst, &lset, &lt, ws, bytes, call.exec());
+      });
   return {loss, lse};
 }
 

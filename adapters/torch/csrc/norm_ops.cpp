@@ -1,7 +1,5 @@
 // RmsNorm, AddRmsNorm and RmsNormGrad as ATen CPU kernels over the C ABI
-// (two-phase calls: size the workspace, allocate it from PyTorch, run).
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+// (two-phase calls: size the workspace, take it (glue.h), run).
 
 #include <tuple>
 
@@ -33,18 +31,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x_in, const at::Te
   const char *op = "npukern::rms_norm";
   at::Tensor x = cpu_contiguous(x_in, op, "x"), gamma = cpu_contiguous(gamma_in, op, "gamma");
   check_gamma_rank(x, gamma, op);
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor rstd = at::empty(reduced_shape(x, gamma.dim()), x.options().dtype(at::kFloat));
+  at::Tensor y = empty_output_like(x);
+  at::Tensor rstd = empty_output(reduced_shape(x, gamma.dim()), at::kFloat);
   npk_tensor xt = describe(x, op, "x"), gt = describe(gamma, op, "gamma");
   npk_tensor yt = describe(y, op, "y"), rt = describe(rstd, op, "rstd");
   const npk_rms_norm_options opts = norm_options(op, epsilon, gamma_offset, cast_before_gamma);
 
   Call call(op);
+  call.tensors({&x, &gamma, &y});
   call.outputs({&y});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_rms_norm_workspace_size(&xt, &gt, &opts, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_rms_norm(&xt, &gt, &opts, &yt, &rt, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_rms_norm_workspace_size(&xt, &gt, &opts, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) { return npk_rms_norm(&xt, &gt, &opts, &yt, &rt, ws, bytes, call.exec()); });
   return {y, rstd};
 }
 
@@ -55,19 +53,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1
   at::Tensor x1 = cpu_contiguous(x1_in, op, "x1"), x2 = cpu_contiguous(x2_in, op, "x2");
   at::Tensor gamma = cpu_contiguous(gamma_in, op, "gamma");
   check_gamma_rank(x1, gamma, op);
-  at::Tensor y = at::empty_like(x1, at::MemoryFormat::Contiguous);
-  at::Tensor x_sum = at::empty_like(x1, at::MemoryFormat::Contiguous);
-  at::Tensor rstd = at::empty(reduced_shape(x1, gamma.dim()), x1.options().dtype(at::kFloat));
+  at::Tensor y = empty_output_like(x1);
+  at::Tensor x_sum = empty_output_like(x1);
+  at::Tensor rstd = empty_output(reduced_shape(x1, gamma.dim()), at::kFloat);
   npk_tensor x1t = describe(x1, op, "x1"), x2t = describe(x2, op, "x2"), gt = describe(gamma, op, "gamma");
   npk_tensor yt = describe(y, op, "y"), rt = describe(rstd, op, "rstd"), st = describe(x_sum, op, "x_sum");
   const npk_rms_norm_options opts = norm_options(op, epsilon, gamma_offset, cast_before_gamma);
 
   Call call(op);
+  call.tensors({&x1, &x2, &gamma, &y, &x_sum});
   call.outputs({&y, &x_sum});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_add_rms_norm_workspace_size(&x1t, &x2t, &gt, &opts, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_add_rms_norm(&x1t, &x2t, &gt, &opts, &yt, &rt, &st, Call::data(ws), bytes, call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_add_rms_norm_workspace_size(&x1t, &x2t, &gt, &opts, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_add_rms_norm(&x1t, &x2t, &gt, &opts, &yt, &rt, &st, ws, bytes, call.exec());
+      });
   return {y, rstd, x_sum};
 }
 
@@ -81,8 +81,8 @@ std::tuple<at::Tensor, at::Tensor> norm_grad(const char *op, const at::Tensor &d
   at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), x = cpu_contiguous(x_in, op, "x");
   at::Tensor gamma = cpu_contiguous(gamma_in, op, "gamma"), rstd = cpu_contiguous(rstd_in, op, "rstd");
   at::Tensor dres = dres_in ? cpu_contiguous(*dres_in, op, "dres") : at::Tensor();
-  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor dgamma = at::empty(gamma.sizes(), gamma.options().dtype(at::kFloat));
+  at::Tensor dx = empty_output_like(x);
+  at::Tensor dgamma = empty_output(gamma.sizes(), at::kFloat);
   npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), gt = describe(gamma, op, "gamma");
   npk_tensor rt = describe(rstd, op, "rstd"), dxt = describe(dx, op, "dx"), dgt = describe(dgamma, op, "dgamma");
   npk_tensor drt{};
@@ -93,12 +93,13 @@ std::tuple<at::Tensor, at::Tensor> norm_grad(const char *op, const at::Tensor &d
   opts.gamma_offset = offset_f32(op, gamma_offset);
 
   Call call(op);
+  call.tensors({&dy, &x, &gamma, &rstd, &dres, &dx, &dgamma});
   call.outputs({&dx});  // just allocated: the store policy (glue.h)
-  size_t bytes = 0;
-  call.check(npk_rms_norm_grad_workspace_size(&dyt, &xt, &rt, &gt, &opts, call.exec(), &bytes));
-  at::Tensor ws = Call::workspace(bytes);
-  call.check(npk_rms_norm_grad(&dyt, &xt, &rt, &gt, drp, &opts, &dxt, &dgt, nullptr, Call::data(ws), bytes,
-                               call.exec()));
+  call.run(
+      [&](size_t *bytes) { return npk_rms_norm_grad_workspace_size(&dyt, &xt, &rt, &gt, &opts, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_rms_norm_grad(&dyt, &xt, &rt, &gt, drp, &opts, &dxt, &dgt, nullptr, ws, bytes, call.exec());
+      });
   return {dx, dgamma};
 }
 
