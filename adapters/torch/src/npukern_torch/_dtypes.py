@@ -8,5 +8,10 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def on_kernels(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is one the kernels take."""
-    return all(t.device.type == "cpu" and t.dtype in KERNEL_DTYPES for t in tensors)
+    """True when every tensor is one the kernels take. (A loop over
+    ``is_cpu``: every module call asks, and ``all`` over a generator of
+    ``t.device.type`` cost more than the check itself.)"""
+    for t in tensors:
+        if t.dtype not in KERNEL_DTYPES or not t.is_cpu:
+            return False
+    return True

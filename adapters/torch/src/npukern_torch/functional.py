@@ -8,6 +8,14 @@ import torch
 from . import _casting
 
 ops = torch.ops.npukern
+# The overloads themselves: calling one skips the packet's overload lookup.
+_rms_norm_op = ops.rms_norm.default
+_add_rms_norm_op = ops.add_rms_norm.default
+_embedding_op = ops.embedding.default
+_swiglu_op = ops.swiglu.default
+_silu_mul_op = ops.silu_mul.default
+_rotary_mul_op = ops.rotary_mul.default
+_rope_qk_op = ops.rope_qk.default
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *, casting: str = "torch", offset=None):
@@ -18,10 +26,15 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *, casting
     shape with those dims set to 1. gamma is x's dtype or float32 (or, with
     "llama", any dtype torch promotes with x)."""
     offset, cast_before_gamma = _casting.resolve(casting, offset)
-    if _casting.needs_promotion(x, gamma, cast_before_gamma):
-        normalized, rstd = ops.rms_norm(x, torch.ones_like(gamma, dtype=x.dtype), eps)
+    return _rms_norm(x, gamma, eps, offset, cast_before_gamma)
+
+
+def _rms_norm(x, gamma, eps, offset, cast_before_gamma):
+    """:func:`rms_norm` with `casting` resolved (the modules' entry)."""
+    if cast_before_gamma and torch.promote_types(x.dtype, gamma.dtype) != x.dtype:  # _casting.needs_promotion
+        normalized, rstd = _rms_norm_op(x, torch.ones_like(gamma, dtype=x.dtype), eps)
         return normalized * (gamma + offset if offset else gamma), rstd
-    return ops.rms_norm(x, gamma, eps, offset, cast_before_gamma)
+    return _rms_norm_op(x, gamma, eps, offset, cast_before_gamma)
 
 
 def add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *,
@@ -30,17 +43,22 @@ def add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: f
     RMSNorm of x_sum in `casting`'s numerics, in one pass (the residual add
     before a LLaMA block's norm)."""
     offset, cast_before_gamma = _casting.resolve(casting, offset)
-    if _casting.needs_promotion(x1, gamma, cast_before_gamma):
-        normalized, rstd, x_sum = ops.add_rms_norm(x1, x2, torch.ones_like(gamma, dtype=x1.dtype), eps)
+    return _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma)
+
+
+def _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma):
+    """:func:`add_rms_norm` with `casting` resolved (the modules' entry)."""
+    if cast_before_gamma and torch.promote_types(x1.dtype, gamma.dtype) != x1.dtype:  # _casting.needs_promotion
+        normalized, rstd, x_sum = _add_rms_norm_op(x1, x2, torch.ones_like(gamma, dtype=x1.dtype), eps)
         return normalized * (gamma + offset if offset else gamma), rstd, x_sum
-    return ops.add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma)
+    return _add_rms_norm_op(x1, x2, gamma, eps, offset, cast_before_gamma)
 
 
 def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx=None, scale_grad_by_freq: bool = False):
     """``torch.nn.functional.embedding`` (without max_norm and sparse) whose
     weight gradient comes from npukern's EmbeddingDenseGrad. A negative
     padding_idx counts from the end, as in torch."""
-    return ops.embedding(weight, indices, normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq)
+    return _embedding_op(weight, indices, normalize_padding_idx(padding_idx, weight.shape[0]), scale_grad_by_freq)
 
 
 def normalize_padding_idx(padding_idx, num_embeddings):
@@ -57,19 +75,19 @@ def swiglu(x: torch.Tensor, dim: int = -1, *, eager: bool = False) -> torch.Tens
     """torch_npu's ``npu_swiglu``: ``silu(a) * b`` with ``a, b = x.chunk(2, dim)``,
     differentiable in x. ``eager=True`` rounds silu(a) to x's dtype before the
     product, as eager PyTorch's composite does."""
-    return ops.swiglu(x, dim, eager)
+    return _swiglu_op(x, dim, eager)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
     """``F.silu(gate) * up`` in one pass (Hugging Face's
     ``act_fn(gate_proj(x)) * up_proj(x)``), differentiable in both."""
-    return ops.silu_mul(gate, up, eager)
+    return _silu_mul_op(gate, up, eager)
 
 
 def rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eager: bool = False) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with cos/sin broadcast to x from the
     right (torch_npu's ``npu_rotary_mul`` in "half" mode); differentiable."""
-    return ops.rotary_mul(x, cos, sin, eager)
+    return _rotary_mul_op(x, cos, sin, eager)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, eager: bool = True):
@@ -80,10 +98,12 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, eager: bool = True)
     [batch, heads, seq, head_dim] as transposed views of [batch, seq, heads,
     head_dim] (as the attention layers make them) are read in place."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 4 and q.transpose(1, 2).is_contiguous() \
-            and k.transpose(1, 2).is_contiguous():
+    # Contiguous q and k (decode: one position, where both layouts are the
+    # same memory) go straight in: eight views fewer, the same bits.
+    if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 4 and not (q.is_contiguous() and k.is_contiguous()) \
+            and q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous():
         # [b, s, h, d] memory: rotate there, with cos [b, s, 1, d]; return the same views.
-        qo, ko = ops.rope_qk(q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2),
+        qo, ko = _rope_qk_op(q.transpose(1, 2), k.transpose(1, 2), cos.transpose(1, 2), sin.transpose(1, 2),
                              eager)
         return qo.transpose(1, 2), ko.transpose(1, 2)
-    return ops.rope_qk(q, k, cos, sin, eager)
+    return _rope_qk_op(q, k, cos, sin, eager)

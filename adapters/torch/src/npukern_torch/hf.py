@@ -160,12 +160,17 @@ def _rope(original, q, k, cos, sin, unsqueeze_dim):
     ``q * cos`` would promote them (autocast's bfloat16 q with float32 cos
     gives float32), then rotated in eager numerics. What the kernel does not
     take runs `original`."""
-    rq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
-    rk = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
+    one_dtype = q.dtype == k.dtype == cos.dtype == sin.dtype  # the usual case: no promotion to work out
+    if one_dtype:
+        rq = rk = q.dtype
+    else:
+        rq = torch.promote_types(torch.promote_types(q.dtype, cos.dtype), sin.dtype)
+        rk = torch.promote_types(torch.promote_types(k.dtype, cos.dtype), sin.dtype)
     if (rq != rk or rq not in KERNEL_DTYPES or q.shape[-1] % 2 or cos.dim() == 0 or sin.dim() == 0
-            or any(t.device.type != "cpu" for t in (q, k, cos, sin))):
+            or not (q.is_cpu and k.is_cpu and cos.is_cpu and sin.is_cpu)):
         return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-    q, k, cos, sin = (t if t.dtype == rq else t.to(rq) for t in (q, k, cos, sin))
+    if not one_dtype:
+        q, k, cos, sin = (t if t.dtype == rq else t.to(rq) for t in (q, k, cos, sin))
     return _F.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, eager=True)
 
 

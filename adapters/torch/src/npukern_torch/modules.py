@@ -8,6 +8,9 @@ from . import _casting
 from . import functional as F
 from ._dtypes import KERNEL_DTYPES, on_kernels
 
+_F32_EPS = torch.finfo(torch.float32).eps
+_embedding_op = torch.ops.npukern.embedding.default
+
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm on npukern's RmsNorm / RmsNormGrad.
@@ -39,13 +42,15 @@ class RMSNorm(torch.nn.RMSNorm):
             self.register_buffer("_ones", ones, persistent=False)
 
     def _gamma(self, x):
-        gamma = self.weight if self.weight is not None else self._ones
+        gamma = self.weight  # once: a parameter is a Module.__getattr__ call
+        if gamma is None:
+            gamma = self._ones
         if not self.cast_before_gamma and gamma.dtype != x.dtype and gamma.dtype != torch.float32:
             gamma = gamma.float()
         return gamma
 
     def _eps(self, x):
-        return self.eps if self.eps is not None else torch.finfo(torch.float32).eps
+        return self.eps if self.eps is not None else _F32_EPS
 
     def _torch_norm(self, x):
         """The same numerics in torch ops, for inputs the kernels do not take."""
@@ -62,7 +67,8 @@ class RMSNorm(torch.nn.RMSNorm):
             if self.casting == "torch" and not self.offset:
                 return super().forward(x)
             return self._torch_norm(x)
-        return F.rms_norm(x, self._gamma(x), self._eps(x), casting=self.casting, offset=self.offset)[0]
+        # F.rms_norm with the casting resolved once, in __init__.
+        return F._rms_norm(x, self._gamma(x), self._eps(x), self.offset, self.cast_before_gamma)[0]
 
     def extra_repr(self):
         s = super().extra_repr()
@@ -85,9 +91,9 @@ class AddRMSNorm(RMSNorm):
         residual have one shape and one dtype the kernels take; any other
         pair is added by torch first, then normalized by the RMSNorm kernel
         (or torch ops for dtypes the kernels do not take)."""
-        if x.shape == residual.shape and x.dtype == residual.dtype and on_kernels(x, residual):
-            y, _rstd, s = F.add_rms_norm(x, residual, self._gamma(x), self._eps(x), casting=self.casting,
-                                         offset=self.offset)
+        if x.dtype == residual.dtype and on_kernels(x, residual) and x.shape == residual.shape:
+            y, _rstd, s = F._add_rms_norm(x, residual, self._gamma(x), self._eps(x), self.offset,
+                                          self.cast_before_gamma)
             return y, s
         s = x + residual
         return super().forward(s), s
@@ -140,7 +146,8 @@ class Embedding(torch.nn.Embedding):
         )
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not on_kernels(self.weight):
+        weight = self.weight  # once: a parameter is a Module.__getattr__ call
+        if not on_kernels(weight):
             return super().forward(input)
         padding_idx = -1 if self.padding_idx is None else self.padding_idx
-        return torch.ops.npukern.embedding(self.weight, input, padding_idx, self.scale_grad_by_freq)
+        return _embedding_op(weight, input, padding_idx, self.scale_grad_by_freq)
