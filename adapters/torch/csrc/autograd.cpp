@@ -105,6 +105,15 @@ bool recording(std::initializer_list<const Tensor *> ts) {
   return c10::GradMode::is_enabled() && any_requires_grad(ts);
 }
 
+// Forward-mode AD: the ops have no jvp formula (register_autograd's Function
+// raised NotImplementedError on a dual input that requires grad; a C++
+// Function would raise a RuntimeError from deep inside apply).
+void no_forward_ad(const char *op, std::initializer_list<const Tensor *> ts) {
+  for (const Tensor *t : ts)
+    TORCH_CHECK_NOT_IMPLEMENTED(!t->defined() || !t->_fw_grad(/*level=*/0).defined(), "npukern::", op,
+                                " has no forward-mode AD formula (jvp)");
+}
+
 // True inside a create_graph=True backward that must record how the
 // gradients depend on their inputs.
 bool building_graph(std::initializer_list<const Tensor *> ts) { return recording(ts); }
@@ -161,6 +170,7 @@ T2 rms_norm(c10::DispatchKeySet ks, const Tensor &x, const Tensor &gamma, double
     Below guard;
     return rms_norm_op().redispatch(ks & kBelow, x, gamma, eps, offset, cast_before_gamma);
   }
+  no_forward_ad("rms_norm", {&x, &gamma});
   variable_list out = RmsNorm::apply(x, gamma, eps, offset, cast_before_gamma);
   return {out[0], take_aux_output()};
 }
@@ -197,6 +207,7 @@ T3 add_rms_norm(c10::DispatchKeySet ks, const Tensor &x1, const Tensor &x2, cons
     Below guard;
     return add_rms_norm_op().redispatch(ks & kBelow, x1, x2, gamma, eps, offset, cast_before_gamma);
   }
+  no_forward_ad("add_rms_norm", {&x1, &x2, &gamma});
   variable_list out = AddRmsNorm::apply(x1, x2, gamma, eps, offset, cast_before_gamma);
   return {out[0], take_aux_output(), out[1]};
 }
@@ -235,6 +246,7 @@ Tensor embedding(c10::DispatchKeySet ks, const Tensor &weight, const Tensor &ind
     Below guard;
     return embedding_op().redispatch(ks & kBelow, weight, indices, std::move(padding_idx), scale_grad_by_freq);
   }
+  no_forward_ad("embedding", {&weight, &indices});
   return Embedding::apply(weight, indices, std::move(padding_idx), scale_grad_by_freq)[0];
 }
 
@@ -273,6 +285,7 @@ Tensor embedding_shard(c10::DispatchKeySet ks, const Tensor &weight, const Tenso
     return embedding_shard_op().redispatch(ks & kBelow, weight, indices, std::move(num_embeddings),
                                            std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
   }
+  no_forward_ad("embedding_shard", {&weight, &indices});
   return EmbeddingShard::apply(weight, indices, std::move(num_embeddings), std::move(vocab_start),
                                std::move(padding_idx), scale_grad_by_freq)[0];
 }
@@ -320,6 +333,7 @@ Tensor embedding_dense_backward(c10::DispatchKeySet ks, const Tensor &grad, cons
     return dense_grad_op().redispatch(ks & kBelow, grad, indices, std::move(num_weights), std::move(padding_idx),
                                       scale_grad_by_freq);
   }
+  no_forward_ad("embedding_dense_backward", {&grad, &indices});
   return DenseGrad::apply(grad, indices, std::move(num_weights), std::move(padding_idx), scale_grad_by_freq)[0];
 }
 
@@ -349,6 +363,7 @@ Tensor embedding_dense_backward_shard(c10::DispatchKeySet ks, const Tensor &grad
     return dense_grad_shard_op().redispatch(ks & kBelow, grad, indices, std::move(num_weights),
                                             std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
   }
+  no_forward_ad("embedding_dense_backward_shard", {&grad, &indices});
   return DenseGradShard::apply(grad, indices, std::move(num_weights), std::move(vocab_start), std::move(padding_idx),
                                scale_grad_by_freq)[0];
 }
@@ -383,6 +398,7 @@ T2 rms_norm_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, 
     Below guard;
     return rms_norm_backward_op().redispatch(ks & kBelow, dy, x, gamma, rstd, offset);
   }
+  no_forward_ad("rms_norm_backward", {&dy, &x, &gamma, &rstd});
   variable_list out = RmsNormBackward::apply(dy, x, gamma, rstd, offset);
   return {out[0], out[1]};
 }
@@ -403,6 +419,7 @@ T2 add_rms_norm_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor 
     Below guard;
     return add_rms_norm_backward_op().redispatch(ks & kBelow, dy, x_sum, gamma, rstd, dx_sum, offset);
   }
+  no_forward_ad("add_rms_norm_backward", {&dy, &x_sum, &gamma, &rstd, &dx_sum});
   variable_list out = AddRmsNormBackward::apply(dy, x_sum, gamma, rstd, dx_sum, offset);
   return {out[0], out[1]};
 }
@@ -420,6 +437,7 @@ Tensor swiglu_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x
     Below guard;
     return swiglu_backward_op().redispatch(ks & kBelow, dy, x, dim, eager);
   }
+  no_forward_ad("swiglu_backward", {&dy, &x});
   return SwigluBackward::apply(dy, x, dim, eager)[0];
 }
 
@@ -438,6 +456,7 @@ T2 silu_mul_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &gat
     Below guard;
     return silu_mul_backward_op().redispatch(ks & kBelow, dy, gate, up, eager);
   }
+  no_forward_ad("silu_mul_backward", {&dy, &gate, &up});
   variable_list out = SiluMulBackward::apply(dy, gate, up, eager);
   return {out[0], out[1]};
 }
@@ -469,6 +488,7 @@ Tensor swiglu(c10::DispatchKeySet ks, const Tensor &x, int64_t dim, bool eager) 
     Below guard;
     return swiglu_op().redispatch(ks & kBelow, x, dim, eager);
   }
+  no_forward_ad("swiglu", {&x});
   return Swiglu::apply(x, dim, eager)[0];
 }
 
@@ -498,6 +518,7 @@ Tensor silu_mul(c10::DispatchKeySet ks, const Tensor &gate, const Tensor &up, bo
     Below guard;
     return silu_mul_op().redispatch(ks & kBelow, gate, up, eager);
   }
+  no_forward_ad("silu_mul", {&gate, &up});
   return SiluMul::apply(gate, up, eager)[0];
 }
 
@@ -556,6 +577,7 @@ Tensor rotary_mul(c10::DispatchKeySet ks, const Tensor &x, const Tensor &cos, co
     Below guard;
     return rotary_mul_op().redispatch(ks & kBelow, x, cos, sin, eager, backward);
   }
+  no_forward_ad("rotary_mul", {&x, &cos, &sin});
   return RotaryMul::apply(x, cos, sin, eager, backward)[0];
 }
 
@@ -587,6 +609,7 @@ T2 rope_qk(c10::DispatchKeySet ks, const Tensor &q, const Tensor &k, const Tenso
     Below guard;
     return rope_qk_op().redispatch(ks & kBelow, q, k, cos, sin, eager, backward);
   }
+  no_forward_ad("rope_qk", {&q, &k, &cos, &sin});
   variable_list out = RopeQk::apply(q, k, cos, sin, eager, backward);
   return {out[0], out[1]};
 }
@@ -627,11 +650,13 @@ T2 cross_entropy(c10::DispatchKeySet ks, const Tensor &logits, const Tensor &tar
                  int64_t reduction, int64_t ignore_index, double label_smoothing, double lse_square_scale,
                  double softcap) {
   const Tensor none;
-  if (!recording({&logits, &target, weight.has_value() ? &*weight : &none})) {
+  const Tensor *w = weight.has_value() ? &*weight : &none;
+  if (!recording({&logits, &target, w})) {
     Below guard;
     return cross_entropy_op().redispatch(ks & kBelow, logits, target, weight, reduction, ignore_index,
                                          label_smoothing, lse_square_scale, softcap);
   }
+  no_forward_ad("cross_entropy", {&logits, &target, w});
   variable_list out = CrossEntropy::apply(logits, target, weight, reduction, ignore_index, label_smoothing,
                                           lse_square_scale, softcap);
   return {out[0], take_aux_output()};
