@@ -332,8 +332,9 @@ def _residual_norm(norm, residual, h):
     stock add and norm."""
     if (isinstance(norm, RMSNorm) and residual.shape == h.shape and residual.dtype == h.dtype
             and on_kernels(residual, h)):
-        y, _rstd, s = _F.add_rms_norm(residual, h, norm._gamma(residual), norm._eps(residual),
-                                      casting=norm.casting, offset=norm.offset)
+        # add_rms_norm with the module's casting, resolved in its __init__.
+        y, _rstd, s = _F._add_rms_norm(residual, h, norm._gamma(residual), norm._eps(residual), norm.offset,
+                                       norm.cast_before_gamma)
         return y, s
     s = residual + h
     return norm(s), s
