@@ -3,8 +3,9 @@
 npukern's backward ops are not differentiable themselves (rms_norm_backward
 takes rstd as an input, hiding its dependence on x). When a backward runs
 with ``create_graph=True`` (gradient penalties, Hessian-vector products),
-the autograd formulas in ``_autograd.py`` compute dx and dgamma with these
-torch ops instead, in float32 like the kernel, so that second derivatives are
+the autograd formulas (``csrc/autograd.cpp``) compute dx and dgamma with these
+torch ops instead (the ``npukern::_*_composite`` ops ``_autograd.py``
+registers), in float32 like the kernel, so that second derivatives are
 exact -- never a silent zero. Their first-derivative bits are then torch's
 float32 composite's, not the kernel's (documented in the adapter's docs)."""
 
