@@ -49,9 +49,27 @@ fn rows<T: Float>(c: &mut Criterion, n: usize, v: usize) {
     let mut ws = vec![0u8; ws_f.max(ws_b)];
     g.bench_function("forward_backward", |b| {
         b.iter(|| {
-            cross_entropy(&exec, xt, targets(), &opts, &mut scalar, Some(&mut lse), &mut ws).unwrap();
-            cross_entropy_grad(&exec, xt, targets(), &lse, &[1.0], &opts, &mut dlogits, &mut ws)
-                .unwrap();
+            cross_entropy(
+                &exec,
+                xt,
+                targets(),
+                &opts,
+                &mut scalar,
+                Some(&mut lse),
+                &mut ws,
+            )
+            .unwrap();
+            cross_entropy_grad(
+                &exec,
+                xt,
+                targets(),
+                &lse,
+                &[1.0],
+                &opts,
+                &mut dlogits,
+                &mut ws,
+            )
+            .unwrap();
         })
     });
     let mut x = logits.clone();
