@@ -206,6 +206,25 @@ def _rope_for(original):
     return apply_rotary_pos_emb
 
 
+def _copy_wrapper(fn, old, new):
+    """A copy of the wrapper `fn` (a decorator's closure) whose cell holding
+    `old` holds `new`, with ``__wrapped__`` set to `new`; and whether such a
+    cell was found."""
+    cells, replaced = [], False
+    for cell in fn.__closure__ or ():
+        try:
+            hit = cell.cell_contents is old
+        except ValueError:  # an empty cell
+            hit = False
+        cells.append(types.CellType(new) if hit else cell)
+        replaced |= hit
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                              tuple(cells) if fn.__closure__ else None)
+    copy.__kwdefaults__, copy.__wrapped__ = fn.__kwdefaults__, new
+    copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return copy, replaced
+
+
 def _with_global(fn, name, value):
     """A copy of `fn` whose global `name` reads `value`, for this copy alone
     (the module's own function is untouched). A wrapper (a decorator's
@@ -217,26 +236,15 @@ def _with_global(fn, name, value):
         g = dict(fn.__globals__)
         g[name] = value
         new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    else:
-        inner = getattr(fn, "__wrapped__", None)
-        copied = _with_global(inner, name, value) if inner is not None else None
-        if copied is None or not fn.__closure__:
-            return None
-        cells, replaced = [], False
-        for cell in fn.__closure__:
-            try:
-                hit = cell.cell_contents is inner
-            except ValueError:  # an empty cell
-                hit = False
-            cells.append(types.CellType(copied) if hit else cell)
-            replaced |= hit
-        if not replaced:
-            return None
-        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
-        new.__wrapped__ = copied
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    return new
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+        return new
+    inner = getattr(fn, "__wrapped__", None)
+    copied = _with_global(inner, name, value) if inner is not None else None
+    if copied is None or not fn.__closure__:
+        return None
+    new, replaced = _copy_wrapper(fn, inner, copied)
+    return new if replaced else None
 
 
 def _rope_forward_of(cls):
@@ -256,17 +264,7 @@ def _with_inner(fn, inner):
     wrapped = getattr(fn, "__wrapped__", None)
     if wrapped is None or not isinstance(fn, types.FunctionType) or not fn.__closure__:
         return inner
-    copied = _with_inner(wrapped, inner)
-    cells = []
-    for cell in fn.__closure__:
-        try:
-            hit = cell.cell_contents is wrapped
-        except ValueError:  # an empty cell
-            hit = False
-        cells.append(types.CellType(copied) if hit else cell)
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
-    new.__kwdefaults__, new.__wrapped__ = fn.__kwdefaults__, copied
-    return new
+    return _copy_wrapper(fn, wrapped, _with_inner(wrapped, inner))[0]
 
 
 def _innermost(fn):
