@@ -421,6 +421,21 @@ fn cross_entropy_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, voc
         cross_entropy_grad(&exec, x, tt, &lse, &[1.0], &opts, &mut dxs[s], &mut []).unwrap()
     });
     row("CrossEntropy fwd+bwd", &sname, &dt, r);
+    // The fused form (what linear_cross_entropy runs per chunk): the loss
+    // and dlogits in place in one call, against the same copy.
+    let g = [1.0 / tokens as f32];
+    let fopts = CrossEntropyOptions {
+        reduction: Reduction::None,
+        ..opts
+    };
+    let mut ws = vec![0u8; cross_entropy_fused_workspace_size(&exec, x0, tt, &fopts).unwrap()];
+    let mut losses = vec![0f32; tokens];
+    let mut xs = xs;
+    let r = time_pair(o, sets, tb * 3 / 2, |s| {
+        let x = TensorMut::new(&mut xs[s], &dims).unwrap();
+        cross_entropy_fused(&exec, x, tt, &g, &fopts, &mut losses, None, &mut ws).unwrap()
+    });
+    row("CrossEntropy fused", &sname, &dt, r);
 }
 
 /// The per-call cost of a parallel launch: `Threads::parallel_for` over 2
