@@ -11,7 +11,8 @@ MALLOC_TRIM_THRESHOLD_ set before the process starts: the script re-runs
 itself), so every output lands on pages already written: the buffers a
 training loop reuses. Without it, outputs above glibc's mmap threshold are
 fresh pages, faulted during the call. Prints a markdown table of medians
-(ms) and npukern / IPEX."""
+(ms) and npukern / IPEX; the add_rms_norm rows also race npukern's in-place
+op (add_rms_norm_, IPEX's add_back form: the sum over the residual)."""
 
 import argparse
 import os
@@ -56,10 +57,12 @@ def main():
 
     def add_rms_case(rows, cols, dtype):
         x, r, w = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
-        r2 = r.clone()  # IPEX's add_back writes the sum into its residual
+        # IPEX's add_back and npukern's add_rms_norm_ write the sum into their residual.
+        r2, r3 = r.clone(), r.clone()
         return {
             "copy": lambda: (x.clone(), r.clone()),
             "npukern": lambda: nk.add_rms_norm(x, r, w, 1e-6),
+            "npukern in place": lambda: nk.add_rms_norm_(r3, x, w, 1e-6),
             "ipex": lambda: F.add_rms_norm(r2, x, w, None, 1e-6, True),
             "torch": lambda: torch.nn.functional.rms_norm(x + r, (cols,), w, 1e-6),
         }
@@ -111,8 +114,8 @@ def main():
     mode = "resident" if args.resident else "fresh"
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "
           f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)\n")
-    print("| case | copy | npukern | IPEX | torch | npukern / IPEX |")
-    print("|---|---|---|---|---|---|")
+    print("| case | copy | npukern | npukern in place | IPEX | torch | npukern / IPEX | in place / IPEX |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, fns in cases:
         if args.filter not in name:
             continue
@@ -128,8 +131,10 @@ def main():
                 times[k].append(time.perf_counter() - t)
                 del out
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {med['ipex']:.3f} | {med['torch']:.3f} "
-              f"| {med['npukern'] / med['ipex']:.2f} |")
+        ip = med.get("npukern in place")  # add_rms_norm rows only
+        ip_ms, ip_ratio = ("", "") if ip is None else (f"{ip:.3f}", f"{ip / med['ipex']:.2f}")
+        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {ip_ms} | {med['ipex']:.3f} "
+              f"| {med['torch']:.3f} | {med['npukern'] / med['ipex']:.2f} | {ip_ratio} |")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,13 @@
 // that second derivatives are exact. The embedding's backward op is linear in
 // its gradient and has its own derivative (a lookup, also a composite). The
 // backward ops called directly have no derivative and say so.
+//
+// The in-place add_rms_norm_ also has an ADInplaceOrView kernel: the version
+// bump torch's own in-place ops make there.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -57,6 +61,7 @@ NPK_OP(rms_norm_op, "rms_norm", T2(const Tensor &, const Tensor &, double, doubl
 NPK_OP(rms_norm_backward_op, "rms_norm_backward",
        T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, double))
 NPK_OP(add_rms_norm_op, "add_rms_norm", T3(const Tensor &, const Tensor &, const Tensor &, double, double, bool))
+NPK_OP(add_rms_norm_inplace_op, "add_rms_norm_", T2(Tensor &, const Tensor &, const Tensor &, double, double, bool))
 NPK_OP(add_rms_norm_backward_op, "add_rms_norm_backward",
        T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, double))
 NPK_OP(embedding_op, "embedding", Tensor(const Tensor &, const Tensor &, SymInt, bool))
@@ -210,6 +215,65 @@ T3 add_rms_norm(c10::DispatchKeySet ks, const Tensor &x1, const Tensor &x2, cons
   no_forward_ad("add_rms_norm", {&x1, &x2, &gamma});
   variable_list out = AddRmsNorm::apply(x1, x2, gamma, eps, offset, cast_before_gamma);
   return {out[0], take_aux_output(), out[1]};
+}
+
+// AddRmsNorm with x_sum written over x1 (IPEX's add_back). x1 then holds the
+// x_sum AddRmsNorm's backward reads, so that backward serves as is.
+struct AddRmsNormInPlace : Function<AddRmsNormInPlace> {
+  static variable_list forward(AutogradContext *ctx, Tensor x1, const Tensor &x2, const Tensor &gamma, double eps,
+                               double offset, bool cast_before_gamma) {
+    T2 out;
+    {
+      // Through ADInplaceOrView, whose bump refuses an inference x1 before
+      // the write (mark_dirty bumps the version once more).
+      at::AutoDispatchBelowAutograd guard;
+      out = add_rms_norm_inplace_op().call(x1, x2, gamma, eps, offset, cast_before_gamma);
+    }
+    const auto &[y, rstd] = out;
+    ctx->mark_dirty({x1});
+    ctx->save_for_backward({x1, gamma, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["offset"] = offset;
+    aux_output = rstd;
+    return {y, x1};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    return AddRmsNorm::backward(ctx, std::move(grads));
+  }
+};
+
+T2 add_rms_norm_(c10::DispatchKeySet ks, Tensor &x1, const Tensor &x2, const Tensor &gamma, double eps,
+                 double offset, bool cast_before_gamma) {
+  const bool rec = recording({&x1, &x2, &gamma});
+  // torch's in-place rules (no leaf requiring grad, no view autograd cannot
+  // rebase), checked before anything is written.
+  torch::autograd::check_inplace(x1, rec);
+  // Autograd lets a Function that writes a view in place return one tensor
+  // only (it checks after the forward ran); this one returns y too.
+  TORCH_CHECK(!rec || !x1.is_view(), "npukern::add_rms_norm_: x1 is a view of another tensor, which autograd cannot ",
+              "record this in-place op on; clone x1, or call add_rms_norm (out of place)");
+  if (!rec) {
+    at::AutoDispatchBelowAutograd guard;
+    return add_rms_norm_inplace_op().redispatch(ks & c10::after_autograd_keyset, x1, x2, gamma, eps, offset,
+                                                cast_before_gamma);
+  }
+  no_forward_ad("add_rms_norm_", {&x1, &x2, &gamma});
+  variable_list out = AddRmsNormInPlace::apply(x1, x2, gamma, eps, offset, cast_before_gamma);
+  // apply has rebased x1's history; compiled autograd refuses a node whose
+  // context still lists dirty inputs, so the list is emptied.
+  static_cast<torch::autograd::CppNode<AddRmsNormInPlace> *>(out[0].grad_fn().get())->ctx_.mark_dirty({});
+  return {out[0], take_aux_output()};
+}
+
+// The version bump torch's own in-place ops make at this key, made before
+// the call so that an inference tensor outside InferenceMode is refused
+// before anything is written.
+T2 add_rms_norm_inplace_or_view(c10::DispatchKeySet ks, Tensor &x1, const Tensor &x2, const Tensor &gamma,
+                                double eps, double offset, bool cast_before_gamma) {
+  torch::autograd::increment_version(x1);
+  Below guard;
+  return add_rms_norm_inplace_op().redispatch(ks & kBelow, x1, x2, gamma, eps, offset, cast_before_gamma);
 }
 
 // ---------------------------------------------------------------------------
@@ -668,6 +732,7 @@ TORCH_LIBRARY_IMPL(npukern, Autograd, m) {
   using namespace npk_torch::grad;
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
+  m.impl("add_rms_norm_", TORCH_FN(add_rms_norm_));
   m.impl("rms_norm_backward", TORCH_FN(rms_norm_backward));
   m.impl("add_rms_norm_backward", TORCH_FN(add_rms_norm_backward));
   m.impl("embedding", TORCH_FN(embedding));
@@ -681,4 +746,8 @@ TORCH_LIBRARY_IMPL(npukern, Autograd, m) {
   m.impl("rotary_mul", TORCH_FN(rotary_mul));
   m.impl("rope_qk", TORCH_FN(rope_qk));
   m.impl("cross_entropy", TORCH_FN(cross_entropy));
+}
+
+TORCH_LIBRARY_IMPL(npukern, ADInplaceOrView, m) {
+  m.impl("add_rms_norm_", TORCH_FN(npk_torch::grad::add_rms_norm_inplace_or_view));
 }

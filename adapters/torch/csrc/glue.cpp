@@ -62,13 +62,17 @@ npk_dtype dtype_of(const at::Tensor &t, const char *op, const char *arg) {
 
 }  // namespace
 
-at::Tensor cpu_contiguous(const at::Tensor &t, const char *op, const char *arg) {
+void check_cpu(const at::Tensor &t, const char *op, const char *arg) {
   TORCH_CHECK_VALUE(t.defined(), op, ": ", arg, " is an undefined tensor");
   TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", arg, " is on ", t.device(),
                     "; npukern's kernels run on CPU tensors");
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor");
   TORCH_CHECK_VALUE(t.dim() <= NPK_MAX_DIMS, op, ": ", arg, " has ", t.dim(), " dims; npukern takes at most ",
                     NPK_MAX_DIMS);
+}
+
+at::Tensor cpu_contiguous(const at::Tensor &t, const char *op, const char *arg) {
+  check_cpu(t, op, arg);
   return t.contiguous();
 }
 

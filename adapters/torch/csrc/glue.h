@@ -16,8 +16,11 @@
 
 namespace npk_torch {
 
-// `t` made contiguous, after checking it is a CPU tensor with at most
-// NPK_MAX_DIMS dims. `op` and `arg` name it in the error message.
+// Checks that `t` is a defined, dense CPU tensor with at most NPK_MAX_DIMS
+// dims. `op` and `arg` name it in the error message.
+void check_cpu(const at::Tensor &t, const char *op, const char *arg);
+
+// `t` made contiguous, after check_cpu.
 at::Tensor cpu_contiguous(const at::Tensor &t, const char *op, const char *arg);
 
 // The npk_tensor describing a contiguous CPU tensor (no copy). Dtypes the C

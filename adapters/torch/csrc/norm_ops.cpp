@@ -1,6 +1,8 @@
 // RmsNorm, AddRmsNorm and RmsNormGrad as ATen CPU kernels over the C ABI
 // (two-phase calls: size the workspace, take it (glue.h), run).
 
+#include <ATen/MemoryOverlap.h>
+
 #include <tuple>
 
 #include "glue.h"
@@ -46,15 +48,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor &x_in, const at::Te
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1_in, const at::Tensor &x2_in,
-                                                            const at::Tensor &gamma_in, double epsilon,
-                                                            double gamma_offset, bool cast_before_gamma) {
-  const char *op = "npukern::add_rms_norm";
-  at::Tensor x1 = cpu_contiguous(x1_in, op, "x1"), x2 = cpu_contiguous(x2_in, op, "x2");
-  at::Tensor gamma = cpu_contiguous(gamma_in, op, "gamma");
+namespace {
+
+// AddRmsNorm of a contiguous x1 into new y and rstd, and into x_sum: a new
+// tensor, or x1 itself (the C ABI's in-place pair: the library reads each
+// element of x1 before writing its sum there). Both ops share it so their
+// bits are the same.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_into(const char *op, const at::Tensor &x1,
+                                                                 const at::Tensor &x2_in, const at::Tensor &gamma_in,
+                                                                 bool in_place, double epsilon, double gamma_offset,
+                                                                 bool cast_before_gamma) {
+  at::Tensor x2 = cpu_contiguous(x2_in, op, "x2"), gamma = cpu_contiguous(gamma_in, op, "gamma");
   check_gamma_rank(x1, gamma, op);
   at::Tensor y = empty_output_like(x1);
-  at::Tensor x_sum = empty_output_like(x1);
+  at::Tensor x_sum = in_place ? x1 : empty_output_like(x1);
   at::Tensor rstd = empty_output(reduced_shape(x1, gamma.dim()), at::kFloat);
   npk_tensor x1t = describe(x1, op, "x1"), x2t = describe(x2, op, "x2"), gt = describe(gamma, op, "gamma");
   npk_tensor yt = describe(y, op, "y"), rt = describe(rstd, op, "rstd"), st = describe(x_sum, op, "x_sum");
@@ -62,13 +69,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1
 
   Call call(op);
   call.tensors({&x1, &x2, &gamma, &y, &x_sum});
-  call.outputs({&y, &x_sum});  // just allocated: the store policy (glue.h)
+  call.outputs({&y, in_place ? nullptr : &x_sum});  // just allocated: the store policy (glue.h)
   call.run(
       [&](size_t *bytes) { return npk_add_rms_norm_workspace_size(&x1t, &x2t, &gt, &opts, call.exec(), bytes); },
       [&](void *ws, size_t bytes) {
         return npk_add_rms_norm(&x1t, &x2t, &gt, &opts, &yt, &rt, &st, ws, bytes, call.exec());
       });
   return {y, rstd, x_sum};
+}
+
+// Whether a and b share memory (at::get_overlap_status: TooHard, a strided
+// view it cannot decide, is read through a contiguous copy anyway).
+bool shares_memory(const at::Tensor &a, const at::Tensor &b) {
+  if (!b.defined()) return false;
+  const at::MemOverlapStatus s = at::get_overlap_status(a, b);
+  return s == at::MemOverlapStatus::Full || s == at::MemOverlapStatus::Partial;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1, const at::Tensor &x2,
+                                                            const at::Tensor &gamma, double epsilon,
+                                                            double gamma_offset, bool cast_before_gamma) {
+  const char *op = "npukern::add_rms_norm";
+  return add_rms_norm_into(op, cpu_contiguous(x1, op, "x1"), x2, gamma, /*in_place=*/false, epsilon, gamma_offset,
+                           cast_before_gamma);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_(at::Tensor &x1, const at::Tensor &x2, const at::Tensor &gamma,
+                                                 double epsilon, double gamma_offset, bool cast_before_gamma) {
+  const char *op = "npukern::add_rms_norm_";
+  // The sum is written into x1's own memory, so no contiguous copy may stand
+  // in for it, and the library must see every overlap the caller made.
+  check_cpu(x1, op, "x1");
+  TORCH_CHECK_VALUE(at::has_internal_overlap(x1) != at::MemOverlap::Yes, op,
+                    ": x1 has elements sharing memory (expanded?); x1 + x2 is written over x1, so clone it first");
+  TORCH_CHECK_VALUE(x1.is_contiguous(), op, ": x1 must be contiguous (x1 + x2 is written over it); got strides ",
+                    x1.strides(), " for shape ", x1.sizes());
+  TORCH_CHECK_VALUE(!shares_memory(x1, x2), op, ": x1 shares memory with x2; x1 + x2 is written over x1");
+  TORCH_CHECK_VALUE(!shares_memory(x1, gamma), op, ": x1 shares memory with gamma; x1 + x2 is written over x1");
+  auto [y, rstd, x_sum] =
+      add_rms_norm_into(op, x1, x2, gamma, /*in_place=*/true, epsilon, gamma_offset, cast_before_gamma);
+  return {y, rstd};
 }
 
 namespace {

@@ -16,6 +16,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor &dy, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &x1, const at::Tensor &x2,
                                                             const at::Tensor &gamma, double epsilon,
                                                             double gamma_offset, bool cast_before_gamma);
+// x_sum written over x1 (IPEX's add_rms_norm with add_back): returns y, rstd.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_(at::Tensor &x1, const at::Tensor &x2, const at::Tensor &gamma,
+                                                 double epsilon, double gamma_offset, bool cast_before_gamma);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward(const at::Tensor &dy, const at::Tensor &x_sum,
                                                          const at::Tensor &gamma, const at::Tensor &rstd,
                                                          const at::Tensor &dx_sum, double gamma_offset);

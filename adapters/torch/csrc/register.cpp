@@ -19,6 +19,10 @@ TORCH_LIBRARY(npukern, m) {
         "(Tensor, Tensor)");
   m.def("add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06, float gamma_offset=0.0, "
         "bool cast_before_gamma=False) -> (Tensor, Tensor, Tensor)");
+  // IPEX's add_rms_norm(residual, x, ..., add_back=True): x1 + x2 (x_sum) is
+  // written over x1; y and rstd are add_rms_norm's, bit for bit.
+  m.def("add_rms_norm_(Tensor(a!) x1, Tensor x2, Tensor gamma, float epsilon=1e-06, float gamma_offset=0.0, "
+        "bool cast_before_gamma=False) -> (Tensor, Tensor)");
   // AddRmsNorm's backward: RmsNormGrad of x_sum with the residual gradient
   // dx_sum added to dx in the same pass (dx is the gradient of x1 and x2).
   m.def("add_rms_norm_backward(Tensor dy, Tensor x_sum, Tensor gamma, Tensor rstd, Tensor dx_sum, "
@@ -78,6 +82,7 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("rms_norm", &npk_torch::rms_norm);
   m.impl("rms_norm_backward", &npk_torch::rms_norm_backward);
   m.impl("add_rms_norm", &npk_torch::add_rms_norm);
+  m.impl("add_rms_norm_", &npk_torch::add_rms_norm_);
   m.impl("add_rms_norm_backward", &npk_torch::add_rms_norm_backward);
   m.impl("embedding", &npk_torch::embedding);
   m.impl("embedding_shard", &npk_torch::embedding_shard);

@@ -6,6 +6,8 @@ implementations (torch.compile) and autograd formulas:
 - ``rms_norm(x, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False) -> (y, rstd)``
 - ``rms_norm_backward(dy, x, gamma, rstd, gamma_offset=0.0) -> (dx, dgamma)``
 - ``add_rms_norm(x1, x2, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False) -> (y, rstd, x_sum)``
+- ``add_rms_norm_(x1, x2, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False) -> (y, rstd)``
+  (x1 + x2 written over x1: IPEX's ``add_rms_norm`` with ``add_back=True``)
 - ``add_rms_norm_backward(dy, x_sum, gamma, rstd, dx_sum, gamma_offset=0.0) -> (dx, dgamma)``
 - ``embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False)``
   and ``embedding_shard(...)`` (lookups whose backward is npukern's)
@@ -32,7 +34,7 @@ import torch  # noqa: F401  (first: loads libtorch / libc10, which the extension
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.npukern)
 from . import _autograd, _meta  # noqa: F401  (registrations)
 from .clip import clip_grad_norm_
-from .functional import add_rms_norm, embedding, rms_norm
+from .functional import add_rms_norm, add_rms_norm_, embedding, rms_norm
 from .loss import cross_entropy, linear_cross_entropy
 from .modules import AddRMSNorm, Embedding, RMSNorm
 
@@ -45,6 +47,7 @@ __all__ = [
     "Embedding",
     "RMSNorm",
     "add_rms_norm",
+    "add_rms_norm_",
     "clip_grad_norm_",
     "cross_entropy",
     "detected_isa",

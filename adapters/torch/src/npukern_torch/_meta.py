@@ -28,6 +28,13 @@ def _add_rms_norm(x1, x2, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gam
     return _contiguous_like(x1), rstd, _contiguous_like(x1)
 
 
+@torch.library.register_fake("npukern::add_rms_norm_")
+def _add_rms_norm_(x1, x2, gamma, epsilon=1e-6, gamma_offset=0.0, cast_before_gamma=False):
+    # x1 is written in place (the kernel's rule); y and rstd are new.
+    torch._check(x1.is_contiguous(), lambda: "npukern::add_rms_norm_: x1 must be contiguous")
+    return _contiguous_like(x1), x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
+
+
 @torch.library.register_fake("npukern::rms_norm_backward")
 def _rms_norm_backward(dy, x, gamma, rstd, gamma_offset=0.0):
     return _contiguous_like(x), gamma.new_empty(gamma.shape, dtype=torch.float32)

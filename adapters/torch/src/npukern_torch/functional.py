@@ -1,7 +1,8 @@
 """Functional forms of the ops, shaped like torch_npu's (npu_rms_norm,
-npu_add_rms_norm): they return rstd (and x_sum) besides y. Each is
-differentiable in x (x1, x2) and gamma. ``casting`` and ``offset`` choose a
-model family's numerics (see ``_casting.py``)."""
+npu_add_rms_norm): they return rstd (and x_sum) besides y (add_rms_norm_
+writes x_sum over x1 instead). Each is differentiable in x (x1, x2) and
+gamma. ``casting`` and ``offset`` choose a model family's numerics (see
+``_casting.py``)."""
 
 import torch
 
@@ -11,6 +12,7 @@ ops = torch.ops.npukern
 # The overloads themselves: calling one skips the packet's overload lookup.
 _rms_norm_op = ops.rms_norm.default
 _add_rms_norm_op = ops.add_rms_norm.default
+_add_rms_norm_inplace_op = ops.add_rms_norm_.default
 _embedding_op = ops.embedding.default
 _swiglu_op = ops.swiglu.default
 _silu_mul_op = ops.silu_mul.default
@@ -46,12 +48,26 @@ def add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: f
     return _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma)
 
 
-def _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma):
-    """:func:`add_rms_norm` with `casting` resolved (the modules' entry)."""
+def _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma, op=_add_rms_norm_op):
+    """:func:`add_rms_norm` (or, with the in-place `op`, :func:`add_rms_norm_`)
+    with `casting` resolved (the modules' entry)."""
     if cast_before_gamma and torch.promote_types(x1.dtype, gamma.dtype) != x1.dtype:  # _casting.needs_promotion
-        normalized, rstd, x_sum = _add_rms_norm_op(x1, x2, torch.ones_like(gamma, dtype=x1.dtype), eps)
-        return normalized * (gamma + offset if offset else gamma), rstd, x_sum
-    return _add_rms_norm_op(x1, x2, gamma, eps, offset, cast_before_gamma)
+        normalized, *rest = op(x1, x2, torch.ones_like(gamma, dtype=x1.dtype), eps)
+        return normalized * (gamma + offset if offset else gamma), *rest
+    return op(x1, x2, gamma, eps, offset, cast_before_gamma)
+
+
+def add_rms_norm_(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *,
+                  casting: str = "torch", offset=None):
+    """``(y, rstd)``, with ``x1 + x2`` (rounded to x1's dtype) written over x1:
+    Intel Extension for PyTorch's ``add_rms_norm(residual, x, weight, None,
+    eps, add_back=True)`` as ``add_rms_norm_(residual, x, weight, eps)``. The
+    bits are :func:`add_rms_norm`'s (x1 ends up holding its x_sum), without
+    allocating x_sum. x1 must be contiguous, x2's dtype, and share no memory
+    with x2 or gamma (ValueError / TypeError, x1 untouched). Differentiable
+    like any in-place torch op (x1 not a leaf that requires grad)."""
+    offset, cast_before_gamma = _casting.resolve(casting, offset)
+    return _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma, _add_rms_norm_inplace_op)
 
 
 def embedding(indices: torch.Tensor, weight: torch.Tensor, padding_idx=None, scale_grad_by_freq: bool = False):
