@@ -110,6 +110,24 @@ fn forward<T: Float>(n: usize, seed: u64) {
                     bits(&s_w),
                     "add_rms_norm x_sum: {what}"
                 );
+                // In place: y streamed, x_sum over x1 with ordinary stores.
+                let (mut yb, o) = out_buf::<T>(m * n, shift);
+                let (mut xb, xo) = out_buf::<T>(m * n, shift);
+                xb[xo..xo + m * n].copy_from_slice(&x1);
+                let x1m = TensorMut::new(&mut xb[xo..xo + m * n], &[m, n]).unwrap();
+                add_rms_norm_in_place(
+                    exec,
+                    x1m,
+                    b,
+                    gt,
+                    &opts,
+                    &mut yb[o..o + m * n],
+                    None,
+                    &mut ws,
+                )
+                .unwrap();
+                assert_eq!(bits(&yb[o..o + m * n]), bits(&yadd_w), "in place y: {what}");
+                assert_eq!(bits(&xb[xo..xo + m * n]), bits(&s_w), "in place x1: {what}");
             }
         });
     }

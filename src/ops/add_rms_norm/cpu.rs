@@ -10,6 +10,8 @@ struct AddSource<T> {
     x1: Src<T>,
     x2: Src<T>,
     x_sum: Option<Dst<T>>,
+    /// x_sum is x1 (`FwdSource::side_in_place`).
+    in_place: bool,
 }
 
 impl<T: Float> FwdSource<T> for AddSource<T> {
@@ -34,12 +36,21 @@ impl<T: Float> FwdSource<T> for AddSource<T> {
                 load_line::<L, T>(self.x2, at),
             );
             // One rounding serves x_sum's store and the values y uses.
-            T::round_line::<L, STREAM>(a0.add(b0), a1.add(b1), self.x_sum.map(|d| d.pair(at)))
+            let dst = self.x_sum.map(|d| d.pair(at));
+            if self.side_in_place() {
+                T::round_line::<L, false>(a0.add(b0), a1.add(b1), dst)
+            } else {
+                T::round_line::<L, STREAM>(a0.add(b0), a1.add(b1), dst)
+            }
         }
     }
     #[inline(always)]
     fn side(&self) -> Option<Dst<T>> {
         self.x_sum
+    }
+    #[inline(always)]
+    fn side_in_place(&self) -> bool {
+        self.in_place
     }
     #[inline(always)]
     fn prefetch<L: Lanes>(&self, at: usize) {
@@ -68,6 +79,7 @@ unsafe fn run<L: Lanes, T: Float, G: Float>(call: &AddRmsNormCall, runner: &dyn 
                 x1: Src(call.x1.data as *const T),
                 x2: Src(call.x2.data as *const T),
                 x_sum: (call.has_x_sum != 0).then_some(Dst(call.x_sum.data as *mut T)),
+                in_place: call.x_sum_in_place != 0,
             },
             &o,
             runner,

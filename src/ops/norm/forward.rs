@@ -42,6 +42,11 @@ pub(crate) trait FwdSource<T>: Sync + Copy {
     /// The side output (x_sum) of the values, if any: each window is
     /// written after `at` read it.
     fn side(&self) -> Option<Dst<T>>;
+    /// Whether the side output is the input it was read from (in place):
+    /// then it is stored with ordinary stores, the lines being in cache.
+    fn side_in_place(&self) -> bool {
+        false
+    }
     /// Hints that elements `at..at + 32` of the inputs will be read soon (no
     /// effect on results; `at` may be past the end).
     fn prefetch<L: Lanes>(&self, at: usize);
@@ -230,7 +235,11 @@ unsafe fn y_pair<L: Lanes, T: Float, G: Float, S: FwdSource<T>, const STREAM: bo
                 c.src.at::<L>(row + p + GROUP, GROUP),
             );
             if let Some(o) = c.src.side() {
-                put_pair::<L, T, STREAM>(o, row + p, v0, v1);
+                if c.src.side_in_place() {
+                    put_pair::<L, T, false>(o, row + p, v0, v1);
+                } else {
+                    put_pair::<L, T, STREAM>(o, row + p, v0, v1);
+                }
             }
             (gv, (v0, v1))
         };
