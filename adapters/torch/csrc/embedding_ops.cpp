@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -90,17 +92,30 @@ at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tenso
   at::Tensor grad = cpu_contiguous(grad_in.reshape({indices_in.numel(), grad_in.size(-1)}), op, "grad");
   at::Tensor indices = cpu_contiguous(indices_in.reshape({-1}), op, "indices");
   TORCH_CHECK_VALUE(num_weights >= 0, op, ": num_weights must be >= 0, got ", num_weights);
-  at::Tensor out = empty_output({num_weights, grad.size(-1)}, grad.scalar_type());
+  // Few indices into a large table: zeros from the OS, and the kernel
+  // adds into the rows it hits (accumulate), never touching the rest.
+  // 0 + sum is sum (a -0 sum becomes +0, as aten's index_add onto zeros).
+  const size_t row_bytes = static_cast<size_t>(grad.size(-1)) * grad.element_size() + 4096;
+  const size_t hit = static_cast<size_t>(std::min<int64_t>(indices.numel(), num_weights));
+  size_t written = 0;
+  if (__builtin_mul_overflow(hit, row_bytes, &written)) written = SIZE_MAX;
+  npk_embedding_grad_options o = opts;
+  at::Tensor out = opts.accumulate ? at::Tensor() : sparse_zeros({num_weights, grad.size(-1)}, grad.scalar_type(), written);
+  const bool sparse = out.defined();
+  if (sparse)
+    o.accumulate = 1;
+  else
+    out = empty_output({num_weights, grad.size(-1)}, grad.scalar_type());
   npk_tensor gt = describe(grad, op, "grad"), it = describe(indices, op, "indices"), ot = describe(out, op, "out");
   const uint64_t nw = static_cast<uint64_t>(num_weights);
 
   Call call(op);
   call.tensors({&grad, &indices, &out});
-  call.outputs({&out});  // just allocated: the store policy (glue.h)
+  if (!sparse) call.outputs({&out});  // just allocated: the store policy (glue.h)
   call.run(
-      [&](size_t *bytes) { return npk_embedding_dense_grad_workspace_size(&gt, &it, nw, &opts, call.exec(), bytes); },
+      [&](size_t *bytes) { return npk_embedding_dense_grad_workspace_size(&gt, &it, nw, &o, call.exec(), bytes); },
       [&](void *ws, size_t bytes) {
-        return npk_embedding_dense_grad(&gt, &it, nw, &opts, &ot, ws, bytes, call.exec());
+        return npk_embedding_dense_grad(&gt, &it, nw, &o, &ot, ws, bytes, call.exec());
       });
   return out;
 }

@@ -3,6 +3,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -270,6 +271,25 @@ Call::~Call() { release_thread_workspace(); }
 
 at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype) {
   return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
+}
+
+at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t written_bytes) {
+#ifdef __linux__
+  size_t bytes = c10::elementSize(dtype);
+  for (int64_t d : sizes)
+    if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) return at::Tensor();
+  if (bytes < kStreamMinBytes || written_bytes > bytes / 4) return at::Tensor();
+  void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return at::Tensor();
+  (void)madvise(p, bytes, MADV_NOHUGEPAGE);  // THP "always" would fault 2 MiB per row written
+  return at::from_blob(
+      p, sizes, [bytes](void *q) { munmap(q, bytes); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
+#else
+  (void)sizes;
+  (void)dtype;
+  (void)written_bytes;
+  return at::Tensor();
+#endif
 }
 
 c10::SmallVector<int64_t, NPK_MAX_DIMS> reduced_shape(const at::Tensor &x, int64_t normalized_dims) {

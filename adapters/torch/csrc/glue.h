@@ -115,6 +115,15 @@ class Call {
 // without the dispatcher's trip through empty_like / empty: the kernels run
 // below every other key; 0.15 us an output).
 at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype);
+
+// A zero-filled output for an op that writes at most `written_bytes` of it,
+// scattered (EmbeddingDenseGrad: the rows its indices hit), or an undefined
+// tensor when that is not a small part of a large output (the op then
+// allocates with empty_output and writes every byte). Fresh anonymous
+// memory the OS maps as zeros on first touch, in 4 KiB pages (not huge:
+// only the pages written are ever faulted and zeroed; a 131 MB table
+// gradient of 1024 tokens touches 3% of them), freed by munmap.
+at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t written_bytes);
 inline at::Tensor empty_output_like(const at::Tensor &t) { return empty_output(t.sizes(), t.scalar_type()); }
 
 // x's shape with its trailing `normalized_dims` dims set to 1 (torch_npu's rstd).

@@ -52,6 +52,26 @@ def test_against_aten(dtype, padding_idx, scale, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [False, True], ids=["sum", "freq"])
+def test_few_indices_into_a_large_table(dtype, scale, gen):
+    # A table of 8 MiB or more that the indices hit sparsely: the op takes
+    # zeros from the OS and adds into the rows hit (accumulate); the same
+    # values, untouched rows zero, a tensor like any other afterwards.
+    v, h = 40000, 136
+    grad, indices = _case(gen, None, h, v, dtype, shape=(4, 60))
+    indices[0, :5] = 7  # duplicates
+    indices[1, 0] = v - 1  # the last row (the mapping's last page)
+    got, ref = check_against_aten(grad, indices, v, 3, scale, "large sparse table")
+    untouched = torch.ones(v, dtype=torch.bool)
+    untouched[indices.long().reshape(-1)] = False
+    assert (got[untouched] == 0).all() and (got[3] == 0).all()
+    assert torch.equal(got, ops.embedding_dense_backward(grad, indices, v, 3, scale))
+    got.add_(1)  # writable, every page
+    assert (got[untouched] == 1).all()
+    del got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shapes_and_index_dtypes(dtype, gen):
     for n, h, v in [(1, 1, 1), (5, 16, 3), (64, 1, 1000), (1000, 33, 7), (300, 300, 50)]:
         for idx_dtype in (torch.int64, torch.int32):
