@@ -12,7 +12,10 @@ itself), so every output lands on pages already written: the buffers a
 training loop reuses. Without it, outputs above glibc's mmap threshold are
 fresh pages, faulted during the call. Prints a markdown table of medians
 (ms) and npukern / IPEX; the add_rms_norm rows also race npukern's in-place
-op (add_rms_norm_, IPEX's add_back form: the sum over the residual)."""
+op (add_rms_norm_, IPEX's add_back form: the sum over the residual), and
+the large rms_norm / add_rms_norm rows npukern's C ABI called directly
+(benches/capi_ctypes.py: libnpukern.so, its own thread pool, no page hint;
+outputs allocated by torch.empty as the other columns' are)."""
 
 import argparse
 import os
@@ -39,6 +42,12 @@ def main():
     import npukern_torch  # noqa: F401  (registers torch.ops.npukern)
 
     torch.set_num_threads(args.threads)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import capi_ctypes
+
+    capi = capi_ctypes.load()
+    if capi is not None:
+        capi.set_threads(args.threads)
     F = ipex.llm.functional
     nk = torch.ops.npukern
     g = torch.Generator().manual_seed(0)
@@ -46,26 +55,32 @@ def main():
     def rand(*shape, dtype):
         return torch.randn(*shape, generator=g).to(dtype)
 
+    def with_capi(fns, rows, fn):
+        # Not at decode sizes: there ctypes' own cost (microseconds) is the figure.
+        if capi is not None and rows > 8:
+            fns["C ABI"] = fn
+        return fns
+
     def rms_case(rows, cols, dtype):
         x, w = rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
-        return {
+        return with_capi({
             "copy": lambda: x.clone(),
             "npukern": lambda: nk.rms_norm(x, w, 1e-6),
             "ipex": lambda: F.rms_norm(x, w, 1e-6),
             "torch": lambda: torch.nn.functional.rms_norm(x, (cols,), w, 1e-6),
-        }
+        }, rows, lambda: capi.rms_norm(x, w, 1e-6, torch))
 
     def add_rms_case(rows, cols, dtype):
         x, r, w = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
         # IPEX's add_back and npukern's add_rms_norm_ write the sum into their residual.
         r2, r3 = r.clone(), r.clone()
-        return {
+        return with_capi({
             "copy": lambda: (x.clone(), r.clone()),
             "npukern": lambda: nk.add_rms_norm(x, r, w, 1e-6),
             "npukern in place": lambda: nk.add_rms_norm_(r3, x, w, 1e-6),
             "ipex": lambda: F.add_rms_norm(r2, x, w, None, 1e-6, True),
             "torch": lambda: torch.nn.functional.rms_norm(x + r, (cols,), w, 1e-6),
-        }
+        }, rows, lambda: capi.add_rms_norm(x, r, w, 1e-6, torch))
 
     def silu_case(rows, cols, dtype):
         a, b = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype)
@@ -114,8 +129,9 @@ def main():
     mode = "resident" if args.resident else "fresh"
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "
           f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)\n")
-    print("| case | copy | npukern | npukern in place | IPEX | torch | npukern / IPEX | in place / IPEX |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | copy | npukern | npukern in place | C ABI | IPEX | torch | npukern / IPEX | in place / IPEX "
+          "| C ABI / IPEX |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, fns in cases:
         if args.filter not in name:
             continue
@@ -131,10 +147,13 @@ def main():
                 times[k].append(time.perf_counter() - t)
                 del out
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        ip = med.get("npukern in place")  # add_rms_norm rows only
-        ip_ms, ip_ratio = ("", "") if ip is None else (f"{ip:.3f}", f"{ip / med['ipex']:.2f}")
-        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {ip_ms} | {med['ipex']:.3f} "
-              f"| {med['torch']:.3f} | {med['npukern'] / med['ipex']:.2f} | {ip_ratio} |")
+        def opt(k):  # a column some rows have: (ms, ratio to IPEX) or blanks
+            v = med.get(k)
+            return ("", "") if v is None else (f"{v:.3f}", f"{v / med['ipex']:.2f}")
+
+        (ip_ms, ip_ratio), (c_ms, c_ratio) = opt("npukern in place"), opt("C ABI")
+        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {ip_ms} | {c_ms} | {med['ipex']:.3f} "
+              f"| {med['torch']:.3f} | {med['npukern'] / med['ipex']:.2f} | {ip_ratio} | {c_ratio} |")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ if ! "$PY" -c "import torch, intel_extension_for_pytorch, wheel" 2>/dev/null; th
   "$PY" -m pip install --quiet torch==2.8.0 intel-extension-for-pytorch==2.8.0 numpy ninja setuptools wheel psutil
 fi
 "$PY" -m pip install --quiet --no-build-isolation --no-deps --force-reinstall ./adapters/torch
+# libnpukern.so for the C ABI column (benches/capi_ctypes.py).
+cargo build --release --quiet -p npukern-capi
 all=$(nproc)
 for threads in 1 "$all"; do
   for mode in "" --resident; do
