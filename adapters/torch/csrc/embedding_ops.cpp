@@ -95,10 +95,11 @@ at::Tensor dense_grad(const char *op, const at::Tensor &grad_in, const at::Tenso
   // Few indices into a large table: zeros from the OS, and the kernel
   // adds into the rows it hits (accumulate), never touching the rest.
   // 0 + sum is sum (a -0 sum becomes +0, as aten's index_add onto zeros).
-  const size_t row_bytes = static_cast<size_t>(grad.size(-1)) * grad.element_size() + 4096;
+  // Bytes a hit row can make the OS zero: the row and the page it may straddle.
+  const size_t row_span = static_cast<size_t>(grad.size(-1)) * grad.element_size() + 4096;
   const size_t hit = static_cast<size_t>(std::min<int64_t>(indices.numel(), num_weights));
   size_t written = 0;
-  if (__builtin_mul_overflow(hit, row_bytes, &written)) written = SIZE_MAX;
+  if (__builtin_mul_overflow(hit, row_span, &written)) written = SIZE_MAX;
   npk_embedding_grad_options o = opts;
   at::Tensor out = opts.accumulate ? at::Tensor() : sparse_zeros({num_weights, grad.size(-1)}, grad.scalar_type(), written);
   const bool sparse = out.defined();

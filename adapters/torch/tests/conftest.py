@@ -66,6 +66,18 @@ def gen():
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def backward_compiled_and_eager(grads):
+    """`grads(backward)` run twice: once with `backward(loss)` under compiled
+    autograd (torch.compile's eager backend), once plain; both results."""
+    from torch._dynamo import compiled_autograd
+
+    def compiled(loss):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+
+    return grads(compiled), grads(lambda loss: loss.backward())
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaN payloads included) of same-dtype tensors."""
     if a.dtype != b.dtype or a.shape != b.shape:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import npukern_torch
-from conftest import DTYPES, rand, same_bits
+from conftest import DTYPES, backward_compiled_and_eager, rand, same_bits
 
 ops = torch.ops.npukern
 
@@ -173,23 +173,16 @@ def test_autograd_sees_a_later_write_and_double_backward(gen):
 
 
 def test_compiled_autograd(gen):
-    from torch._dynamo import compiled_autograd
-
     x1, x2, gamma = _inputs((4, 16), 1, torch.float32, gen)
 
-    def grads(compiled):
+    def grads(backward):
         xx, gg = x1.clone().requires_grad_(), gamma.clone().requires_grad_()
         res = xx * 1
         y, _ = ops.add_rms_norm_(res, x2, gg, 1e-6)
-        loss = (y * res).sum()
-        if compiled:
-            with compiled_autograd._enable(torch.compile(backend="eager")):
-                loss.backward()
-        else:
-            loss.backward()
+        backward((y * res).sum())
         return xx.grad, gg.grad
 
-    for a, b in zip(grads(True), grads(False)):
+    for a, b in zip(*backward_compiled_and_eager(grads)):
         assert same_bits(a, b)
 
 

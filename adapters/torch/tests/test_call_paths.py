@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from conftest import rand, same_bits
+from conftest import backward_compiled_and_eager, rand, same_bits
 
 ops = torch.ops.npukern
 
@@ -87,24 +87,17 @@ def test_compiled_autograd_runs_the_backward_nodes(gen):
     """The C++ autograd Functions under compiled autograd (which refuses a
     C++ Function's mark_non_differentiable: rstd and lse are returned beside
     the Function, not through it)."""
-    from torch._dynamo import compiled_autograd
-
     x = rand((4, 16), torch.float32, gen=gen)
     x2 = rand((4, 16), torch.float32, gen=gen)
     gamma = rand((16,), torch.float32, 0.5, 1.5, gen=gen)
     target = torch.tensor([0, 5, 7, 1])
 
-    def grads(compiled):
+    def grads(backward):
         xx, gg = x.clone().requires_grad_(), gamma.clone().requires_grad_()
         y, _ = ops.rms_norm(xx, gg, 1e-6)
         a, _, s = ops.add_rms_norm(y, x2, gg, 1e-6)
-        loss = ops.cross_entropy(a + s, target)[0]
-        if compiled:
-            with compiled_autograd._enable(torch.compile(backend="eager")):
-                loss.backward()
-        else:
-            loss.backward()
+        backward(ops.cross_entropy(a + s, target)[0])
         return xx.grad, gg.grad
 
-    for a, b in zip(grads(True), grads(False)):
+    for a, b in zip(*backward_compiled_and_eager(grads)):
         assert same_bits(a, b)
