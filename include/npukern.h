@@ -932,7 +932,7 @@ typedef struct npk_cross_entropy_tiling {
    */
   uint64_t rows_per_block;
   /**
-   * Columns per UB tile of the online pass (a multiple of 128; an NPU
+   * Columns per UB tile of the row passes (a multiple of 128; an NPU
    * kernel streams a longer row through the UB in such tiles, the CPU
    * streams it through its caches).
    */
@@ -946,8 +946,10 @@ typedef struct npk_cross_entropy_tiling {
    */
   uint32_t flags;
   /**
-   * Total workspace bytes: N f32 row losses (+ 64 bytes of alignment
-   * slack) for a reducing forward, else 0.
+   * Total workspace bytes (+ 64 bytes of alignment slack): N f32 row
+   * losses for a reducing forward; for the fused form `blocks` cache rows
+   * of C f32 (C rounded up to 16; the exps pass 2 reuses), at most 16 MiB
+   * (fewer blocks for a wider row; none past C = 4 Mi); else 0.
    */
   uint64_t workspace_bytes;
 } npk_cross_entropy_tiling;
@@ -1479,7 +1481,10 @@ enum npk_status npk_cross_entropy_grad(const struct npk_tensor *logits,
                                        const struct npk_exec *exec);
 
 /**
- * Workspace bytes `npk_cross_entropy_fused` needs (0).
+ * Workspace bytes `npk_cross_entropy_fused` uses: its exp cache (one row
+ * of C f32 per block, at most 16 MiB). A smaller workspace, or none (as
+ * ABI 2.3 reported 0), is accepted: the call then recomputes the exps,
+ * with the same bits, about 1.5x slower.
  *
  * # Safety
  * Every pointer is NULL or valid for its type.

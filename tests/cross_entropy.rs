@@ -94,15 +94,16 @@ impl<T: Float, I: Element> Case<'_, T, I> {
 
     /// The fused form with the factor the backward would use, in place.
     fn fused(&self, e: &Exec<'_>, scale: &[f32]) -> Out<T> {
+        self.fused_ws(e, scale, true)
+    }
+
+    /// The fused call with its workspace (the exp cache) or with none.
+    fn fused_ws(&self, e: &Exec<'_>, scale: &[f32], cache: bool) -> Out<T> {
         let mut x = self.x.to_vec();
         let mut loss = vec![-7.0f32; self.n];
         let mut lse = vec![-7.0f32; self.n];
-        let mut ws =
-            vec![
-                0u8;
-                cross_entropy_fused_workspace_size(e, self.logits(), self.targets(), &self.opts)
-                    .unwrap()
-            ];
+        let size = cross_entropy_fused_workspace_size(e, self.logits(), self.targets(), &self.opts);
+        let mut ws = vec![0u8; if cache { size.unwrap() } else { 0 }];
         let xm = TensorMut::new(&mut x, &[self.n, self.c]).unwrap();
         cross_entropy_fused(
             e,
@@ -754,6 +755,24 @@ fn in_place_and_fused_match() {
         let f = k.fused(&e, &k.g);
         assert_eq!(bits(&f.dx), bits(&o.dx));
         assert_eq!(f.lse, o.lse);
+        // Without its workspace (the exp cache) the fused call recomputes
+        // the exps: the same bits.
+        let f0 = k.fused_ws(&e, &k.g, false);
+        assert_eq!(
+            (bits(&f0.dx), &f0.lse, &f0.loss),
+            (bits(&f.dx), &f.lse, &f.loss)
+        );
+        let plain = Case {
+            opts: options(red, 0.0, 0.0, 0.0),
+            g: k.g.clone(),
+            ..k
+        };
+        let (fc, fr) = (
+            plain.fused_ws(&e, &plain.g, true),
+            plain.fused_ws(&e, &plain.g, false),
+        );
+        assert_eq!((bits(&fc.dx), &fc.lse), (bits(&fr.dx), &fr.lse));
+        assert_eq!(bits(&fc.dx), bits(&plain.run(&e).dx));
         let none = Case {
             opts: options(Reduction::None, 0.1, 1e-4, 30.0),
             g: vec![0.0; n],

@@ -273,6 +273,10 @@ pub(crate) use run_blocks;
 pub(crate) trait OpCall {
     /// Workspace bytes the call's plan needs.
     fn workspace_needed(&self) -> u64;
+    /// Lets a call whose workspace only makes it faster run with less: given
+    /// `given` bytes, the call may drop that part of its plan (the same
+    /// bits either way). Before the workspace is checked.
+    fn fit_workspace(&mut self, given: usize);
     /// True when the call has no output element to write (e.g. rows of
     /// length 0 and no rstd): it then returns at once, whatever the row
     /// count, without reaching the backend.
@@ -297,16 +301,27 @@ pub(crate) trait OpCall {
 /// `$nothing` (a closure on the call) says when it writes nothing; `$t` are
 /// its tensor fields (absent optional ones are empty, so never overlap);
 /// `fresh_streams = true` keeps large outputs streamed under
-/// `OutputPages::Fresh` (an operator measured faster so).
+/// `OutputPages::Fresh` (an operator measured faster so); `fit` (a closure
+/// on the call and the given bytes) drops an optional workspace.
 macro_rules! op_call {
     ($call:ty, $nothing:expr, [$($t:ident),*]) => {
-        $crate::ops::op_call!($call, $nothing, [$($t),*], fresh_streams = false);
+        $crate::ops::op_call!($call, $nothing, [$($t),*], fresh_streams = false, fit = |_, _| {});
     };
     ($call:ty, $nothing:expr, [$($t:ident),*], fresh_streams = $fs:literal) => {
+        $crate::ops::op_call!($call, $nothing, [$($t),*], fresh_streams = $fs, fit = |_, _| {});
+    };
+    ($call:ty, $nothing:expr, [$($t:ident),*], fit = $fit:expr) => {
+        $crate::ops::op_call!($call, $nothing, [$($t),*], fresh_streams = false, fit = $fit);
+    };
+    ($call:ty, $nothing:expr, [$($t:ident),*], fresh_streams = $fs:literal, fit = $fit:expr) => {
         impl $crate::ops::OpCall for $call {
             const FRESH_STREAMS: bool = $fs;
             fn workspace_needed(&self) -> u64 {
                 self.tiling.workspace_bytes
+            }
+            fn fit_workspace(&mut self, given: usize) {
+                let f: fn(&mut $call, usize) = $fit;
+                f(self, given)
             }
             fn writes_nothing(&self) -> bool {
                 let f: fn(&$call) -> bool = $nothing;
@@ -342,6 +357,7 @@ pub(crate) fn launch<C: OpCall>(
     ws: *mut c_void,
     bytes: usize,
 ) -> Result<()> {
+    call.fit_workspace(bytes);
     Workspace::new(ws, bytes, call.workspace_needed())?;
     // The part of the workspace the call may write must not be a tensor's.
     let used = bytes.min(workspace_len(call.workspace_needed())?);

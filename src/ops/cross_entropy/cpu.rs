@@ -1,17 +1,20 @@
-//! CrossEntropy on the CPU. Per row: pass 1 (forward, fused) streams the
-//! row once for the online log-sum-exp (`OnlineLse`) and, with label
-//! smoothing, the weighted logit sum (`RowSum`); pass 2 (backward, fused)
-//! re-reads the row (from cache) and writes dlogits, each window read
-//! before it is written, so dlogits may be the logits. Everything is f32
-//! in `lanes::math`'s functions and fixed orders: the same bits on every
-//! ISA, block count and thread count.
+//! CrossEntropy on the CPU. Per row: the max pass streams the row from
+//! memory (the max `m` and, with label smoothing, the weighted logit sum);
+//! pass 1 (forward, fused) re-reads it from cache for `sum exp(x - m)`
+//! (`RowSum`'s order) and, fused, keeps those exps in the block's cache row;
+//! pass 2 (backward, fused) writes dlogits from them (or, backward alone,
+//! after its own max pass, from the same exps recomputed), each window read
+//! before it is written, so dlogits may be the logits. One exp per logit
+//! fused (the online form took 2 1/8), and the fused call's bits are those
+//! of forward then backward. Everything is f32 in `lanes::math`'s functions
+//! and fixed orders: the same bits on every ISA, block count and thread
+//! count. The next row is prefetched while a row's exps are computed.
 
-use core::mem::MaybeUninit;
-
+use super::plan::cache_stride;
 use super::*;
 use crate::lanes::detect::Available;
 use crate::lanes::math::{exp, log, tanh};
-use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP, SEGMENT_GROUPS};
+use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
 use crate::ops::embedding_dense_grad::{dispatch_index, IndexElem};
 use crate::ops::norm::{load_at, store_at};
@@ -19,12 +22,6 @@ use crate::ops::run_blocks;
 use crate::runner::Runner;
 use crate::tiling::NORM_FLAG_STREAM;
 use crate::workspace::{Dst, Src, Workspace};
-
-/// Groups of 16 columns per step of the online max: the chunk's max is
-/// taken first, so the running sum is rescaled once per chunk (1 + 1/8
-/// `exp` per element). 8 divides `SEGMENT_GROUPS`: no chunk straddles a
-/// segment.
-const CHUNK: usize = 8;
 
 /// What a block needs, copied into registers.
 #[derive(Clone, Copy)]
@@ -55,6 +52,10 @@ struct Kern<T, I> {
     cap: f32,
     /// `sum_c w_c` (C without a weight).
     w_sum: f32,
+    /// Fused: the first of `blocks` rows of `cache_stride` f32 in the
+    /// workspace, one per block, holding pass 1's exps for pass 2.
+    cache: Option<Dst<f32>>,
+    cache_stride: usize,
 }
 
 /// Runs the call on the CPU.
@@ -71,11 +72,12 @@ unsafe fn run_t<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner
     unsafe { dispatch_index!(call.target.dtype, run::<L, T>(call, runner)) }
 }
 
-/// `(x, tanh(z / cap))` with `x` the soft-capped logit (`z` itself, and no
-/// tanh, when `cap` is 0).
+/// `(x, tanh(z / cap))` with `x` the soft-capped logit; without `CAP`
+/// (cap 0) `z` itself and no tanh. A const parameter so that the loops
+/// without soft-capping carry no tanh and no branch.
 #[inline(always)]
-fn capped<L: Lanes>(z: L, cap: f32) -> (L, L) {
-    if cap > 0.0 {
+fn capped<L: Lanes, const CAP: bool>(z: L, cap: f32) -> (L, L) {
+    if CAP {
         let c = L::splat(cap);
         let th = tanh(z.div(c));
         (th.mul(c), th)
@@ -124,119 +126,6 @@ fn sum_of<L: Lanes>(n: usize, f: impl Fn(usize) -> f32) -> f32 {
         i += GROUP;
     }
     s.finish()
-}
-
-/// Per lane a running max `m` (never NaN: a NaN logit never wins the
-/// compare; it makes the sum NaN instead) and `s = sum exp(x - m)`,
-/// rescaled by `exp(m_old - m_new)` when the max grows (exactly 1 when it
-/// does not). Segments of `SEGMENT_GROUPS` groups are merged pairwise as
-/// `RowSum` merges its partials (a binary counter: the tree depends on the
-/// row length alone), then the 16 lanes in a fixed order.
-struct OnlineLse<L: Lanes> {
-    m: L,
-    s: L,
-    in_segment: usize,
-    segments: u64,
-    depth: usize,
-    /// Pending partials; slots `..depth` are written.
-    stack: [MaybeUninit<(L, L)>; 48],
-}
-
-impl<L: Lanes> OnlineLse<L> {
-    #[inline(always)]
-    fn new() -> Self {
-        OnlineLse {
-            m: L::splat(-f32::MAX),
-            s: L::splat(0.0),
-            in_segment: 0,
-            segments: 0,
-            depth: 0,
-            stack: [const { MaybeUninit::uninit() }; 48],
-        }
-    }
-
-    /// Adds up to `CHUNK` groups (padding lanes -Inf).
-    #[inline(always)]
-    fn chunk(&mut self, v: &[L]) {
-        let mut mn = self.m;
-        for x in v {
-            mn = mn.select_lt(*x, *x, mn);
-        }
-        let mut s = self.s.mul(exp(self.m.sub(mn)));
-        for x in v {
-            s = s.add(exp(x.sub(mn)));
-        }
-        self.m = mn;
-        self.s = s;
-        self.in_segment += v.len();
-        if self.in_segment >= SEGMENT_GROUPS {
-            self.close_segment();
-        }
-    }
-
-    /// `(m, s)` of the union of two partials.
-    #[inline(always)]
-    fn merge(a: (L, L), b: (L, L)) -> (L, L) {
-        let m = a.0.select_lt(b.0, b.0, a.0);
-        let s = a.1.mul(exp(a.0.sub(m))).add(b.1.mul(exp(b.0.sub(m))));
-        (m, s)
-    }
-
-    #[inline(always)]
-    fn close_segment(&mut self) {
-        let mut p = (self.m, self.s);
-        let mut c = self.segments;
-        while c & 1 == 1 && self.depth > 0 {
-            p = Self::merge(self.slot(self.depth - 1), p);
-            self.depth -= 1;
-            c >>= 1;
-        }
-        if let Some(slot) = self.stack.get_mut(self.depth) {
-            *slot = MaybeUninit::new(p);
-            self.depth += 1;
-        }
-        self.segments += 1;
-        self.m = L::splat(-f32::MAX);
-        self.s = L::splat(0.0);
-        self.in_segment = 0;
-    }
-
-    /// Pending partial `i` (`i < depth`).
-    #[inline(always)]
-    fn slot(&self, i: usize) -> (L, L) {
-        debug_assert!(i < self.depth);
-        // SAFETY: slots below `depth` were written by `close_segment` (the
-        // only place `depth` grows, right after writing the slot), and every
-        // caller passes `i < depth`.
-        unsafe { self.stack[i].assume_init() }
-    }
-
-    /// `max + log(sum)`: -Inf for a row of -Inf, NaN when a logit is NaN
-    /// or +Inf (as `log_softmax` makes such rows NaN).
-    #[inline(always)]
-    fn finish(mut self) -> f32 {
-        if self.in_segment > 0 || self.segments == 0 {
-            self.close_segment();
-        }
-        if self.depth == 0 {
-            return f32::NAN;
-        }
-        let mut r = self.slot(self.depth - 1);
-        for i in (0..self.depth - 1).rev() {
-            r = Self::merge(self.slot(i), r);
-        }
-        let (mut ma, mut sa) = ([0f32; GROUP], [0f32; GROUP]);
-        r.0.store(&mut ma);
-        r.1.store(&mut sa);
-        let mut m = ma[0];
-        for &v in &ma[1..] {
-            if m < v {
-                m = v;
-            }
-        }
-        let s = L::load(&sa).mul(exp(L::load(&ma).sub(L::splat(m)))).fold();
-        m + lane0(log(L::splat(s)))
-    }
 }
 
 unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner: &dyn Runner) {
@@ -295,6 +184,13 @@ unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner:
     } else {
         (call.mode != CeMode::Backward).then_some(Dst(call.loss.data as *mut f32))
     };
+    // Fused with a workspace: one cache row of pass 1's exps per block.
+    let cache_stride = cache_stride(cols);
+    let cache = (call.mode == CeMode::Fused && t.workspace_bytes > 0 && rows > 0).then(|| {
+        // SAFETY: the plan sized the workspace for `blocks` such rows; each
+        // block uses its own.
+        Dst(unsafe { ws.region(0, t.blocks as usize * cache_stride) }.as_mut_ptr())
+    });
     let k = Kern::<T, I> {
         x: Src(call.logits.data as *const T),
         d: Dst(call.dlogits.data as *mut T),
@@ -317,6 +213,8 @@ unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner:
         zs: call.lse_square_scale,
         cap: call.softcap,
         w_sum,
+        cache,
+        cache_stride,
     };
     if rows > 0 {
         // dlogits are usually written in place, over lines in cache:
@@ -346,18 +244,31 @@ fn block<L: Lanes, T: Float, I: IndexElem, const STREAM: bool>(k: &Kern<T, I>, b
     let k = &{ *k };
     let start = b.saturating_mul(k.rpb).min(k.rows);
     let end = (start + k.rpb).min(k.rows);
+    // This block's cache row (blocks never share one).
+    let cache = k.cache.map(|c| Dst(c.0.wrapping_add(b * k.cache_stride)));
     for r in start..end {
         // SAFETY: row r belongs to this block; every tensor was validated.
-        unsafe { row::<L, T, I>(k, r) }
+        unsafe {
+            if k.cap > 0.0 {
+                row::<L, T, I, true>(k, r, cache)
+            } else {
+                row::<L, T, I, false>(k, r, cache)
+            }
+        }
     }
 }
 
 /// One row: pass 1 and the loss (forward, fused), pass 2 (backward, fused).
 ///
 /// # Safety
-/// Row `r` is inside the call's tensors and belongs to the calling block.
+/// Row `r` is inside the call's tensors and belongs to the calling block;
+/// `cache`, when given, holds `cols` f32 used by this block alone.
 #[inline(always)]
-unsafe fn row<L: Lanes, T: Float, I: IndexElem>(k: &Kern<T, I>, r: usize) {
+unsafe fn row<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
+    k: &Kern<T, I>,
+    r: usize,
+    cache: Option<Dst<f32>>,
+) {
     let base = r * k.cols;
     // SAFETY: target holds `rows` elements.
     let t = unsafe { k.tgt.get(r, 1)[0].to_i64() };
@@ -370,9 +281,11 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem>(k: &Kern<T, I>, r: usize) {
         (false, Some(w)) => unsafe { w.get(tu, 1)[0] },
         (false, None) => 1.0,
     };
-    let lse = if k.fwd {
+    // The exps are cached only when pass 2 follows (not for ignored rows).
+    let cache = cache.filter(|_| k.bwd && !ignored);
+    let (m, lse) = if k.fwd {
         // SAFETY: forwarded.
-        let (lse, sx) = unsafe { pass1::<L, T, I>(k, base) };
+        let (m, lse, sx) = unsafe { pass1::<L, T, I, CAP>(k, base, cache) };
         if let Some(o) = k.lse {
             // SAFETY: lse holds `rows` f32; row r is this block's.
             unsafe { o.get(r, 1)[0] = lse };
@@ -381,9 +294,10 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem>(k: &Kern<T, I>, r: usize) {
             let l = if ignored {
                 0.0
             } else {
-                // SAFETY: tu < cols: inside the row.
+                // SAFETY: tu < cols: inside the row (not yet overwritten:
+                // pass 2 comes later).
                 let z = unsafe { k.x.get(base + tu, 1)[0].to_f32() };
-                let xt = lane0(capped(L::splat(z), k.cap).0);
+                let xt = lane0(capped::<L, CAP>(L::splat(z), k.cap).0);
                 let nll = wt * (lse - xt);
                 let mut l = if k.ls > 0.0 {
                     (1.0 - k.ls) * nll + k.lsc * (k.w_sum * lse - sx)
@@ -398,12 +312,17 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem>(k: &Kern<T, I>, r: usize) {
             // SAFETY: the per-row loss holds `rows` f32; row r is this block's.
             unsafe { o.get(r, 1)[0] = l };
         }
-        lse
+        (m, lse)
     } else if ignored {
-        0.0
+        (0.0, 0.0)
     } else {
-        // SAFETY: lse holds `rows` f32.
-        unsafe { k.lse_in.get(r, 1)[0] }
+        // SAFETY: lse holds `rows` f32; the row is inside the logits.
+        unsafe {
+            (
+                row_max::<L, T, I, CAP>(k, base, false).0,
+                k.lse_in.get(r, 1)[0],
+            )
+        }
     };
     if k.bwd {
         if ignored {
@@ -417,61 +336,156 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem>(k: &Kern<T, I>, r: usize) {
                 k.g0
             };
             // SAFETY: forwarded.
-            unsafe { pass2::<L, T, I>(k, base, tu, wt, lse, g) };
+            unsafe { pass2::<L, T, I, CAP>(k, base, tu, wt, (m, lse), g, cache) };
         }
     }
 }
 
-/// Pass 1 over the row at `base`: its lse and, with label smoothing,
-/// `sum_c w_c x_c` (0 otherwise).
+/// The max of the (capped) row at `base` (a NaN never wins the compare;
+/// -f32::MAX for a row of -Inf) and, with `smooth`, `sum_c w_c x_c` (0
+/// otherwise). Four max chains for throughput: the max is exact, so the
+/// order changes no bit.
 ///
 /// # Safety
 /// The row is inside the logits.
 #[inline(always)]
-unsafe fn pass1<L: Lanes, T: Float, I: IndexElem>(k: &Kern<T, I>, base: usize) -> (f32, f32) {
+unsafe fn row_max<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
+    k: &Kern<T, I>,
+    base: usize,
+    smooth: bool,
+) -> (f32, f32) {
     let n = k.cols;
-    let smooth = k.ls > 0.0;
-    let mut acc = OnlineLse::<L>::new();
     let mut sx = RowSum::<L>::new();
-    let groups = n.div_ceil(GROUP);
-    let mut g = 0;
-    while g < groups {
-        let take = CHUNK.min(groups - g);
-        let mut v = [L::splat(0.0); CHUNK];
-        for (i, vi) in v.iter_mut().enumerate().take(take) {
-            let j = (g + i) * GROUP;
-            let len = (n - j).min(GROUP);
-            // SAFETY: columns j..j + len of the row.
-            let (x, _) = capped(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
-            if smooth {
-                sx.push(match k.w {
-                    // SAFETY: columns j..j + len of weight.
-                    Some(w) => unsafe { load_at::<L, f32>(w, j, len) }.mul(x),
-                    None => x,
-                });
-            }
-            *vi = if len < GROUP { pad_neg_inf(x, len) } else { x };
-        }
-        acc.chunk(&v[..take]);
-        g += take;
+    // Four chains in registers (an array here stays on the stack).
+    let lo = L::splat(-f32::MAX);
+    let (mut m0, mut m1, mut m2, mut m3) = (lo, lo, lo, lo);
+    let mut j = 0;
+    while j + 4 * GROUP <= n {
+        // SAFETY: forwarded; columns j..j + 64 are in the row.
+        let (x0, x1, x2, x3) = unsafe {
+            (
+                max_group::<L, T, I, CAP>(k, base + j, j, smooth, &mut sx),
+                max_group::<L, T, I, CAP>(k, base + j + 16, j + 16, smooth, &mut sx),
+                max_group::<L, T, I, CAP>(k, base + j + 32, j + 32, smooth, &mut sx),
+                max_group::<L, T, I, CAP>(k, base + j + 48, j + 48, smooth, &mut sx),
+            )
+        };
+        m0 = m0.select_lt(x0, x0, m0);
+        m1 = m1.select_lt(x1, x1, m1);
+        m2 = m2.select_lt(x2, x2, m2);
+        m3 = m3.select_lt(x3, x3, m3);
+        j += 4 * GROUP;
     }
-    (acc.finish(), if smooth { sx.finish() } else { 0.0 })
+    while j < n {
+        // SAFETY: forwarded.
+        let x = unsafe { max_group::<L, T, I, CAP>(k, base + j, j, smooth, &mut sx) };
+        m0 = m0.select_lt(x, x, m0);
+        j += GROUP;
+    }
+    let mut m = -f32::MAX;
+    for v in [m0, m1, m2, m3] {
+        let mut o = [0f32; GROUP];
+        v.store(&mut o);
+        for v in o {
+            if m < v {
+                m = v;
+            }
+        }
+    }
+    (m, if smooth { sx.finish() } else { 0.0 })
 }
 
-/// Pass 2 over the row at `base` with target `t`: dlogits, each window
-/// read before it is written.
+/// The (capped) logits at column `j` of the row at `base`, lanes past the
+/// row -Inf; pushed to `sx` (weighted) when `smooth`.
+///
+/// # Safety
+/// The row is inside the logits.
+#[inline(always)]
+unsafe fn max_group<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
+    k: &Kern<T, I>,
+    at: usize,
+    j: usize,
+    smooth: bool,
+    sx: &mut RowSum<L>,
+) -> L {
+    let len = (k.cols - j).min(GROUP);
+    // SAFETY: columns j..j + len of the row.
+    let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, at, len) }, k.cap);
+    if smooth {
+        sx.push(match k.w {
+            // SAFETY: columns j..j + len of weight.
+            Some(w) => unsafe { load_at::<L, f32>(w, j, len) }.mul(x),
+            None => x,
+        });
+    }
+    if len < GROUP {
+        pad_neg_inf(x, len)
+    } else {
+        x
+    }
+}
+
+/// Pass 1 over the row at `base`: the row max `m`, `lse = m + log(sum_c
+/// exp(x_c - m))` (the sum in `RowSum`'s order) and, with label smoothing,
+/// `sum_c w_c x_c` (0 otherwise). The exps go to `cache` when given.
+///
+/// # Safety
+/// The row is inside the logits; `cache` holds `cols` f32.
+#[inline(always)]
+unsafe fn pass1<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
+    k: &Kern<T, I>,
+    base: usize,
+    cache: Option<Dst<f32>>,
+) -> (f32, f32, f32) {
+    let n = k.cols;
+    // SAFETY: forwarded.
+    let (m, sx) = unsafe { row_max::<L, T, I, CAP>(k, base, k.ls > 0.0) };
+    let mv = L::splat(m);
+    let mut s = RowSum::<L>::new();
+    let mut j = 0;
+    while j < n {
+        // The segment's running sum in a register (RowSum's own order).
+        let (mut acc, mut added) = (s.acc(), 0);
+        while added < s.room() && j < n {
+            let len = (n - j).min(GROUP);
+            // SAFETY: columns j..j + len of the row (now in cache).
+            let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
+            // Lanes past the row add exp(-Inf) = 0.
+            let x = if len < GROUP { pad_neg_inf(x, len) } else { x };
+            // The next row into cache while this loop computes (the max
+            // pass then reads it from there).
+            L::prefetch(k.x.addr(base + n + j));
+            let e = exp(x.sub(mv));
+            if let Some(c) = cache {
+                // SAFETY: columns j..j + len of this block's cache row.
+                unsafe { store_at::<L, f32>(e, c, j, len) };
+            }
+            acc = acc.add(e);
+            added += 1;
+            j += len;
+        }
+        s.commit(acc, added);
+    }
+    (m, m + lane0(log(L::splat(s.finish()))), sx)
+}
+
+/// Pass 2 over the row at `base` with target `t`, row max `m` and `lse`:
+/// dlogits from `p_c = exp(x_c - m) * exp(m - lse)` (the first factor from
+/// `cache` when pass 1 left it there: the same bits), each window read
+/// before it is written.
 ///
 /// # Safety
 /// The row is inside logits and dlogits (which are the same buffer or
-/// apart) and belongs to the calling block.
+/// apart) and belongs to the calling block; `cache` holds the row's exps.
 #[inline(always)]
-unsafe fn pass2<L: Lanes, T: Float, I: IndexElem>(
+unsafe fn pass2<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
     k: &Kern<T, I>,
     base: usize,
     t: usize,
     wt: f32,
-    lse: f32,
+    (m, lse): (f32, f32),
     g: f32,
+    cache: Option<Dst<f32>>,
 ) {
     let n = k.cols;
     let on = (1.0 - k.ls) * wt;
@@ -482,14 +496,34 @@ unsafe fn pass2<L: Lanes, T: Float, I: IndexElem>(
     if k.zs != 0.0 {
         a += (2.0 * k.zs) * lse;
     }
-    let (av, lv, gv, lsc) = (L::splat(a), L::splat(lse), L::splat(g), L::splat(k.lsc));
+    // p_c * a = e_c * (exp(m - lse) * a): one multiply per element.
+    let qa = L::splat(lane0(exp(L::splat(m - lse))) * a);
+    let (mv, gv, lsc) = (L::splat(m), L::splat(g), L::splat(k.lsc));
     let one = L::splat(1.0);
+    let cached = cache.map(|c| Src(c.0 as *const f32));
     let mut j = 0;
     while j < n {
         let len = (n - j).min(GROUP);
-        // SAFETY: columns j..j + len of the row.
-        let (x, th) = capped(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
-        let mut d = exp(x.sub(lv)).mul(av);
+        let (e, th) = match cached {
+            // SAFETY: columns j..j + len of this block's cache row.
+            Some(c) if !CAP => (unsafe { load_at::<L, f32>(c, j, len) }, one),
+            _ => {
+                // SAFETY: columns j..j + len of the row.
+                let (x, th) =
+                    capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
+                let e = match cached {
+                    // SAFETY: as above.
+                    Some(c) => unsafe { load_at::<L, f32>(c, j, len) },
+                    None => {
+                        // As in pass 1: the next row into cache meanwhile.
+                        L::prefetch(k.x.addr(base + n + j));
+                        exp(x.sub(mv))
+                    }
+                };
+                (e, th)
+            }
+        };
+        let mut d = e.mul(qa);
         if k.ls > 0.0 {
             d = d.sub(match k.w {
                 // SAFETY: columns j..j + len of weight.
@@ -500,7 +534,7 @@ unsafe fn pass2<L: Lanes, T: Float, I: IndexElem>(
         if t >= j && t < j + len {
             d = d.sub(one_hot::<L>(t - j, on));
         }
-        if k.cap > 0.0 {
+        if CAP {
             d = d.mul(one.sub(th.mul(th)));
         }
         // SAFETY: as above; the window was read before this store.

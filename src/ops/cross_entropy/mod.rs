@@ -33,16 +33,19 @@
 //! with `g_i = grad[i]` (`None`), `grad` (`Sum`) or `grad / denominator`
 //! (`Mean`); ignored rows get zeros. The fused form computes the loss, lse
 //! and this gradient in one call per row (two passes over the row, the
-//! second from cache) with `g_i` given by the caller (`grad_scale`: per
+//! later ones from cache) with `g_i` given by the caller (`grad_scale`: per
 //! row, or one scalar such as `1 / global denominator` when a mean runs
 //! over chunks), the gradient written in place over the logits.
 //!
-//! Numerics: f32 inside. The lse is one streaming pass (online max and
-//! sum: per lane a running max and a sum rescaled when the max grows, in
-//! chunks of 8 groups of 16 columns from the row start, segments of 2048
-//! columns merged pairwise, the 16 lanes merged in a fixed tree), with
-//! `lanes::math`'s `exp`, `log` and `tanh`: the same bits on every ISA,
-//! thread count and tiling. Each output is rounded once.
+//! Numerics: f32 inside. One pass over memory per row: the row max `m`
+//! (exact in any order), then from cache `lse = m + log(s)` with `s = sum_c
+//! exp(x_c - m)` added in `RowSum`'s fixed order (groups of 16 columns from
+//! the row start, segments of 2048 columns merged pairwise, the 16 lanes in
+//! a fixed tree); the gradient's `p_c = exp(x_c - m) * exp(m - lse)`, so the
+//! fused form reuses the forward's exps (one exp per logit) and gives the
+//! bits of forward then backward. `lanes::math`'s `exp`, `log` and `tanh`:
+//! the same bits on every ISA, thread count and tiling. Each output is
+//! rounded once.
 
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
@@ -144,7 +147,7 @@ pub struct CrossEntropyTiling {
     pub cols: u64,
     /// Rows per block (`ceil(rows / blocks)`); the last block may have fewer.
     pub rows_per_block: u64,
-    /// Columns per UB tile of the online pass (a multiple of 128; an NPU
+    /// Columns per UB tile of the row passes (a multiple of 128; an NPU
     /// kernel streams a longer row through the UB in such tiles, the CPU
     /// streams it through its caches).
     pub ub_cols: u64,
@@ -152,8 +155,10 @@ pub struct CrossEntropyTiling {
     pub blocks: u32,
     /// `NORM_FLAG_SERIAL` when small: a hint that never changes a bit.
     pub flags: u32,
-    /// Total workspace bytes: N f32 row losses (+ 64 bytes of alignment
-    /// slack) for a reducing forward, else 0.
+    /// Total workspace bytes (+ 64 bytes of alignment slack): N f32 row
+    /// losses for a reducing forward; for the fused form `blocks` cache rows
+    /// of C f32 (C rounded up to 16; the exps pass 2 reuses), at most 16 MiB
+    /// (fewer blocks for a wider row; none past C = 4 Mi); else 0.
     pub workspace_bytes: u64,
 }
 
@@ -217,7 +222,14 @@ impl CrossEntropyCall {
 op_call!(
     CrossEntropyCall,
     |c| c.tiling.rows == 0 && !c.reduces(),
-    [logits, target, weight, lse_in, grad, loss, lse, dlogits]
+    [logits, target, weight, lse_in, grad, loss, lse, dlogits],
+    // The fused form's workspace is its exp cache, a speed-up only: with
+    // less (ABI 2.3 callers passed none) pass 2 recomputes the exps.
+    fit = |c, given| {
+        if c.mode == CeMode::Fused && (given as u64) < c.tiling.workspace_bytes {
+            c.tiling.workspace_bytes = 0;
+        }
+    }
 );
 
 /// The class-index targets and optional class weights of a call.
@@ -383,7 +395,10 @@ pub fn cross_entropy_grad_in_place<T: Float, I: Element>(
     launch_into(exec, call, workspace)
 }
 
-/// Workspace bytes `cross_entropy_fused` needs (always 0).
+/// Workspace bytes `cross_entropy_fused` uses: its exp cache (one row of
+/// C f32 per block, at most 16 MiB), which makes it about 1.5x faster. A
+/// smaller workspace (even empty) is accepted: the call then recomputes
+/// the exps, with the same bits.
 pub fn cross_entropy_fused_workspace_size<T: Float, I: Element>(
     exec: &Exec<'_>,
     logits: TensorRef<'_, T>,

@@ -16,6 +16,15 @@ pub(crate) struct CeDims {
     pub cols: usize,
 }
 
+/// Most workspace bytes the fused form's exp cache takes (one row of C
+/// f32 per block; the plan cuts fewer blocks for a wider row).
+pub(crate) const CACHE_MAX_BYTES: usize = 16 << 20;
+
+/// f32 per cache row of C classes: C rounded up to whole 64-byte lines.
+pub(crate) fn cache_stride(cols: usize) -> usize {
+    cols.div_ceil(16).saturating_mul(16)
+}
+
 /// Checks the options: label smoothing in [0, 1], a finite z-loss scale,
 /// a finite soft cap >= 0.
 fn check_options(o: &CrossEntropyOptions) -> Result<()> {
@@ -135,6 +144,20 @@ pub(crate) fn plan(
         let rpb = d.rows.div_ceil(blocks0);
         tl.rows_per_block = rpb as u64;
         tl.blocks = d.rows.div_ceil(rpb) as u32;
+    }
+    if mode == CeMode::Fused && d.rows > 0 {
+        // A cache row of pass 1's exps per block for pass 2: one exp per
+        // logit instead of two. Within CACHE_MAX_BYTES a wide vocabulary
+        // gets fewer, longer blocks; past it (C over 4 Mi) no cache, and
+        // pass 2 recomputes the exps (the same bits).
+        let stride = cache_stride(d.cols).saturating_mul(4);
+        if stride <= CACHE_MAX_BYTES {
+            let blocks = (CACHE_MAX_BYTES / stride).min(tl.blocks as usize).max(1);
+            let rpb = d.rows.div_ceil(blocks);
+            tl.rows_per_block = rpb as u64;
+            tl.blocks = d.rows.div_ceil(rpb) as u32;
+            tl.workspace_bytes = (tl.blocks as usize * stride + WORKSPACE_ALIGN) as u64;
+        }
     }
     if mode == CeMode::Forward && opts.reduction != Reduction::None && d.rows > 0 {
         let b = d

@@ -6,8 +6,9 @@ them into the loss and their gradient in place -- the ``[N, V]`` logits
 never exist).
 
 Numerics: the kernel reads the logits in their dtype, computes in float32
-(one streaming pass for the max and the sum: an online log-sum-exp in a
-fixed order; exp and log of its own, the same bits on every ISA), and
+(one pass over memory per row: the max, then from cache the sum of
+exp(x - max) in a fixed order; exp and log of its own, the same bits on
+every ISA; the fused form reuses those exps for the gradient), and
 writes each gradient element with one rounding."""
 
 import torch
