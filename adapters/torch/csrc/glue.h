@@ -83,6 +83,14 @@ class Call {
       if (status != NPK_ERR_WORKSPACE_TOO_SMALL) return check(status);
       release_thread_workspace();
     }
+    run_sized(size, launch);
+  }
+
+  // The two phases alone, for an operator whose workspace is optional (a
+  // speed-up it would run without rather than refuse: the fused
+  // cross-entropy's exp cache).
+  template <class Size, class Launch>
+  void run_sized(Size &&size, Launch &&launch) {
     size_t bytes = 0;
     check(size(&bytes));
     void *sized = workspace(bytes);

@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, cons
   const npk_cross_entropy_options o = ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap);
   Call call(op);
   call.tensors({&logits, &target, &weight.t, &grad_scale, &loss, &lse});
-  call.run(
+  call.run_sized(  // its workspace is the exp cache: taken, not merely tried
       [&](size_t *bytes) {
         return npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
       },
