@@ -12,11 +12,11 @@
 
 use super::plan::cache_stride;
 use super::*;
+use crate::dtype::DType;
 use crate::lanes::detect::Available;
 use crate::lanes::math::{exp, log, tanh};
 use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
-use crate::ops::embedding_dense_grad::{dispatch_index, IndexElem};
 use crate::ops::norm::{load_at, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
@@ -25,10 +25,10 @@ use crate::workspace::{Dst, Src, Workspace};
 
 /// What a block needs, copied into registers.
 #[derive(Clone, Copy)]
-struct Kern<T, I> {
+struct Kern<T> {
     x: Src<T>,
     d: Dst<T>,
-    tgt: Src<I>,
+    tgt: Targets,
     w: Option<Src<f32>>,
     lse_in: Src<f32>,
     grad: Src<f32>,
@@ -64,12 +64,32 @@ struct Kern<T, I> {
 /// `call` was built by `prepare` and its workspace checked by `launch`.
 pub(crate) unsafe fn cpu(call: &CrossEntropyCall, isa: Available, runner: &dyn Runner) {
     // SAFETY: forwarded from this function's contract.
-    unsafe { dispatch_isa!(isa, L => dispatch_t!(call.logits.dtype, run_t::<L>(call, runner))) }
+    unsafe { dispatch_isa!(isa, L => dispatch_t!(call.logits.dtype, run::<L>(call, runner))) }
 }
 
-unsafe fn run_t<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) {
-    // SAFETY: forwarded.
-    unsafe { dispatch_index!(call.target.dtype, run::<L, T>(call, runner)) }
+/// The class indices, i32 or i64: read once per row, so a runtime match
+/// rather than a type parameter (which doubled the kernel's instances).
+#[derive(Clone, Copy)]
+enum Targets {
+    I32(Src<i32>),
+    I64(Src<i64>),
+}
+
+impl Targets {
+    /// Row `r`'s target.
+    ///
+    /// # Safety
+    /// `r` is below the validated row count.
+    #[inline(always)]
+    unsafe fn get(self, r: usize) -> i64 {
+        // SAFETY: forwarded.
+        unsafe {
+            match self {
+                Targets::I32(s) => i64::from(s.get(r, 1)[0]),
+                Targets::I64(s) => s.get(r, 1)[0],
+            }
+        }
+    }
 }
 
 /// `(x, tanh(z / cap))` with `x` the soft-capped logit; without `CAP`
@@ -128,7 +148,7 @@ fn sum_of<L: Lanes>(n: usize, f: impl Fn(usize) -> f32) -> f32 {
     s.finish()
 }
 
-unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner: &dyn Runner) {
+unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) {
     let t = call.tiling;
     let (rows, cols) = (t.rows as usize, t.cols as usize);
     let reduces = call.reduces();
@@ -138,14 +158,18 @@ unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner:
         Err(_) => return,
     };
     let w = (call.has_weight != 0).then_some(Src(call.weight.data as *const f32));
-    let tgt = Src(call.target.data as *const I);
+    let tgt = if call.target.dtype == DType::I32 {
+        Targets::I32(Src(call.target.data as *const i32))
+    } else {
+        Targets::I64(Src(call.target.data as *const i64))
+    };
     let ignore = call.ignore_index;
     // sum_{i not ignored} w[t_i], in a fixed order.
     let denominator = || {
         sum_of::<L>(rows, |i| {
             // SAFETY: target holds `rows` elements; weight `cols`, and
             // every target not ignored is in 0..cols (validated).
-            let v = unsafe { tgt.get(i, 1)[0].to_i64() };
+            let v = unsafe { tgt.get(i) };
             match (v == ignore, w) {
                 (true, _) => 0.0,
                 // SAFETY: as above.
@@ -191,7 +215,7 @@ unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner:
         // block uses its own.
         Dst(unsafe { ws.region(0, t.blocks as usize * cache_stride) }.as_mut_ptr())
     });
-    let k = Kern::<T, I> {
+    let k = Kern::<T> {
         x: Src(call.logits.data as *const T),
         d: Dst(call.dlogits.data as *mut T),
         tgt,
@@ -220,7 +244,7 @@ unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner:
         // dlogits are usually written in place, over lines in cache:
         // ordinary stores.
         let flags = t.flags & !NORM_FLAG_STREAM;
-        run_blocks!(runner, flags, t.blocks, |b| block::<L, T, I>(&k, b));
+        run_blocks!(runner, flags, t.blocks, |b| block::<L, T>(&k, b));
     }
     if reduces {
         let sum = || match row_loss {
@@ -240,7 +264,7 @@ unsafe fn run<L: Lanes, T: Float, I: IndexElem>(call: &CrossEntropyCall, runner:
 }
 
 #[inline(always)]
-fn block<L: Lanes, T: Float, I: IndexElem, const STREAM: bool>(k: &Kern<T, I>, b: usize) {
+fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, b: usize) {
     let k = &{ *k };
     let start = b.saturating_mul(k.rpb).min(k.rows);
     let end = (start + k.rpb).min(k.rows);
@@ -250,9 +274,9 @@ fn block<L: Lanes, T: Float, I: IndexElem, const STREAM: bool>(k: &Kern<T, I>, b
         // SAFETY: row r belongs to this block; every tensor was validated.
         unsafe {
             if k.cap > 0.0 {
-                row::<L, T, I, true>(k, r, cache)
+                row::<L, T, true>(k, r, cache)
             } else {
-                row::<L, T, I, false>(k, r, cache)
+                row::<L, T, false>(k, r, cache)
             }
         }
     }
@@ -264,14 +288,10 @@ fn block<L: Lanes, T: Float, I: IndexElem, const STREAM: bool>(k: &Kern<T, I>, b
 /// Row `r` is inside the call's tensors and belongs to the calling block;
 /// `cache`, when given, holds `cols` f32 used by this block alone.
 #[inline(always)]
-unsafe fn row<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
-    k: &Kern<T, I>,
-    r: usize,
-    cache: Option<Dst<f32>>,
-) {
+unsafe fn row<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, r: usize, cache: Option<Dst<f32>>) {
     let base = r * k.cols;
     // SAFETY: target holds `rows` elements.
-    let t = unsafe { k.tgt.get(r, 1)[0].to_i64() };
+    let t = unsafe { k.tgt.get(r) };
     let ignored = t == k.ignore;
     // Not ignored: in 0..cols (validated).
     let tu = t as usize;
@@ -285,7 +305,7 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
     let cache = cache.filter(|_| k.bwd && !ignored);
     let (m, lse) = if k.fwd {
         // SAFETY: forwarded.
-        let (m, lse, sx) = unsafe { pass1::<L, T, I, CAP>(k, base, cache) };
+        let (m, lse, sx) = unsafe { pass1::<L, T, CAP>(k, base, cache) };
         if let Some(o) = k.lse {
             // SAFETY: lse holds `rows` f32; row r is this block's.
             unsafe { o.get(r, 1)[0] = lse };
@@ -319,7 +339,7 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
         // SAFETY: lse holds `rows` f32; the row is inside the logits.
         unsafe {
             (
-                row_max::<L, T, I, CAP>(k, base, false).0,
+                row_max::<L, T, CAP>(k, base, false).0,
                 k.lse_in.get(r, 1)[0],
             )
         }
@@ -336,7 +356,7 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
                 k.g0
             };
             // SAFETY: forwarded.
-            unsafe { pass2::<L, T, I, CAP>(k, base, tu, wt, (m, lse), g, cache) };
+            unsafe { pass2::<L, T, CAP>(k, base, tu, wt, (m, lse), g, cache) };
         }
     }
 }
@@ -349,8 +369,8 @@ unsafe fn row<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
 /// # Safety
 /// The row is inside the logits.
 #[inline(always)]
-unsafe fn row_max<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
-    k: &Kern<T, I>,
+unsafe fn row_max<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
     base: usize,
     smooth: bool,
 ) -> (f32, f32) {
@@ -360,14 +380,17 @@ unsafe fn row_max<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
     let lo = L::splat(-f32::MAX);
     let (mut m0, mut m1, mut m2, mut m3) = (lo, lo, lo, lo);
     let mut j = 0;
-    while j + 4 * GROUP <= n {
+    // Soft-capped rows are bound by their tanh: one chain is enough there,
+    // and the smaller loop keeps the build time down (each dtype and ISA
+    // has a soft-capped and a plain instance).
+    while !CAP && j + 4 * GROUP <= n {
         // SAFETY: forwarded; columns j..j + 64 are in the row.
         let (x0, x1, x2, x3) = unsafe {
             (
-                max_group::<L, T, I, CAP>(k, base + j, j, smooth, &mut sx),
-                max_group::<L, T, I, CAP>(k, base + j + 16, j + 16, smooth, &mut sx),
-                max_group::<L, T, I, CAP>(k, base + j + 32, j + 32, smooth, &mut sx),
-                max_group::<L, T, I, CAP>(k, base + j + 48, j + 48, smooth, &mut sx),
+                max_group::<L, T, CAP>(k, base + j, j, smooth, &mut sx),
+                max_group::<L, T, CAP>(k, base + j + 16, j + 16, smooth, &mut sx),
+                max_group::<L, T, CAP>(k, base + j + 32, j + 32, smooth, &mut sx),
+                max_group::<L, T, CAP>(k, base + j + 48, j + 48, smooth, &mut sx),
             )
         };
         m0 = m0.select_lt(x0, x0, m0);
@@ -378,7 +401,7 @@ unsafe fn row_max<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
     }
     while j < n {
         // SAFETY: forwarded.
-        let x = unsafe { max_group::<L, T, I, CAP>(k, base + j, j, smooth, &mut sx) };
+        let x = unsafe { max_group::<L, T, CAP>(k, base + j, j, smooth, &mut sx) };
         m0 = m0.select_lt(x, x, m0);
         j += GROUP;
     }
@@ -401,8 +424,8 @@ unsafe fn row_max<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
 /// # Safety
 /// The row is inside the logits.
 #[inline(always)]
-unsafe fn max_group<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
-    k: &Kern<T, I>,
+unsafe fn max_group<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
     at: usize,
     j: usize,
     smooth: bool,
@@ -432,14 +455,14 @@ unsafe fn max_group<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
 /// # Safety
 /// The row is inside the logits; `cache` holds `cols` f32.
 #[inline(always)]
-unsafe fn pass1<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
-    k: &Kern<T, I>,
+unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
     base: usize,
     cache: Option<Dst<f32>>,
 ) -> (f32, f32, f32) {
     let n = k.cols;
     // SAFETY: forwarded.
-    let (m, sx) = unsafe { row_max::<L, T, I, CAP>(k, base, k.ls > 0.0) };
+    let (m, sx) = unsafe { row_max::<L, T, CAP>(k, base, k.ls > 0.0) };
     let mv = L::splat(m);
     let mut s = RowSum::<L>::new();
     let mut j = 0;
@@ -478,8 +501,8 @@ unsafe fn pass1<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
 /// The row is inside logits and dlogits (which are the same buffer or
 /// apart) and belongs to the calling block; `cache` holds the row's exps.
 #[inline(always)]
-unsafe fn pass2<L: Lanes, T: Float, I: IndexElem, const CAP: bool>(
-    k: &Kern<T, I>,
+unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
     base: usize,
     t: usize,
     wt: f32,
