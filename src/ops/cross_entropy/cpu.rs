@@ -14,7 +14,7 @@ use super::plan::cache_stride;
 use super::*;
 use crate::dtype::DType;
 use crate::lanes::detect::Available;
-use crate::lanes::math::{exp, log, tanh};
+use crate::lanes::math::{exp, exp_nonpos, log, tanh};
 use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
 use crate::ops::norm::{load_at, store_at};
@@ -478,7 +478,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
             // The next row into cache while this loop computes (the max
             // pass then reads it from there).
             L::prefetch(k.x.addr(base + n + j));
-            let e = exp(x.sub(mv));
+            let e = exp_nonpos(x.sub(mv));
             if let Some(c) = cache {
                 // SAFETY: columns j..j + len of this block's cache row.
                 unsafe { store_at::<L, f32>(e, c, j, len) };
@@ -540,7 +540,7 @@ unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
                     None => {
                         // As in pass 1: the next row into cache meanwhile.
                         L::prefetch(k.x.addr(base + n + j));
-                        exp(x.sub(mv))
+                        exp_nonpos(x.sub(mv))
                     }
                 };
                 (e, th)
