@@ -26,6 +26,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
@@ -75,6 +76,8 @@ NPK_OP(silu_mul_op, "silu_mul", Tensor(const Tensor &, const Tensor &, bool))
 NPK_OP(silu_mul_backward_op, "silu_mul_backward", T2(const Tensor &, const Tensor &, const Tensor &, bool))
 NPK_OP(rotary_mul_op, "rotary_mul", Tensor(const Tensor &, const Tensor &, const Tensor &, bool, bool))
 NPK_OP(rope_qk_op, "rope_qk", T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, bool, bool))
+NPK_OP(cross_entropy_train_op, "cross_entropy_train",
+       T3(const Tensor &, const Tensor &, const Opt &, int64_t, int64_t, double, double, double))
 NPK_OP(cross_entropy_op, "cross_entropy",
        T2(const Tensor &, const Tensor &, const Opt &, int64_t, int64_t, double, double, double))
 NPK_OP(cross_entropy_backward_op, "cross_entropy_backward",
@@ -681,14 +684,41 @@ T2 rope_qk(c10::DispatchKeySet ks, const Tensor &q, const Tensor &k, const Tenso
 // ---------------------------------------------------------------------------
 // CrossEntropy: the loss is differentiable in the logits; lse is not.
 
+// A real CPU tensor, not a tracer's (FakeTensor and FunctionalTensor carry
+// the Python key, functionalization its own): values may be read.
+bool concrete(const Tensor &t) {
+  return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+// Whether the last cross-entropy backward got an upstream gradient of 1.
+// The training forward's dlogits serve only such a backward; a loop that
+// scales its loss (gradient accumulation, a GradScaler) would pay for them
+// and then run the backward op as well, so after such a backward the next
+// forwards skip them until a backward sees 1 again. Only the speed adapts:
+// both paths give the same bits.
+std::atomic<bool> upstream_was_one{true};
+
 struct CrossEntropy : Function<CrossEntropy> {
   static variable_list forward(AutogradContext *ctx, const Tensor &logits, const Tensor &target, const Opt &weight,
                                int64_t reduction, int64_t ignore_index, double label_smoothing,
                                double lse_square_scale, double softcap) {
     Below guard;
-    auto [loss, lse] = cross_entropy_op().call(logits, target, weight, reduction, ignore_index, label_smoothing,
-                                               lse_square_scale, softcap);
-    ctx->save_for_backward({logits, target, weight.has_value() ? *weight : Tensor(), lse});
+    // A reduced loss whose logits require grad: the training forward also
+    // writes dlogits for an upstream gradient of 1, in the same pass over
+    // the logits (one exp per logit instead of two, one read instead of
+    // two). loss.backward() then hands them over as they are; any other
+    // upstream gradient runs the backward op (its bits, one rounding).
+    const bool train = reduction != 0 && logits.requires_grad() && concrete(logits) &&
+                       upstream_was_one.load(std::memory_order_relaxed);
+    Tensor loss, lse, dlogits;
+    if (train) {
+      std::tie(loss, lse, dlogits) = cross_entropy_train_op().call(logits, target, weight, reduction, ignore_index,
+                                                                   label_smoothing, lse_square_scale, softcap);
+    } else {
+      std::tie(loss, lse) = cross_entropy_op().call(logits, target, weight, reduction, ignore_index, label_smoothing,
+                                                    lse_square_scale, softcap);
+    }
+    ctx->save_for_backward({logits, target, weight.has_value() ? *weight : Tensor(), lse, dlogits});
     ctx->saved_data["reduction"] = reduction;
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["label_smoothing"] = label_smoothing;
@@ -700,6 +730,12 @@ struct CrossEntropy : Function<CrossEntropy> {
 
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
+    const Tensor &g = grads[0];
+    if (concrete(g) && g.numel() == 1 && ctx->saved_data["reduction"].toInt() != 0) {
+      const bool one = g.item<double>() == 1.0;
+      upstream_was_one.store(one, std::memory_order_relaxed);
+      if (one && saved[4].defined()) return {saved[4], {}, {}, {}, {}, {}, {}, {}};
+    }
     const Opt weight = saved[2].defined() ? Opt(saved[2]) : std::nullopt;
     auto &d = ctx->saved_data;
     Tensor dlogits = cross_entropy_backward_op().call(

@@ -48,6 +48,59 @@ int64_t rows_of(const at::Tensor &logits, const char *op) {
   return logits.size(0);
 }
 
+// torch's mean divides by the weight of the rows not ignored: their count,
+// or the sum of their classes' weights (float64, row order). A target out of
+// range adds nothing here; the kernel refuses it.
+template <class I>
+double denominator_of(const I *t, int64_t n, const float *w, int64_t classes, int64_t ignore_index) {
+  double d = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t v = t[i];
+    if (v == ignore_index) continue;
+    d += w == nullptr ? 1.0 : (v >= 0 && v < classes ? static_cast<double>(w[v]) : 0.0);
+  }
+  return d;
+}
+
+double denominator(const at::Tensor &target, const Optional &weight, int64_t ignore_index) {
+  const float *w = weight.t.defined() ? weight.t.data_ptr<float>() : nullptr;
+  const int64_t c = weight.t.defined() ? weight.t.numel() : 0;
+  if (target.scalar_type() == at::kInt)
+    return denominator_of(target.data_ptr<int32_t>(), target.numel(), w, c, ignore_index);
+  return denominator_of(target.data_ptr<int64_t>(), target.numel(), w, c, ignore_index);
+}
+
+// npukern_torch's reduction of the kernel's per-row (weighted) losses: the
+// float64 sum in row order, for a mean divided by the float64 denominator,
+// rounded to float32 once. Every path that reduces (the forward alone, the
+// training forward that also writes dlogits) uses it, so a loss has the same
+// bits with and without grad; N = 0 or every row ignored give torch's
+// answers (0 for a sum, NaN for a mean).
+at::Tensor reduce_rows(const at::Tensor &rows, const at::Tensor &target, const Optional &weight,
+                       int64_t reduction, int64_t ignore_index) {
+  const float *l = rows.data_ptr<float>();
+  double sum = 0.0;
+  for (int64_t i = 0, n = rows.numel(); i < n; ++i) sum += static_cast<double>(l[i]);
+  const double v = reduction == 1 ? sum : sum / denominator(target, weight, ignore_index);
+  at::Tensor out = empty_output({}, at::kFloat);
+  *out.data_ptr<float>() = static_cast<float>(v);
+  return out;
+}
+
+// The kernel's forward with per-row losses (reduction none) into `loss`.
+void forward_rows(const char *op, const at::Tensor &logits, const at::Tensor &target, const Optional &weight,
+                  const npk_cross_entropy_options &o, at::Tensor &loss, at::Tensor &lse) {
+  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
+  npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
+  Call call(op);
+  call.tensors({&logits, &target, &weight.t, &loss, &lse});
+  call.run(
+      [&](size_t *bytes) { return npk_cross_entropy_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_cross_entropy(&lt, &tt, weight.ptr(), &o, &losst, &lset, ws, bytes, call.exec());
+      });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, const at::Tensor &target_in,
@@ -59,22 +112,12 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, co
   at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
   const int64_t n = rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  at::Tensor loss = reduction == 0 ? empty_output({n}, at::kFloat) : empty_output({}, at::kFloat);
+  // The kernel writes per-row losses; a sum or mean is reduce_rows'.
+  at::Tensor loss = empty_output({n}, at::kFloat);
   at::Tensor lse = empty_output({n}, at::kFloat);
-  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
-  npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
-  if (reduction != 0) {  // the C ABI's scalar is one element
-    losst.ndim = 1;
-    losst.shape[0] = 1;
-  }
-  const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
-  Call call(op);
-  call.tensors({&logits, &target, &weight.t, &loss, &lse});
-  call.run(
-      [&](size_t *bytes) { return npk_cross_entropy_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) {
-        return npk_cross_entropy(&lt, &tt, weight.ptr(), &o, &losst, &lset, ws, bytes, call.exec());
-      });
+  forward_rows(op, logits, target, weight, ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap),
+               loss, lse);
+  if (reduction != 0) loss = reduce_rows(loss, target, weight, reduction, ignore_index);
   return {loss, lse};
 }
 
@@ -89,6 +132,15 @@ at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &l
   at::Tensor grad = cpu_contiguous(grad_in, op, "grad");
   rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
+  if (reduction == 2 && grad.numel() == 1 && grad.scalar_type() == at::kFloat) {
+    // A mean's factor g / denominator with reduce_rows' denominator (as
+    // cross_entropy_train's), applied by the kernel as a sum's.
+    const float den = static_cast<float>(denominator(target, weight, ignore_index));
+    at::Tensor scaled = empty_output({}, at::kFloat);
+    *scaled.data_ptr<float>() = *grad.data_ptr<float>() / den;
+    grad = scaled;
+    reduction = 1;
+  }
   at::Tensor dlogits = empty_output_like(logits);
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor lset = describe(lse, op, "lse"), gt = describe(grad, op, "grad");
@@ -142,6 +194,41 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, cons
         return npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &losst, &lset, &lt, ws, bytes, call.exec());
       });
   return {loss, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_train(
+    const at::Tensor &logits_in, const at::Tensor &target_in, const std::optional<at::Tensor> &weight_in,
+    int64_t reduction, int64_t ignore_index, double label_smoothing, double lse_square_scale, double softcap) {
+  const char *op = "npukern::cross_entropy_train";
+  TORCH_CHECK_VALUE(reduction == 1 || reduction == 2, op, ": reduction ", reduction, " is not 1 (sum) or 2 (mean)");
+  at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
+  const int64_t n = rows_of(logits, op);
+  Optional weight = optional(weight_in, op, "weight");
+  // d loss / d logits for an upstream gradient of 1: the backward's factor
+  // g / denominator with g = 1 (the same float32 division when the
+  // denominator is a row count), 1 for a sum.
+  const float den = static_cast<float>(denominator(target, weight, ignore_index));
+  at::Tensor scale = empty_output({}, at::kFloat);
+  *scale.data_ptr<float>() = reduction == 2 ? 1.0f / den : 1.0f;
+  at::Tensor rows = empty_output({n}, at::kFloat), lse = empty_output({n}, at::kFloat);
+  at::Tensor dlogits = empty_output_like(logits);
+  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
+  npk_tensor st = describe(scale, op, "grad_scale"), dt = describe(dlogits, op, "dlogits");
+  st.ndim = 1;
+  st.shape[0] = 1;
+  npk_tensor rowst = describe(rows, op, "loss"), lset = describe(lse, op, "lse");
+  const npk_cross_entropy_options o = ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap);
+  Call call(op);
+  call.tensors({&logits, &target, &weight.t, &scale, &rows, &lse, &dlogits});
+  call.outputs({&dlogits});  // just allocated: the store policy (glue.h)
+  call.run_sized(  // its workspace is the exp cache: taken, not merely tried
+      [&](size_t *bytes) {
+        return npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
+      },
+      [&](void *ws, size_t bytes) {
+        return npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &rowst, &lset, &dt, ws, bytes, call.exec());
+      });
+  return {reduce_rows(rows, target, weight, reduction, ignore_index), lse, dlogits};
 }
 
 }  // namespace npk_torch

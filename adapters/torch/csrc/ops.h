@@ -57,5 +57,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, cons
                                                         const at::Tensor &grad_scale, int64_t ignore_index,
                                                         double label_smoothing, double lse_square_scale,
                                                         double softcap);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_train(
+    const at::Tensor &logits, const at::Tensor &target, const std::optional<at::Tensor> &weight, int64_t reduction,
+    int64_t ignore_index, double label_smoothing, double lse_square_scale, double softcap);
 
 }  // namespace npk_torch

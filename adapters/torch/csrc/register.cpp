@@ -58,6 +58,13 @@ TORCH_LIBRARY(npukern, m) {
   m.def("cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, Tensor? weight, Tensor lse, "
         "int reduction=2, int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, "
         "float softcap=0.0) -> Tensor");
+  // The training forward: the reduced loss and lse of cross_entropy (the
+  // same bits) and, in the same pass over the logits, dlogits for an
+  // upstream gradient of 1 (reduction 1 sum or 2 mean): what the autograd
+  // formula runs when the logits require grad.
+  m.def("cross_entropy_train(Tensor logits, Tensor target, Tensor? weight=None, int reduction=2, "
+        "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, float softcap=0.0) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("cross_entropy_fused_(Tensor(a!) logits, Tensor target, Tensor? weight, Tensor grad_scale, "
         "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, float softcap=0.0) -> "
         "(Tensor, Tensor)");
@@ -99,6 +106,7 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("cross_entropy", &npk_torch::cross_entropy);
   m.impl("cross_entropy_backward", &npk_torch::cross_entropy_backward);
   m.impl("cross_entropy_fused_", &npk_torch::cross_entropy_fused_);
+  m.impl("cross_entropy_train", &npk_torch::cross_entropy_train);
 }
 
 // The list ops also serve an empty list (the dispatcher finds no tensor to

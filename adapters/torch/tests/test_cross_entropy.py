@@ -133,3 +133,47 @@ def test_opcheck_and_compile():
     a.backward()
     b.backward()
     torch.testing.assert_close(xa.grad, xb.grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 6.0}, {"weight": True}],
+                         ids=["plain", "smooth-z-cap", "weight"])
+def test_training_forward_keeps_the_bits(dtype, reduction, opts):
+    """With the logits requiring grad the forward also writes dlogits
+    (cross_entropy_train): the loss has the bits of the no-grad call, and
+    the gradient those of the backward op, for an upstream gradient of 1
+    (handed over) and of 0.37 (the backward op run)."""
+    x, t = _data(37, 203, dtype)
+    t[5] = -100
+    opts = dict(opts)
+    w = torch.rand(203, generator=torch.Generator().manual_seed(3)) + 0.5 if opts.pop("weight", False) else None
+    ls, z, cap = opts.get("label_smoothing", 0.0), opts.get("z_loss", 0.0), opts.get("softcap", 0.0)
+    red = {"sum": 1, "mean": 2}[reduction]
+    ops = torch.ops.npukern
+    with torch.no_grad():
+        want, lse = ops.cross_entropy(x, t, w, red, -100, ls, z, cap)
+    # 1 (handed over), 0.37 (the backward op; the next forward then skips
+    # the dlogits), 1 again (seen: the one after that writes them again).
+    for g in (1.0, 0.37, 1.0, 1.0):
+        xa = x.clone().requires_grad_()
+        got, got_lse = ops.cross_entropy(xa, t, w, red, -100, ls, z, cap)
+        assert got.view(torch.int32).item() == want.view(torch.int32).item()
+        assert torch.equal(got_lse, lse)
+        (got * g).backward() if g != 1.0 else got.backward()
+        d = ops.cross_entropy_backward(torch.tensor(g), x, t, w, lse, red, -100, ls, z, cap)
+        assert torch.equal(xa.grad.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           d.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    # And against float64: the reduction the adapter does (float64 sum over
+    # the denominator, one rounding).
+    ref = TF.cross_entropy(x.double(), t, weight=None if w is None else w.double(), reduction=reduction)
+    if not ls and not z and not cap:
+        assert abs(want.double() - ref) <= 1e-6 * max(1.0, abs(ref.item()))
+
+
+def test_training_forward_op():
+    """cross_entropy_train alone: opcheck, and refusing an unreduced loss."""
+    x, t = _data(6, 17, torch.float32)
+    torch.library.opcheck(torch.ops.npukern.cross_entropy_train, (x, t, None, 2, -100, 0.1, 1e-3, 0.0))
+    with pytest.raises(ValueError, match="reduction 0"):
+        torch.ops.npukern.cross_entropy_train(x, t, None, 0)

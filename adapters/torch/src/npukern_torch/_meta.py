@@ -133,6 +133,14 @@ def _cross_entropy_backward(grad, logits, target, weight, lse, reduction=2, igno
     return _contiguous_like(logits)
 
 
+@torch.library.register_fake("npukern::cross_entropy_train")
+def _cross_entropy_train(logits, target, weight=None, reduction=2, ignore_index=-100, label_smoothing=0.0,
+                         lse_square_scale=0.0, softcap=0.0):
+    n = logits.shape[0]
+    return (logits.new_empty((), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32),
+            _contiguous_like(logits))
+
+
 @torch.library.register_fake("npukern::cross_entropy_fused_")
 def _cross_entropy_fused_(logits, target, weight, grad_scale, ignore_index=-100, label_smoothing=0.0,
                           lse_square_scale=0.0, softcap=0.0):
