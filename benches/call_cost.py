@@ -10,6 +10,8 @@ Each row is one callable run ``--loops`` times back to back
 spread (min-max of the reps), then the median minus the group's
 ``torch.add(x, x)``. Rows:
 
+- ``torch.ops.aten.add.Tensor``: torch.add's kernel called the way every
+  ``torch.ops`` op is (what the ``op`` rows cannot avoid);
 - ``op``: ``torch.ops.npukern.<op>`` with no input requiring grad (the
   Autograd key is still dispatched through: what a user's call costs);
 - ``op below autograd``: the same under ``_AutoDispatchBelowAutograd`` (the
@@ -81,6 +83,9 @@ def groups():
         am = npukern_torch.AddRMSNorm(4096, eps=1e-6, dtype=dtype)
         out.append((name, [
             ("torch.add(x, x)", lambda x=x: torch.add(x, x), plain),
+            # The door every torch.ops call goes through (the JIT argument
+            # parser, a boxed call), for the same kernel as torch.add.
+            ("torch.ops.aten.add.Tensor(x, x)", lambda x=x: torch.ops.aten.add.Tensor(x, x), plain),
             ("op", lambda x=x, g=g: ops.rms_norm(x, g, 1e-6), plain),
             ("op below autograd", lambda x=x, g=g: ops.rms_norm(x, g, 1e-6), below_autograd),
             ("op, x requires grad", lambda xg=xg, g=g: ops.rms_norm(xg, g, 1e-6), plain),
