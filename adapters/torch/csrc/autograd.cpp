@@ -718,7 +718,10 @@ struct CrossEntropy : Function<CrossEntropy> {
       std::tie(loss, lse) = cross_entropy_op().call(logits, target, weight, reduction, ignore_index, label_smoothing,
                                                     lse_square_scale, softcap);
     }
-    ctx->save_for_backward({logits, target, weight.has_value() ? *weight : Tensor(), lse, dlogits});
+    ctx->save_for_backward({logits, target, weight.has_value() ? *weight : Tensor(), lse});
+    // Not a saved variable: the backward takes it out (used once, handed
+    // over or dropped before the backward op allocates its own).
+    if (train) ctx->saved_data["dlogits"] = dlogits;
     ctx->saved_data["reduction"] = reduction;
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["label_smoothing"] = label_smoothing;
@@ -731,11 +734,17 @@ struct CrossEntropy : Function<CrossEntropy> {
   static variable_list backward(AutogradContext *ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const Tensor &g = grads[0];
+    Tensor fresh;  // the training forward's dlogits, taken out: used once
+    if (auto it = ctx->saved_data.find("dlogits"); it != ctx->saved_data.end()) {
+      fresh = it->second.toTensor();
+      ctx->saved_data.erase(it);
+    }
     if (concrete(g) && g.numel() == 1 && ctx->saved_data["reduction"].toInt() != 0) {
       const bool one = g.item<double>() == 1.0;
       upstream_was_one.store(one, std::memory_order_relaxed);
-      if (one && saved[4].defined()) return {saved[4], {}, {}, {}, {}, {}, {}, {}};
+      if (one && fresh.defined()) return {fresh, {}, {}, {}, {}, {}, {}, {}};
     }
+    fresh.reset();  // its memory back before the backward op takes its own
     const Opt weight = saved[2].defined() ? Opt(saved[2]) : std::nullopt;
     auto &d = ctx->saved_data;
     Tensor dlogits = cross_entropy_backward_op().call(

@@ -177,3 +177,19 @@ def test_training_forward_op():
     torch.library.opcheck(torch.ops.npukern.cross_entropy_train, (x, t, None, 2, -100, 0.1, 1e-3, 0.0))
     with pytest.raises(ValueError, match="reduction 0"):
         torch.ops.npukern.cross_entropy_train(x, t, None, 0)
+
+
+def test_training_forward_retain_graph():
+    """The forward's dlogits are handed over once: a second backward through
+    a retained graph runs the backward op (the same bits), and the first
+    gradient is not touched by it."""
+    x, t = _data(11, 70, torch.bfloat16)
+    xa = x.clone().requires_grad_()
+    loss = L.cross_entropy(xa, t)
+    loss.backward(retain_graph=True)
+    first = xa.grad.clone()
+    g1 = xa.grad
+    xa.grad = None
+    loss.backward()
+    assert torch.equal(xa.grad.view(torch.int16), first.view(torch.int16))
+    assert torch.equal(g1.view(torch.int16), first.view(torch.int16))
