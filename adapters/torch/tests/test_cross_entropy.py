@@ -193,3 +193,17 @@ def test_training_forward_retain_graph():
     loss.backward()
     assert torch.equal(xa.grad.view(torch.int16), first.view(torch.int16))
     assert torch.equal(g1.view(torch.int16), first.view(torch.int16))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_and_plain_share_the_reduction(reduction):
+    """One chunk: linear_cross_entropy's logits are cross_entropy's, and the
+    two reduce the per-row losses alike (float64, one rounding): the same
+    loss bits."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(45, 32, generator=g), torch.randn(300, 32, generator=g)
+    t = torch.randint(0, 300, (45,), generator=g)
+    t[3] = -100
+    a = L.linear_cross_entropy(x, w, t, reduction=reduction)
+    b = L.cross_entropy(x @ w.t(), t, reduction=reduction)
+    assert a.view(torch.int32).item() == b.view(torch.int32).item()

@@ -143,7 +143,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for b, (j0, j1) in enumerate(blocks):
                 d_weight[j0:j1].copy_(sums[b])
                 sums[b] = None
-        total = losses.sum() if red == 1 else losses.sum() / denom
+        # cross_entropy's reduction (csrc/loss_ops.cpp, reduce_rows): a
+        # float64 sum, for a mean over the float64 count, rounded once; in
+        # float64 the summation order no longer shows in the float32 result.
+        total = losses.sum(dtype=torch.float64)
+        total = (total if red == 1 else total / denom.double()).float()
         ctx.shape = input.shape
         ctx.save_for_backward(d_input, d_weight,
                               d_bias.to(bias.dtype) if d_bias is not None else None)
