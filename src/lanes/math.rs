@@ -476,8 +476,6 @@ mod tests {
         assert!(worst <= MAX_ULP, "{worst} ulp at {at:#x}");
     }
 
-    /// All 2^32 inputs (about a minute in release, one thread):
-    /// `cargo test --release -p npukern --lib -- --ignored exp_all_inputs --nocapture`.
     /// `exp_nonpos` is `exp` on its domain (every 97th negative bit
     /// pattern, both zeros, -Inf and NaNs), on every ISA.
     #[test]
@@ -524,6 +522,8 @@ mod tests {
         }
     }
 
+    /// All 2^32 inputs (about a minute in release, one thread):
+    /// `cargo test --release -p npukern --lib -- --ignored exp_all_inputs --nocapture`.
     #[test]
     #[cfg(feature = "std")]
     #[ignore = "2^32 inputs: run with --release --ignored"]

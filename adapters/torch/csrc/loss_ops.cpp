@@ -70,21 +70,24 @@ double denominator(const at::Tensor &target, const Optional &weight, int64_t ign
   return denominator_of(target.data_ptr<int64_t>(), target.numel(), w, c, ignore_index);
 }
 
+// A 0-dim float32 tensor holding v.
+at::Tensor scalar_f32(float v) {
+  at::Tensor out = empty_output({}, at::kFloat);
+  *out.data_ptr<float>() = v;
+  return out;
+}
+
 // npukern_torch's reduction of the kernel's per-row (weighted) losses: the
-// float64 sum in row order, for a mean divided by the float64 denominator,
-// rounded to float32 once. Every path that reduces (the forward alone, the
-// training forward that also writes dlogits) uses it, so a loss has the same
-// bits with and without grad; N = 0 or every row ignored give torch's
-// answers (0 for a sum, NaN for a mean).
-at::Tensor reduce_rows(const at::Tensor &rows, const at::Tensor &target, const Optional &weight,
-                       int64_t reduction, int64_t ignore_index) {
+// float64 sum in row order, for a mean (reduction 2) divided by `den`
+// (`denominator`), rounded to float32 once. Every path that reduces (the
+// forward alone, the training forward that also writes dlogits) uses it, so
+// a loss has the same bits with and without grad; N = 0 or every row
+// ignored give torch's answers (0 for a sum, NaN for a mean).
+at::Tensor reduce_rows(const at::Tensor &rows, int64_t reduction, double den) {
   const float *l = rows.data_ptr<float>();
   double sum = 0.0;
   for (int64_t i = 0, n = rows.numel(); i < n; ++i) sum += static_cast<double>(l[i]);
-  const double v = reduction == 1 ? sum : sum / denominator(target, weight, ignore_index);
-  at::Tensor out = empty_output({}, at::kFloat);
-  *out.data_ptr<float>() = static_cast<float>(v);
-  return out;
+  return scalar_f32(static_cast<float>(reduction == 1 ? sum : sum / den));
 }
 
 // The kernel's forward with per-row losses (reduction none) into `loss`.
@@ -98,6 +101,33 @@ void forward_rows(const char *op, const at::Tensor &logits, const at::Tensor &ta
       [&](size_t *bytes) { return npk_cross_entropy_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes); },
       [&](void *ws, size_t bytes) {
         return npk_cross_entropy(&lt, &tt, weight.ptr(), &o, &losst, &lset, ws, bytes, call.exec());
+      });
+}
+
+// The kernel's fused form: per-row losses and lse into `loss` and `lse`,
+// dlogits (scaled by `grad_scale`, 0-dim or one per row) into `dlogits`,
+// which is the logits themselves (in place) or a fresh output. Its
+// workspace is the exp cache: taken at its size, not merely tried.
+void fused_rows(const char *op, const at::Tensor &logits, const at::Tensor &target, const Optional &weight,
+                const at::Tensor &grad_scale, const npk_cross_entropy_options &o, at::Tensor &loss, at::Tensor &lse,
+                at::Tensor &dlogits) {
+  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
+  npk_tensor st = describe(grad_scale, op, "grad_scale"), dt = describe(dlogits, op, "dlogits");
+  if (grad_scale.dim() == 0) {  // the C ABI's scalar is one element
+    st.ndim = 1;
+    st.shape[0] = 1;
+  }
+  npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
+  const bool in_place = dlogits.data_ptr() == logits.data_ptr();
+  Call call(op);
+  call.tensors({&logits, &target, &weight.t, &grad_scale, &loss, &lse, &dlogits});
+  if (!in_place) call.outputs({&dlogits});  // just allocated: the store policy (glue.h)
+  call.run_sized(
+      [&](size_t *bytes) {
+        return npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
+      },
+      [&](void *ws, size_t bytes) {
+        return npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &losst, &lset, &dt, ws, bytes, call.exec());
       });
 }
 
@@ -117,7 +147,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, co
   at::Tensor lse = empty_output({n}, at::kFloat);
   forward_rows(op, logits, target, weight, ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap),
                loss, lse);
-  if (reduction != 0) loss = reduce_rows(loss, target, weight, reduction, ignore_index);
+  if (reduction != 0)
+    loss = reduce_rows(loss, reduction, reduction == 2 ? denominator(target, weight, ignore_index) : 0.0);
   return {loss, lse};
 }
 
@@ -136,9 +167,7 @@ at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &l
     // A mean's factor g / denominator with reduce_rows' denominator (as
     // cross_entropy_train's), applied by the kernel as a sum's.
     const float den = static_cast<float>(denominator(target, weight, ignore_index));
-    at::Tensor scaled = empty_output({}, at::kFloat);
-    *scaled.data_ptr<float>() = *grad.data_ptr<float>() / den;
-    grad = scaled;
+    grad = scalar_f32(*grad.data_ptr<float>() / den);
     reduction = 1;
   }
   at::Tensor dlogits = empty_output_like(logits);
@@ -176,23 +205,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_fused_(at::Tensor &logits, cons
   const int64_t n = rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
   at::Tensor loss = empty_output({n}, at::kFloat), lse = empty_output({n}, at::kFloat);
-  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
-  npk_tensor st = describe(grad_scale, op, "grad_scale");
-  if (grad_scale.dim() == 0) {
-    st.ndim = 1;
-    st.shape[0] = 1;
-  }
-  npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
-  const npk_cross_entropy_options o = ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap);
-  Call call(op);
-  call.tensors({&logits, &target, &weight.t, &grad_scale, &loss, &lse});
-  call.run_sized(  // its workspace is the exp cache: taken, not merely tried
-      [&](size_t *bytes) {
-        return npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
-      },
-      [&](void *ws, size_t bytes) {
-        return npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &losst, &lset, &lt, ws, bytes, call.exec());
-      });
+  fused_rows(op, logits, target, weight, grad_scale,
+             ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap), loss, lse, logits);
   return {loss, lse};
 }
 
@@ -207,28 +221,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_train(
   // d loss / d logits for an upstream gradient of 1: the backward's factor
   // g / denominator with g = 1 (the same float32 division when the
   // denominator is a row count), 1 for a sum.
-  const float den = static_cast<float>(denominator(target, weight, ignore_index));
-  at::Tensor scale = empty_output({}, at::kFloat);
-  *scale.data_ptr<float>() = reduction == 2 ? 1.0f / den : 1.0f;
+  const double den = denominator(target, weight, ignore_index);
+  const at::Tensor scale = scalar_f32(reduction == 2 ? 1.0f / static_cast<float>(den) : 1.0f);
   at::Tensor rows = empty_output({n}, at::kFloat), lse = empty_output({n}, at::kFloat);
   at::Tensor dlogits = empty_output_like(logits);
-  npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
-  npk_tensor st = describe(scale, op, "grad_scale"), dt = describe(dlogits, op, "dlogits");
-  st.ndim = 1;
-  st.shape[0] = 1;
-  npk_tensor rowst = describe(rows, op, "loss"), lset = describe(lse, op, "lse");
-  const npk_cross_entropy_options o = ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap);
-  Call call(op);
-  call.tensors({&logits, &target, &weight.t, &scale, &rows, &lse, &dlogits});
-  call.outputs({&dlogits});  // just allocated: the store policy (glue.h)
-  call.run_sized(  // its workspace is the exp cache: taken, not merely tried
-      [&](size_t *bytes) {
-        return npk_cross_entropy_fused_workspace_size(&lt, &tt, weight.ptr(), &o, call.exec(), bytes);
-      },
-      [&](void *ws, size_t bytes) {
-        return npk_cross_entropy_fused(&lt, &tt, weight.ptr(), &st, &o, &rowst, &lset, &dt, ws, bytes, call.exec());
-      });
-  return {reduce_rows(rows, target, weight, reduction, ignore_index), lse, dlogits};
+  fused_rows(op, logits, target, weight, scale,
+             ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap), rows, lse, dlogits);
+  return {reduce_rows(rows, reduction, den), lse, dlogits};
 }
 
 }  // namespace npk_torch
