@@ -70,6 +70,10 @@ def test_cross_entropy_shapes_and_edges():
         L.cross_entropy(x, bad)
     # float64 falls back to torch's
     assert L.cross_entropy(x.double(), t).dtype == torch.float64
+    # uint8 / int8 / int16 class indices, as torch takes them
+    tc = t.clamp(min=0)
+    for d in (torch.uint8, torch.int8, torch.int16):
+        assert torch.equal(L.cross_entropy(x, tc.to(d)), L.cross_entropy(x, tc)), d
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["one_block", "vocab_blocks"])

@@ -421,3 +421,44 @@ def test_loss_route_falls_back_for_float64_and_autocast(family):
         assert torch.equal(lp, ls)
         lp.backward()
         assert all(p.grad is not None for p in patched.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_loss_route_takes_shift_labels_and_ignore_index(family):
+    # transformers' ForCausalLMLoss reads both from the forward's kwargs.
+    stock = build(family, seed=8)
+    patched = twin(stock)
+    hf.patch(patched, rms_norm=False, embedding=False, mlp=False, rope=False)
+    x = tokens(seed=9)
+    g = torch.Generator().manual_seed(10)
+    shift = torch.randint(0, 96, x.shape, generator=g)  # not labels shifted: the kwarg must win
+    shift[:, -2:] = -100
+    a = stock(x, labels=x, shift_labels=shift).loss
+    b = patched(x, labels=x, shift_labels=shift).loss
+    assert patched(x, labels=x, shift_labels=shift).logits is None
+    assert abs(a.item() - b.item()) <= 2e-6 * abs(a.item()), (a, b)
+    labels = x.clone()
+    labels[:, ::3] = -1
+    a = stock(x, labels=labels, ignore_index=-1).loss
+    b = patched(x, labels=labels, ignore_index=-1).loss
+    assert abs(a.item() - b.item()) <= 2e-6 * abs(a.item()), (a, b)
+
+
+def test_loss_route_evaluation_returns_logits():
+    # Trainer's evaluation loop: model.eval() under no_grad, labels given,
+    # logits wanted for the metrics: the stock forward, bit for bit.
+    stock = build("llama", seed=11)
+    patched = twin(stock)
+    hf.patch(patched, rms_norm=False, embedding=False, mlp=False, rope=False)
+    stock.eval()
+    patched.eval()
+    x = tokens(seed=12)
+    with torch.no_grad():
+        s, p = stock(x, labels=x), patched(x, labels=x)
+    assert p.logits is not None and torch.equal(p.logits, s.logits)
+    assert torch.equal(p.loss, s.loss)
+    # Evaluation with grad on (or training mode) still takes the fused route.
+    assert patched(x, labels=x).logits is None
+    patched.train()
+    with torch.no_grad():
+        assert patched(x, labels=x).logits is None

@@ -408,16 +408,25 @@ class _Capture(torch.nn.Module):
         return hidden.new_empty(*hidden.shape[:-1], 0)
 
 
+def _evaluating(model):
+    """An evaluation forward (``model.eval()`` under ``torch.no_grad()``, as
+    Trainer's evaluation loop runs it): its caller wants the logits (metrics,
+    predictions), and nothing will be backpropagated."""
+    return not model.training and not torch.is_grad_enabled()
+
+
 def _causal_lm_forward(model, *args, labels=None, **kwargs):
     """A causal LM's forward whose loss, when labels are given, is the fused
     linear cross-entropy (Hugging Face's ``ForCausalLMLoss``: labels shifted
-    left, the last position ignored, float32 loss; ``num_items_in_batch``
-    makes it a sum over that count; Gemma2/3's ``final_logit_softcapping``
+    left, the last position ignored, or ``shift_labels`` as given; float32
+    loss; ``num_items_in_batch`` makes it a sum over that count;
+    ``ignore_index`` as passed; Gemma2/3's ``final_logit_softcapping``
     applied inside the kernel): the ``[tokens, vocab]`` logits never exist,
-    and the output's ``logits`` is None. Without labels: the stock forward."""
+    and the output's ``logits`` is None. Without labels, or in an evaluation
+    forward (``_evaluating``), the stock forward: logits and stock loss."""
     cls_forward = type(model).forward
-    if labels is None:
-        return cls_forward(model, *args, **kwargs)
+    if labels is None or _evaluating(model):
+        return cls_forward(model, *args, labels=labels, **kwargs)
     head = model.get_output_embeddings()
     capture = _Capture()
     name = next(n for n, m in model.named_children() if m is head)
@@ -427,8 +436,11 @@ def _causal_lm_forward(model, *args, labels=None, **kwargs):
     finally:
         setattr(model, name, head)
     hidden = capture.hidden
-    ignore = -100
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:].to(hidden.device)
+    ignore = kwargs.get("ignore_index", -100)
+    shifted = kwargs.get("shift_labels")
+    if shifted is None:
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+    shifted = shifted.to(hidden.device)
     num_items = kwargs.get("num_items_in_batch")
     cap = getattr(model.config, "final_logit_softcapping", None)
     loss = _loss.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, shifted.reshape(-1),
@@ -477,7 +489,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     attention output to the residual and normalize the sum in one AddRmsNorm
     (stock forward bits; needs ``rms_norm``); ``loss``: a causal LM given ``labels`` computes
     its loss with the fused linear cross-entropy and returns ``logits=None``
-    (without labels, the logits as before). Modules already patched are left alone (a second call
+    (without labels, or evaluating: ``model.eval()`` under ``torch.no_grad()``,
+    the logits and loss as before). Modules already patched are left alone (a second call
     counts 0). An RMSNorm class it does not know is left alone and named in a
     warning. Embeddings with ``max_norm`` or ``sparse=True`` (which npukern
     does not take) are left alone. Every swapped path gives the stock

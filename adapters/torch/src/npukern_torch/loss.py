@@ -55,6 +55,9 @@ def _composite(input, target, weight, ignore_index, reduction, label_smoothing, 
     return loss.to(input.dtype)
 
 
+_NARROW_INDICES = (torch.uint8, torch.int8, torch.int16)
+
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0, *,
                   z_loss=0.0, softcap=None):
     """``torch.nn.functional.cross_entropy`` on npukern: ``input`` ``(C)``,
@@ -75,6 +78,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
         x, t = x.unsqueeze(0), t.unsqueeze(0)
     elif x.dim() > 2:  # (N, C, d1, ...): classes last
         x, t = x.movedim(1, -1).reshape(-1, x.shape[1]), t.reshape(-1)
+    if t.dtype in _NARROW_INDICES:  # torch takes them too; the kernel reads int32/int64
+        t = t.long()
     if weight is not None and weight.dtype != torch.float32:
         weight = weight.float()
     loss, _lse = ops.cross_entropy(x.contiguous(), t.contiguous(), weight, red, ignore_index,
