@@ -1,13 +1,17 @@
 """npukern's C ABI from Python (ctypes over libnpukern.so), for the IPEX
-race's "C ABI" column: the call a C or C++ caller makes, with the library's
-own thread pool (npk_threads_parallel_for) and no hint about the output's
-pages (NPK_BACKEND_CPU alone: what the kernel does knowing nothing).
-Structures as include/npukern.h lays them out."""
+race's "C ABI" columns: the call a C or C++ caller makes, with the library's
+own thread pool (npk_threads_parallel_for) and, per `set_pages`, no hint
+about the output's pages (NPK_BACKEND_CPU alone: what the kernel does
+knowing nothing) or the store hint a caller that allocated them knows
+(NPK_OUTPUTS_FRESH / NPK_OUTPUTS_RESIDENT). Structures as
+include/npukern.h lays them out."""
 
 import ctypes as C
 import os
 
 MAX_DIMS = 8
+# npk_exec.backend's store hint bits (include/npukern.h).
+PAGES = {None: 0, "fresh": 0x100, "resident": 0x200}
 DTYPES = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}
 
 
@@ -44,6 +48,10 @@ class CApi:
     def set_threads(self, n):
         self.threads.value = n
 
+    def set_pages(self, pages):
+        """The store hint of the next calls: None, "fresh" or "resident"."""
+        self.exec.backend = PAGES[pages]
+
     @staticmethod
     def describe(t):
         assert t.is_contiguous()
@@ -74,9 +82,12 @@ class CApi:
         assert st == 0, st
         return y
 
-    def add_rms_norm(self, x1, x2, w, eps, torch):
-        """(y, x_sum): AddRmsNorm with both outputs allocated here."""
-        y, s = torch.empty_like(x1), torch.empty_like(x1)
+    def add_rms_norm(self, x1, x2, w, eps, torch, in_place=False):
+        """(y, x_sum): AddRmsNorm with both outputs allocated here, or with
+        `in_place` the sum written over x1 (IPEX's add_back form) and y alone
+        allocated."""
+        y = torch.empty_like(x1)
+        s = x1 if in_place else torch.empty_like(x1)
         rstd = torch.empty(x1.shape[:-1] + (1,), dtype=torch.float32)
         at, bt, wt, yt, rt, stt = (self.describe(t) for t in (x1, x2, w, y, rstd, s))
         o = NormOptions(eps, 0.0, 0)

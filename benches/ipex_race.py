@@ -14,8 +14,11 @@ fresh pages, faulted during the call. Prints a markdown table of medians
 (ms) and npukern / IPEX; the add_rms_norm rows also race npukern's in-place
 op (add_rms_norm_, IPEX's add_back form: the sum over the residual), and
 the large rms_norm / add_rms_norm rows npukern's C ABI called directly
-(benches/capi_ctypes.py: libnpukern.so, its own thread pool, no page hint;
-outputs allocated by torch.empty as the other columns' are)."""
+(benches/capi_ctypes.py: libnpukern.so, its own thread pool; outputs
+allocated by torch.empty as the other columns' are): "C ABI" with no page
+hint, "C ABI hinted" with the store hint this caller knows (it just
+allocated the outputs: NPK_OUTPUTS_FRESH, or with --resident
+NPK_OUTPUTS_RESIDENT), add_rms_norm in place over the residual as IPEX's."""
 
 import argparse
 import os
@@ -55,10 +58,22 @@ def main():
     def rand(*shape, dtype):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    def with_capi(fns, rows, fn):
+    pages = "resident" if args.resident else "fresh"
+
+    def hinted(fn):
+        def call():
+            capi.set_pages(pages)
+            try:
+                return fn()
+            finally:
+                capi.set_pages(None)
+        return call
+
+    def with_capi(fns, rows, fn, hinted_fn):
         # Not at decode sizes: there ctypes' own cost (microseconds) is the figure.
         if capi is not None and rows > 8:
             fns["C ABI"] = fn
+            fns["C ABI hinted"] = hinted(hinted_fn)
         return fns
 
     def rms_case(rows, cols, dtype):
@@ -68,19 +83,20 @@ def main():
             "npukern": lambda: nk.rms_norm(x, w, 1e-6),
             "ipex": lambda: F.rms_norm(x, w, 1e-6),
             "torch": lambda: torch.nn.functional.rms_norm(x, (cols,), w, 1e-6),
-        }, rows, lambda: capi.rms_norm(x, w, 1e-6, torch))
+        }, rows, lambda: capi.rms_norm(x, w, 1e-6, torch), lambda: capi.rms_norm(x, w, 1e-6, torch))
 
     def add_rms_case(rows, cols, dtype):
         x, r, w = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype), rand(cols, dtype=dtype)
         # IPEX's add_back and npukern's add_rms_norm_ write the sum into their residual.
-        r2, r3 = r.clone(), r.clone()
+        r2, r3, r4 = r.clone(), r.clone(), r.clone()
         return with_capi({
             "copy": lambda: (x.clone(), r.clone()),
             "npukern": lambda: nk.add_rms_norm(x, r, w, 1e-6),
             "npukern in place": lambda: nk.add_rms_norm_(r3, x, w, 1e-6),
             "ipex": lambda: F.add_rms_norm(r2, x, w, None, 1e-6, True),
             "torch": lambda: torch.nn.functional.rms_norm(x + r, (cols,), w, 1e-6),
-        }, rows, lambda: capi.add_rms_norm(x, r, w, 1e-6, torch))
+        }, rows, lambda: capi.add_rms_norm(x, r, w, 1e-6, torch),
+            lambda: capi.add_rms_norm(r4, x, w, 1e-6, torch, in_place=True))
 
     def silu_case(rows, cols, dtype):
         a, b = rand(rows, cols, dtype=dtype), rand(rows, cols, dtype=dtype)
@@ -129,9 +145,9 @@ def main():
     mode = "resident" if args.resident else "fresh"
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "
           f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)\n")
-    print("| case | copy | npukern | npukern in place | C ABI | IPEX | torch | npukern / IPEX | in place / IPEX "
-          "| C ABI / IPEX |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | copy | npukern | npukern in place | C ABI | C ABI hinted | IPEX | torch | npukern / IPEX "
+          "| in place / IPEX | C ABI / IPEX | hinted / IPEX |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, fns in cases:
         if args.filter not in name:
             continue
@@ -152,8 +168,9 @@ def main():
             return ("", "") if v is None else (f"{v:.3f}", f"{v / med['ipex']:.2f}")
 
         (ip_ms, ip_ratio), (c_ms, c_ratio) = opt("npukern in place"), opt("C ABI")
-        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {ip_ms} | {c_ms} | {med['ipex']:.3f} "
-              f"| {med['torch']:.3f} | {med['npukern'] / med['ipex']:.2f} | {ip_ratio} | {c_ratio} |")
+        h_ms, h_ratio = opt("C ABI hinted")
+        print(f"| {name} | {med['copy']:.3f} | {med['npukern']:.3f} | {ip_ms} | {c_ms} | {h_ms} | {med['ipex']:.3f} "
+              f"| {med['torch']:.3f} | {med['npukern'] / med['ipex']:.2f} | {ip_ratio} | {c_ratio} | {h_ratio} |")
 
 
 if __name__ == "__main__":
