@@ -25,6 +25,11 @@ if ! "$PY" -c "import torch, pytest, numpy, ninja" 2>/dev/null; then
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet torch pytest numpy ninja setuptools
 fi
+if ! "$PY" -c "import accelerate" 2>/dev/null; then
+  # Trainer's own dependency: tests/test_hf_trainer.py runs Hugging Face's Trainer.
+  echo "== installing accelerate into $VENV"
+  "$PY" -m pip install --quiet accelerate
+fi
 echo "== cargo build --release (the static library the extension links)"
 cargo build --release
 

@@ -1,0 +1,75 @@
+"""Hugging Face's Trainer on a patched model: the real client's training
+and evaluation loops (dataset columns kept by the forward's signature,
+num_items_in_batch passed under gradient accumulation, logits for
+compute_metrics in evaluation). Needs `accelerate` (Trainer's own
+dependency; scripts/torch_test.sh installs it)."""
+
+import inspect
+
+import pytest
+import torch
+
+from hf_models import FAMILIES, build, tokens, twin
+from npukern_torch import hf
+
+pytest.importorskip("accelerate")
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+
+def test_patched_forwards_keep_the_stock_signature():
+    for family in FAMILIES:
+        stock = build(family)
+        patched = twin(stock)
+        hf.patch(patched)
+        for (name, a), b in zip(stock.named_modules(), patched.modules()):
+            if "forward" in vars(b):
+                assert inspect.signature(b.forward) == inspect.signature(a.forward), (family, name)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seed):
+        self.x = torch.cat([tokens(batch=1, seed=seed + i) for i in range(n)])
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _accuracy(p):
+    logits = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+    return {"acc": float((logits.argmax(-1)[:, :-1] == p.label_ids[:, 1:]).mean())}
+
+
+def _run(model, out_dir):
+    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                             max_steps=4, gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[],
+                             use_cpu=True, save_strategy="no", seed=0, data_seed=0, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens(32, 100), eval_dataset=_Tokens(8, 200),
+                      compute_metrics=_accuracy)
+    return trainer.train().training_loss, trainer.evaluate()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_trainer_trains_and_evaluates_a_patched_model(family, tmp_path):
+    stock = build(family, seed=3)
+    patched = twin(stock)
+    assert hf.patch(patched)["loss"] == 1
+    calls = []
+    real = hf._loss.linear_cross_entropy
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    hf._loss.linear_cross_entropy = counted
+    try:
+        train_s, eval_s = _run(stock, tmp_path / "stock")
+        train_p, eval_p = _run(patched, tmp_path / "patched")
+    finally:
+        hf._loss.linear_cross_entropy = real
+    assert len(calls) == 8  # 4 steps x 2 accumulated micro-batches, fused; evaluation stock
+    assert abs(train_p - train_s) <= 1e-5 * abs(train_s), (train_s, train_p)
+    assert abs(eval_p["eval_loss"] - eval_s["eval_loss"]) <= 1e-5 * abs(eval_s["eval_loss"])
+    assert eval_p["eval_acc"] == eval_s["eval_acc"]
