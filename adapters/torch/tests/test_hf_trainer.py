@@ -1,8 +1,9 @@
 """Hugging Face's Trainer on a patched model: the real client's training
 and evaluation loops (dataset columns kept by the forward's signature,
 num_items_in_batch passed under gradient accumulation, logits for
-compute_metrics in evaluation). Needs `accelerate` (Trainer's own
-dependency; scripts/torch_test.sh installs it)."""
+compute_metrics in evaluation; needs `accelerate`, Trainer's own
+dependency, which scripts/torch_test.sh installs), generate, gradient
+checkpointing and save_pretrained."""
 
 import inspect
 
@@ -11,9 +12,6 @@ import torch
 
 from hf_models import FAMILIES, build, tokens, twin
 from npukern_torch import hf
-
-pytest.importorskip("accelerate")
-from transformers import Trainer, TrainingArguments  # noqa: E402
 
 
 def test_patched_forwards_keep_the_stock_signature():
@@ -43,6 +41,8 @@ def _accuracy(p):
 
 
 def _run(model, out_dir):
+    from transformers import Trainer, TrainingArguments
+
     args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=4, per_device_eval_batch_size=4,
                              max_steps=4, gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[],
                              use_cpu=True, save_strategy="no", seed=0, data_seed=0, logging_steps=1)
@@ -53,6 +53,7 @@ def _run(model, out_dir):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_trainer_trains_and_evaluates_a_patched_model(family, tmp_path):
+    pytest.importorskip("accelerate")
     stock = build(family, seed=3)
     patched = twin(stock)
     assert hf.patch(patched)["loss"] == 1
@@ -73,3 +74,35 @@ def test_trainer_trains_and_evaluates_a_patched_model(family, tmp_path):
     assert abs(train_p - train_s) <= 1e-5 * abs(train_s), (train_s, train_p)
     assert abs(eval_p["eval_loss"] - eval_s["eval_loss"]) <= 1e-5 * abs(eval_s["eval_loss"])
     assert eval_p["eval_acc"] == eval_s["eval_acc"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_checkpointing_and_save_of_a_patched_model(family, tmp_path):
+    # More of transformers' own machinery over a patched model: greedy
+    # generate (KV cache, one-token RoPE and norms), gradient checkpointing
+    # (the patched forwards recomputed in backward) and save_pretrained
+    # (stock parameter names: a stock class loads it).
+    stock = build(family, seed=3)
+    patched = twin(stock)
+    hf.patch(patched)
+    x = tokens(seed=5)
+    stock.eval()
+    patched.eval()
+    with torch.no_grad():
+        want = stock.generate(x[:, :5], max_new_tokens=8, do_sample=False)
+        got = patched.generate(x[:, :5], max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)
+    patched.train()
+    ckpt = twin(patched)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    a, b = patched(x, labels=x).loss, ckpt(x, labels=x).loss
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for p, q in zip(patched.parameters(), ckpt.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
+    patched.save_pretrained(tmp_path)
+    loaded = type(stock).from_pretrained(tmp_path)
+    assert set(loaded.state_dict()) == set(stock.state_dict())
+    for k, v in patched.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
