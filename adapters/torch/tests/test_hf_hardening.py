@@ -462,3 +462,45 @@ def test_loss_route_evaluation_returns_logits():
     patched.train()
     with torch.no_grad():
         assert patched(x, labels=x).logits is None
+
+
+class _LoraHead(torch.nn.Module):
+    """What PEFT's LoRA makes of an LM head: the Linear plus a low-rank delta."""
+
+    def __init__(self, base, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(4, base.in_features, generator=g) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, 4, generator=g) * 0.1)
+
+    @property
+    def weight(self):  # as PEFT's wrapper, it still shows the base weight
+        return self.base.weight
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def test_loss_route_leaves_a_wrapped_or_hooked_head_to_the_stock_forward():
+    # A head wrapped after the patch (LoRA, quantization) or hooked must keep
+    # its own forward: the fused loss reads only weight and bias, so before,
+    # a LoRA head's delta was left out of the loss and its parameters got no
+    # gradient.
+    stock = build("llama", seed=13)
+    patched = twin(stock)
+    hf.patch(patched, rms_norm=False, embedding=False, mlp=False, rope=False)
+    for m in (stock, patched):
+        m.lm_head = _LoraHead(m.lm_head, seed=14)
+    x = tokens(seed=15)
+    a, b = stock(x, labels=x).loss, patched(x, labels=x).loss
+    assert torch.equal(a, b)
+    a.backward()
+    b.backward()
+    assert patched.lm_head.a.grad is not None and torch.equal(patched.lm_head.a.grad, stock.lm_head.a.grad)
+    stock = build("llama", seed=16)
+    patched = twin(stock)
+    hf.patch(patched, rms_norm=False, embedding=False, mlp=False, rope=False)
+    for m in (stock, patched):
+        m.lm_head.register_forward_hook(lambda mod, inp, out: out * 0.5)
+    assert torch.equal(stock(x, labels=x).loss, patched(x, labels=x).loss)

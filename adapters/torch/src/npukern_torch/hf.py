@@ -422,6 +422,15 @@ def _evaluating(model):
     return not model.training and not torch.is_grad_enabled()
 
 
+def _plain_linear(m):
+    """Whether the fused loss may read the LM head through its weight and
+    bias: torch's own Linear forward, a floating weight, no hooks. A head
+    wrapped later (PEFT's LoRA, a quantized Linear subclass, a forward hook)
+    keeps the stock forward, whose head call includes what the wrapper adds."""
+    return (isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward
+            and m.weight.dtype.is_floating_point and not (m._forward_hooks or m._forward_pre_hooks))
+
+
 def _causal_lm_forward(model, *args, labels=None, **kwargs):
     """A causal LM's forward whose loss, when labels are given, is the fused
     linear cross-entropy (Hugging Face's ``ForCausalLMLoss``: labels shifted
@@ -432,11 +441,12 @@ def _causal_lm_forward(model, *args, labels=None, **kwargs):
     and the output's ``logits`` is None. Without labels, or in an evaluation
     forward (``_evaluating``), the stock forward: logits and stock loss."""
     cls_forward = type(model).forward
-    if labels is None or _evaluating(model):
-        return cls_forward(model, *args, labels=labels, **kwargs)
     head = model.get_output_embeddings()
+    # The head is swapped for the capture where the model holds it: a direct child.
+    name = next((n for n, m in model.named_children() if m is head), None)
+    if labels is None or _evaluating(model) or name is None or not _plain_linear(head):
+        return cls_forward(model, *args, labels=labels, **kwargs)
     capture = _Capture()
-    name = next(n for n, m in model.named_children() if m is head)
     setattr(model, name, capture)
     try:
         out = cls_forward(model, *args, **kwargs)
