@@ -504,3 +504,16 @@ def test_loss_route_leaves_a_wrapped_or_hooked_head_to_the_stock_forward():
     for m in (stock, patched):
         m.lm_head.register_forward_hook(lambda mod, inp, out: out * 0.5)
     assert torch.equal(stock(x, labels=x).loss, patched(x, labels=x).loss)
+
+
+def test_loss_route_output_forms():
+    # out[0] is the loss (a ModelOutput's order is its fields'), and
+    # return_dict=False gives the tuple form, the loss first, as stock's.
+    stock = build("llama", seed=17)
+    patched = twin(stock)
+    hf.patch(patched, rms_norm=False, embedding=False, mlp=False, rope=False)
+    x = tokens(seed=18)
+    out = patched(x, labels=x)
+    assert out[0] is out.loss and out.logits is None and "logits" not in out
+    t, s = patched(x, labels=x, return_dict=False), stock(x, labels=x, return_dict=False)
+    assert isinstance(t, tuple) and abs(t[0].item() - s[0].item()) <= 2e-6 * abs(s[0].item())

@@ -446,10 +446,15 @@ def _causal_lm_forward(model, *args, labels=None, **kwargs):
     name = next((n for n, m in model.named_children() if m is head), None)
     if labels is None or _evaluating(model) or name is None or not _plain_linear(head):
         return cls_forward(model, *args, labels=labels, **kwargs)
+    # transformers' rule for the result's form (`can_return_tuple`): the
+    # call's return_dict, else the config's. The body runs with a dict.
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
     capture = _Capture()
     setattr(model, name, capture)
     try:
-        out = cls_forward(model, *args, **kwargs)
+        out = cls_forward(model, *args, return_dict=True, **kwargs)
     finally:
         setattr(model, name, head)
     hidden = capture.hidden
@@ -465,9 +470,10 @@ def _causal_lm_forward(model, *args, labels=None, **kwargs):
                                       "sum" if num_items is not None else "mean", softcap=cap or None)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    out.loss = loss
-    out.logits = None
-    return out
+    # Rebuilt, not assigned: a ModelOutput's order is its fields' (loss
+    # first, so out[0] and the tuple form lead with the loss, as stock's).
+    out = type(out)(loss=loss, **{k: v for k, v in out.items() if k not in ("loss", "logits")})
+    return out if return_dict else out.to_tuple()
 
 
 def _is_causal_lm(m):
