@@ -438,8 +438,11 @@ def _causal_lm_forward(model, *args, labels=None, **kwargs):
     loss; ``num_items_in_batch`` makes it a sum over that count;
     ``ignore_index`` as passed; Gemma2/3's ``final_logit_softcapping``
     applied inside the kernel): the ``[tokens, vocab]`` logits never exist,
-    and the output's ``logits`` is None. Without labels, or in an evaluation
-    forward (``_evaluating``), the stock forward: logits and stock loss."""
+    and the output's ``logits`` is None (``out[0]`` the loss; the tuple form
+    under ``return_dict=False``). Without labels, in an evaluation forward
+    (``_evaluating``), or with a head the model does not hold directly or
+    that is not a plain Linear (``_plain_linear``), the stock forward:
+    logits and stock loss."""
     cls_forward = type(model).forward
     head = model.get_output_embeddings()
     # The head is swapped for the capture where the model holds it: a direct child.
