@@ -17,7 +17,7 @@ use crate::lanes::detect::Available;
 use crate::lanes::math::{exp, exp_nonpos, log, tanh};
 use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
-use crate::ops::norm::{load_at, store_at};
+use crate::ops::norm::{load_at, put_pair, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
 use crate::tiling::NORM_FLAG_STREAM;
@@ -520,48 +520,105 @@ unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
         a += (2.0 * k.zs) * lse;
     }
     // p_c * a = e_c * (exp(m - lse) * a): one multiply per element.
-    let qa = L::splat(lane0(exp(L::splat(m - lse))) * a);
-    let (mv, gv, lsc) = (L::splat(m), L::splat(g), L::splat(k.lsc));
-    let one = L::splat(1.0);
-    let cached = cache.map(|c| Src(c.0 as *const f32));
+    let f = Pass2 {
+        qa: L::splat(lane0(exp(L::splat(m - lse))) * a),
+        mv: L::splat(m),
+        gv: L::splat(g),
+        lsc: L::splat(k.lsc),
+        on,
+        t,
+        cached: cache.map(|c| Src(c.0 as *const f32)),
+    };
     let mut j = 0;
+    // Whole lines where the row has them: one conversion and one 64-byte
+    // store per two groups (the same bits as group by group).
+    while j + 2 * GROUP <= n {
+        // SAFETY: columns j..j + 32 of the row; both windows are read
+        // before the line is written.
+        unsafe {
+            let (d0, d1) = (
+                grad_group::<L, T, CAP>(k, &f, base, j, GROUP),
+                grad_group::<L, T, CAP>(k, &f, base, j + GROUP, GROUP),
+            );
+            put_pair::<L, T, false>(k.d, base + j, d0, d1);
+        }
+        j += 2 * GROUP;
+    }
     while j < n {
         let len = (n - j).min(GROUP);
-        let (e, th) = match cached {
-            // SAFETY: columns j..j + len of this block's cache row.
-            Some(c) if !CAP => (unsafe { load_at::<L, f32>(c, j, len) }, one),
-            _ => {
-                // SAFETY: columns j..j + len of the row.
-                let (x, th) =
-                    capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
-                let e = match cached {
-                    // SAFETY: as above.
-                    Some(c) => unsafe { load_at::<L, f32>(c, j, len) },
-                    None => {
-                        // As in pass 1: the next row into cache meanwhile.
-                        L::prefetch(k.x.addr(base + n + j));
-                        exp_nonpos(x.sub(mv))
-                    }
-                };
-                (e, th)
-            }
-        };
-        let mut d = e.mul(qa);
-        if k.ls > 0.0 {
-            d = d.sub(match k.w {
-                // SAFETY: columns j..j + len of weight.
-                Some(w) => unsafe { load_at::<L, f32>(w, j, len) }.mul(lsc),
-                None => lsc,
-            });
+        // SAFETY: as above, one window.
+        unsafe {
+            let d = grad_group::<L, T, CAP>(k, &f, base, j, len);
+            store_at::<L, T>(d, k.d, base + j, len);
         }
-        if t >= j && t < j + len {
-            d = d.sub(one_hot::<L>(t - j, on));
-        }
-        if CAP {
-            d = d.mul(one.sub(th.mul(th)));
-        }
-        // SAFETY: as above; the window was read before this store.
-        unsafe { store_at::<L, T>(d.mul(gv), k.d, base + j, len) };
         j += len;
     }
+}
+
+/// Pass 2's row constants.
+struct Pass2<L> {
+    /// `exp(m - lse) * a`.
+    qa: L,
+    /// The row max.
+    mv: L,
+    /// The gradient factor.
+    gv: L,
+    /// `ls / C`.
+    lsc: L,
+    /// `(1 - ls) * w_t`, taken at the target.
+    on: f32,
+    /// The target column.
+    t: usize,
+    /// Pass 1's exps of the row, when it left them.
+    cached: Option<Src<f32>>,
+}
+
+/// dlogits at columns `j..j + len` (`len <= 16`) of the row at `base`,
+/// computed from the logits there (or pass 1's exps), not yet stored.
+///
+/// # Safety
+/// The columns are inside the row; the cache row, when given, holds them.
+#[inline(always)]
+unsafe fn grad_group<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    f: &Pass2<L>,
+    base: usize,
+    j: usize,
+    len: usize,
+) -> L {
+    let n = k.cols;
+    let one = L::splat(1.0);
+    let (e, th) = match f.cached {
+        // SAFETY: columns j..j + len of this block's cache row.
+        Some(c) if !CAP => (unsafe { load_at::<L, f32>(c, j, len) }, one),
+        _ => {
+            // SAFETY: columns j..j + len of the row.
+            let (x, th) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
+            let e = match f.cached {
+                // SAFETY: as above.
+                Some(c) => unsafe { load_at::<L, f32>(c, j, len) },
+                None => {
+                    // As in pass 1: the next row into cache meanwhile.
+                    L::prefetch(k.x.addr(base + n + j));
+                    exp_nonpos(x.sub(f.mv))
+                }
+            };
+            (e, th)
+        }
+    };
+    let mut d = e.mul(f.qa);
+    if k.ls > 0.0 {
+        d = d.sub(match k.w {
+            // SAFETY: columns j..j + len of weight.
+            Some(w) => unsafe { load_at::<L, f32>(w, j, len) }.mul(f.lsc),
+            None => f.lsc,
+        });
+    }
+    if f.t >= j && f.t < j + len {
+        d = d.sub(one_hot::<L>(f.t - j, f.on));
+    }
+    if CAP {
+        d = d.mul(one.sub(th.mul(th)));
+    }
+    d.mul(f.gv)
 }
