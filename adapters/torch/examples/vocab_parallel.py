@@ -79,6 +79,9 @@ def worker(rank, world, port, steps):
                            timeout=datetime.timedelta(seconds=60))
     try:
         ok = run(steps)
+        # Every rank done before any tears down: a rank still in gloo's last
+        # exchange when its peer (or the store's host, rank 0) exits can abort.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if not ok:
@@ -94,6 +97,7 @@ def main():
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         ok = run(args.steps)
+        dist.barrier()
         dist.destroy_process_group()
         raise SystemExit(0 if ok else 1)
     with socket.socket() as s:
