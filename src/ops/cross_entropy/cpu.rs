@@ -17,7 +17,7 @@ use crate::lanes::detect::Available;
 use crate::lanes::math::{exp, exp_nonpos, log, tanh};
 use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
-use crate::ops::norm::{load_at, put_pair, store_at};
+use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
 use crate::tiling::NORM_FLAG_STREAM;
@@ -529,30 +529,31 @@ unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
         t,
         cached: cache.map(|c| Src(c.0 as *const f32)),
     };
-    let mut j = 0;
     // Whole lines where the row has them: one conversion and one 64-byte
     // store per two groups (the same bits as group by group).
-    while j + 2 * GROUP <= n {
-        // SAFETY: columns j..j + 32 of the row; both windows are read
-        // before the line is written.
-        unsafe {
-            let (d0, d1) = (
-                grad_group::<L, T, CAP>(k, &f, base, j, GROUP),
-                grad_group::<L, T, CAP>(k, &f, base, j + GROUP, GROUP),
-            );
-            put_pair::<L, T, false>(k.d, base + j, d0, d1);
+    for_lines!(
+        n,
+        0,
+        |j, len| {
+            // SAFETY: columns j..j + len of the row; the window is read
+            // before it is written.
+            unsafe {
+                let d = grad_group::<L, T, CAP>(k, &f, base, j, len);
+                store_at::<L, T>(d, k.d, base + j, len);
+            }
+        },
+        |p| {
+            // SAFETY: columns p..p + 32 of the row; both windows are read
+            // before the line is written.
+            unsafe {
+                let (d0, d1) = (
+                    grad_group::<L, T, CAP>(k, &f, base, p, GROUP),
+                    grad_group::<L, T, CAP>(k, &f, base, p + GROUP, GROUP),
+                );
+                put_pair::<L, T, false>(k.d, base + p, d0, d1);
+            }
         }
-        j += 2 * GROUP;
-    }
-    while j < n {
-        let len = (n - j).min(GROUP);
-        // SAFETY: as above, one window.
-        unsafe {
-            let d = grad_group::<L, T, CAP>(k, &f, base, j, len);
-            store_at::<L, T>(d, k.d, base + j, len);
-        }
-        j += len;
-    }
+    );
 }
 
 /// Pass 2's row constants.
