@@ -339,7 +339,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, r: usize, cache:
         // SAFETY: lse holds `rows` f32; the row is inside the logits.
         unsafe {
             (
-                row_max::<L, T, CAP>(k, base, false).0,
+                row_max::<L, T, CAP, false>(k, base).0,
                 k.lse_in.get(r, 1)[0],
             )
         }
@@ -362,17 +362,17 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, r: usize, cache:
 }
 
 /// The max of the (capped) row at `base` (a NaN never wins the compare;
-/// -f32::MAX for a row of -Inf) and, with `smooth`, `sum_c w_c x_c` (0
+/// -f32::MAX for a row of -Inf) and, with `SMOOTH` (a const parameter: the
+/// loop without it carries no sum), `sum_c w_c x_c` (0
 /// otherwise). Four max chains for throughput: the max is exact, so the
 /// order changes no bit.
 ///
 /// # Safety
 /// The row is inside the logits.
 #[inline(always)]
-unsafe fn row_max<L: Lanes, T: Float, const CAP: bool>(
+unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     k: &Kern<T>,
     base: usize,
-    smooth: bool,
 ) -> (f32, f32) {
     let n = k.cols;
     let mut sx = RowSum::<L>::new();
@@ -387,10 +387,10 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool>(
         // SAFETY: forwarded; columns j..j + 64 are in the row.
         let (x0, x1, x2, x3) = unsafe {
             (
-                max_group::<L, T, CAP>(k, base + j, j, smooth, &mut sx),
-                max_group::<L, T, CAP>(k, base + j + 16, j + 16, smooth, &mut sx),
-                max_group::<L, T, CAP>(k, base + j + 32, j + 32, smooth, &mut sx),
-                max_group::<L, T, CAP>(k, base + j + 48, j + 48, smooth, &mut sx),
+                max_group::<L, T, CAP, SMOOTH>(k, base + j, j, GROUP, &mut sx),
+                max_group::<L, T, CAP, SMOOTH>(k, base + j + 16, j + 16, GROUP, &mut sx),
+                max_group::<L, T, CAP, SMOOTH>(k, base + j + 32, j + 32, GROUP, &mut sx),
+                max_group::<L, T, CAP, SMOOTH>(k, base + j + 48, j + 48, GROUP, &mut sx),
             )
         };
         m0 = m0.select_lt(x0, x0, m0);
@@ -401,7 +401,8 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool>(
     }
     while j < n {
         // SAFETY: forwarded.
-        let x = unsafe { max_group::<L, T, CAP>(k, base + j, j, smooth, &mut sx) };
+        let x =
+            unsafe { max_group::<L, T, CAP, SMOOTH>(k, base + j, j, (n - j).min(GROUP), &mut sx) };
         m0 = m0.select_lt(x, x, m0);
         j += GROUP;
     }
@@ -415,26 +416,26 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool>(
             }
         }
     }
-    (m, if smooth { sx.finish() } else { 0.0 })
+    (m, if SMOOTH { sx.finish() } else { 0.0 })
 }
 
-/// The (capped) logits at column `j` of the row at `base`, lanes past the
-/// row -Inf; pushed to `sx` (weighted) when `smooth`.
+/// The (capped) logits at columns `j..j + len` (`len <= 16`, at `at` in
+/// the logits), lanes past `len` -Inf; pushed to `sx` (weighted) with
+/// `SMOOTH`.
 ///
 /// # Safety
-/// The row is inside the logits.
+/// The columns are inside the row.
 #[inline(always)]
-unsafe fn max_group<L: Lanes, T: Float, const CAP: bool>(
+unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     k: &Kern<T>,
     at: usize,
     j: usize,
-    smooth: bool,
+    len: usize,
     sx: &mut RowSum<L>,
 ) -> L {
-    let len = (k.cols - j).min(GROUP);
     // SAFETY: columns j..j + len of the row.
     let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, at, len) }, k.cap);
-    if smooth {
+    if SMOOTH {
         sx.push(match k.w {
             // SAFETY: columns j..j + len of weight.
             Some(w) => unsafe { load_at::<L, f32>(w, j, len) }.mul(x),
@@ -462,34 +463,119 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
 ) -> (f32, f32, f32) {
     let n = k.cols;
     // SAFETY: forwarded.
-    let (m, sx) = unsafe { row_max::<L, T, CAP>(k, base, k.ls > 0.0) };
+    let (m, sx) = unsafe {
+        if k.ls > 0.0 {
+            row_max::<L, T, CAP, true>(k, base)
+        } else {
+            row_max::<L, T, CAP, false>(k, base)
+        }
+    };
     let mv = L::splat(m);
     let mut s = RowSum::<L>::new();
-    let mut j = 0;
-    while j < n {
-        // The segment's running sum in a register (RowSum's own order).
-        let (mut acc, mut added) = (s.acc(), 0);
-        while added < s.room() && j < n {
-            let len = (n - j).min(GROUP);
-            // SAFETY: columns j..j + len of the row (now in cache).
-            let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
-            // Lanes past the row add exp(-Inf) = 0.
-            let x = if len < GROUP { pad_neg_inf(x, len) } else { x };
-            // The next row into cache while this loop computes (the max
-            // pass then reads it from there).
-            L::prefetch(k.x.addr(base + n + j));
-            let e = exp_nonpos(x.sub(mv));
-            if let Some(c) = cache {
-                // SAFETY: columns j..j + len of this block's cache row.
-                unsafe { store_at::<L, f32>(e, c, j, len) };
-            }
-            acc = acc.add(e);
-            added += 1;
-            j += len;
+    // Whole groups two at a time (two independent exps in flight, no
+    // length checks), then the last partial group; the sum is RowSum's
+    // order either way: the same bits as group by group.
+    let full = n / GROUP * GROUP;
+    // SAFETY: forwarded (columns ..full are whole groups of the row).
+    unsafe {
+        match cache {
+            Some(c) => pass1_groups::<L, T, CAP, true>(k, base, full, mv, c, &mut s),
+            None => pass1_groups::<L, T, CAP, false>(
+                k,
+                base,
+                full,
+                mv,
+                Dst(core::ptr::null_mut()),
+                &mut s,
+            ),
         }
-        s.commit(acc, added);
+    }
+    if full < n {
+        let len = n - full;
+        // SAFETY: the row's last columns (now in cache).
+        let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + full, len) }, k.cap);
+        // Lanes past the row add exp(-Inf) = 0.
+        let e = exp_nonpos(pad_neg_inf(x, len).sub(mv));
+        if let Some(c) = cache {
+            // SAFETY: the last columns of this block's cache row.
+            unsafe { store_at::<L, f32>(e, c, full, len) };
+        }
+        s.push(e);
     }
     (m, m + lane0(log(L::splat(s.finish()))), sx)
+}
+
+/// Pass 1's whole groups, columns `0..full` of the row at `base`: `exp(x -
+/// m)` pushed to `s` in column order and, with `CACHE`, stored to `cache`.
+/// Two groups an iteration, and the next row prefetched a line at a time.
+///
+/// # Safety
+/// The columns are inside the row; with `CACHE`, `cache` holds them.
+#[inline(always)]
+unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool>(
+    k: &Kern<T>,
+    base: usize,
+    full: usize,
+    mv: L,
+    cache: Dst<f32>,
+    s: &mut RowSum<L>,
+) {
+    let n = k.cols;
+    let mut j = 0;
+    while j < full {
+        // The segment's running sum in a register (RowSum's own order).
+        let (mut acc, room) = (s.acc(), s.room());
+        let end = (j + room * GROUP).min(full);
+        let start = j;
+        while j + 2 * GROUP <= end {
+            // The next row into cache while this loop computes (the max
+            // pass then reads it from there): one prefetch per line.
+            L::prefetch(k.x.addr(base + n + j));
+            if core::mem::size_of::<T>() == 4 {
+                L::prefetch(k.x.addr(base + n + j + GROUP));
+            }
+            // SAFETY: columns j..j + 32 of the row.
+            let (e0, e1) = unsafe {
+                (
+                    exp_group::<L, T, CAP>(k, base + j, mv),
+                    exp_group::<L, T, CAP>(k, base + j + GROUP, mv),
+                )
+            };
+            if CACHE {
+                // SAFETY: columns j..j + 32 of this block's cache row.
+                unsafe {
+                    e0.store(cache.group(j));
+                    e1.store(cache.group(j + GROUP));
+                }
+            }
+            acc = acc.add(e0).add(e1);
+            j += 2 * GROUP;
+        }
+        if j < end {
+            L::prefetch(k.x.addr(base + n + j));
+            // SAFETY: columns j..j + 16 of the row.
+            let e = unsafe { exp_group::<L, T, CAP>(k, base + j, mv) };
+            if CACHE {
+                // SAFETY: columns j..j + 16 of this block's cache row.
+                unsafe { e.store(cache.group(j)) };
+            }
+            acc = acc.add(e);
+            j += GROUP;
+        }
+        s.commit(acc, (j - start) / GROUP);
+    }
+}
+
+/// `exp(x - m)` of the (capped) logits at `at..at + 16` (a function, not a
+/// closure: closures here are not inlined into the ISA's entry).
+///
+/// # Safety
+/// The 16 logits are inside the row.
+#[inline(always)]
+unsafe fn exp_group<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, at: usize, mv: L) -> L {
+    // SAFETY: forwarded.
+    let (x, _) = capped::<L, CAP>(T::load::<L>(unsafe { k.x.group(at) }), k.cap);
+    exp_nonpos(x.sub(mv))
 }
 
 /// Pass 2 over the row at `base` with target `t`, row max `m` and `lse`:
