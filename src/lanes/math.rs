@@ -38,8 +38,7 @@ pub fn exp<L: Lanes>(x: L) -> L {
 #[inline(always)]
 pub fn exp_nonpos<L: Lanes>(x: L) -> L {
     // `clamp`'s lower side: a NaN lane stays NaN.
-    let lo = L::splat(LO);
-    exp_in_range(x.select_lt(lo, lo, x))
+    exp_in_range(x.at_least(L::splat(LO)))
 }
 
 /// `exp` of `x` in [LO, HI] or NaN.

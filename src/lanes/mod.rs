@@ -267,6 +267,13 @@ pub trait Lanes: Copy + Send + Sync + 'static {
         let v = self.select_lt(lo, lo, self);
         hi.select_lt(v, hi, v)
     }
+    /// Lane-wise `if self < lo { lo } else { self }`: `clamp`'s lower side
+    /// (a NaN lane stays NaN), one `max` on x86 where the select is a
+    /// compare and a blend on the exp's critical path.
+    #[inline(always)]
+    fn at_least(self, lo: Self) -> Self {
+        self.select_lt(lo, lo, self)
+    }
     /// Lane-wise nearest integer, ties to even, for |self| < 2^22: adding
     /// and subtracting 1.5 * 2^23 (AVX-512: one `vrndscaleps`, the same
     /// values; only the sign of a zero may differ, which `math` never sees).

@@ -480,6 +480,12 @@ impl Lanes for Avx2 {
             Avx2(c(self.0, lo.0, hi.0), c(self.1, lo.1, hi.1))
         }
     }
+    #[inline(always)]
+    fn at_least(self, lo: Self) -> Self {
+        // As `clamp`: max's second operand is what a NaN lane yields.
+        // SAFETY: AVX present.
+        unsafe { Avx2(_mm256_max_ps(lo.0, self.0), _mm256_max_ps(lo.1, self.1)) }
+    }
 }
 
 impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
@@ -704,6 +710,12 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
         // As Avx2's: the NaN rule of max/min (the second operand) keeps NaN.
         // SAFETY: AVX-512F present.
         unsafe { Self(_mm512_min_ps(hi.0, _mm512_max_ps(lo.0, self.0))) }
+    }
+    #[inline(always)]
+    fn at_least(self, lo: Self) -> Self {
+        // As `clamp`: max's second operand is what a NaN lane yields.
+        // SAFETY: AVX-512F present.
+        unsafe { Self(_mm512_max_ps(lo.0, self.0)) }
     }
     #[inline(always)]
     fn round_even(self) -> Self {
