@@ -270,25 +270,38 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, b: usize) {
     let end = (start + k.rpb).min(k.rows);
     // This block's cache row (blocks never share one).
     let cache = k.cache.map(|c| Dst(c.0.wrapping_add(b * k.cache_stride)));
+    // Row r's max when row r - 1's pass 1 found it (plain rows, forward).
+    let mut known = None;
     for r in start..end {
+        let next = (r + 1 < end).then(|| (r + 1) * k.cols);
         // SAFETY: row r belongs to this block; every tensor was validated.
-        unsafe {
+        known = unsafe {
             if k.cap > 0.0 {
-                row::<L, T, true>(k, r, cache)
+                row::<L, T, true>(k, r, cache, None, None)
             } else {
-                row::<L, T, false>(k, r, cache)
+                row::<L, T, false>(k, r, cache, known, next)
             }
-        }
+        };
     }
 }
 
 /// One row: pass 1 and the loss (forward, fused), pass 2 (backward, fused).
+/// `known` is the row's max when the previous row's pass 1 found it; with
+/// `next` (the next row's start in the same block) pass 1 finds the next
+/// row's max too where it can (plain rows), returned.
 ///
 /// # Safety
 /// Row `r` is inside the call's tensors and belongs to the calling block;
-/// `cache`, when given, holds `cols` f32 used by this block alone.
+/// `cache`, when given, holds `cols` f32 used by this block alone; so does
+/// row `next`, and `known` is row `r`'s max.
 #[inline(always)]
-unsafe fn row<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, r: usize, cache: Option<Dst<f32>>) {
+unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    r: usize,
+    cache: Option<Dst<f32>>,
+    known: Option<f32>,
+    next: Option<usize>,
+) -> Option<f32> {
     let base = r * k.cols;
     // SAFETY: target holds `rows` elements.
     let t = unsafe { k.tgt.get(r) };
@@ -303,9 +316,11 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, r: usize, cache:
     };
     // The exps are cached only when pass 2 follows (not for ignored rows).
     let cache = cache.filter(|_| k.bwd && !ignored);
+    let mut next_max = None;
     let (m, lse) = if k.fwd {
         // SAFETY: forwarded.
-        let (m, lse, sx) = unsafe { pass1::<L, T, CAP>(k, base, cache) };
+        let (m, lse, sx, nm) = unsafe { pass1::<L, T, CAP>(k, base, cache, known, next) };
+        next_max = nm;
         if let Some(o) = k.lse {
             // SAFETY: lse holds `rows` f32; row r is this block's.
             unsafe { o.get(r, 1)[0] = lse };
@@ -359,6 +374,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, r: usize, cache:
             unsafe { pass2::<L, T, CAP>(k, base, tu, wt, (m, lse), g, cache) };
         }
     }
+    next_max
 }
 
 /// The max of the (capped) row at `base` (a NaN never wins the compare;
@@ -449,47 +465,60 @@ unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     }
 }
 
-/// Pass 1 over the row at `base`: the row max `m`, `lse = m + log(sum_c
-/// exp(x_c - m))` (the sum in `RowSum`'s order) and, with label smoothing,
-/// `sum_c w_c x_c` (0 otherwise). The exps go to `cache` when given.
+/// Pass 1 over the row at `base`: the row max `m` (`known`, or a max pass
+/// of its own), `lse = m + log(sum_c exp(x_c - m))` (the sum in `RowSum`'s
+/// order) and, with label smoothing, `sum_c w_c x_c` (0 otherwise). The
+/// exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
+/// `next` row also take its max meanwhile, from cache (prefetched a row
+/// earlier): its own max pass was a memory-bound loop of its own, about a
+/// tenth of the fused call; the max is exact, so its order changes no bit.
 ///
 /// # Safety
-/// The row is inside the logits; `cache` holds `cols` f32.
+/// The row is inside the logits; `cache` holds `cols` f32; so is row
+/// `next`; `known` is this row's max.
 #[inline(always)]
 unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     k: &Kern<T>,
     base: usize,
     cache: Option<Dst<f32>>,
-) -> (f32, f32, f32) {
+    known: Option<f32>,
+    next: Option<usize>,
+) -> (f32, f32, f32, Option<f32>) {
     let n = k.cols;
+    let smooth = k.ls > 0.0;
     // SAFETY: forwarded.
     let (m, sx) = unsafe {
-        if k.ls > 0.0 {
-            row_max::<L, T, CAP, true>(k, base)
-        } else {
-            row_max::<L, T, CAP, false>(k, base)
+        match known {
+            Some(m) if !CAP && !smooth => (m, 0.0),
+            _ if smooth => row_max::<L, T, CAP, true>(k, base),
+            _ => row_max::<L, T, CAP, false>(k, base),
         }
     };
+    let next = next.filter(|_| !CAP && !smooth);
     let mv = L::splat(m);
     let mut s = RowSum::<L>::new();
     // Whole groups two at a time (two independent exps in flight, no
     // length checks), then the last partial group; the sum is RowSum's
     // order either way: the same bits as group by group.
     let full = n / GROUP * GROUP;
+    let null = Dst(core::ptr::null_mut());
     // SAFETY: forwarded (columns ..full are whole groups of the row).
-    unsafe {
-        match cache {
-            Some(c) => pass1_groups::<L, T, CAP, true>(k, base, full, mv, c, &mut s),
-            None => pass1_groups::<L, T, CAP, false>(
-                k,
-                base,
-                full,
-                mv,
-                Dst(core::ptr::null_mut()),
-                &mut s,
-            ),
+    let mut nm = unsafe {
+        match (cache, next) {
+            (Some(c), Some(nx)) => {
+                pass1_groups::<L, T, CAP, true, true>(k, base, nx, full, mv, c, &mut s)
+            }
+            (Some(c), None) => {
+                pass1_groups::<L, T, CAP, true, false>(k, base, 0, full, mv, c, &mut s)
+            }
+            (None, Some(nx)) => {
+                pass1_groups::<L, T, CAP, false, true>(k, base, nx, full, mv, null, &mut s)
+            }
+            (None, None) => {
+                pass1_groups::<L, T, CAP, false, false>(k, base, 0, full, mv, null, &mut s)
+            }
         }
-    }
+    };
     if full < n {
         let len = n - full;
         // SAFETY: the row's last columns (now in cache).
@@ -501,26 +530,44 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
             unsafe { store_at::<L, f32>(e, c, full, len) };
         }
         s.push(e);
+        if let Some(nx) = next {
+            // SAFETY: the next row's last columns.
+            let y = pad_neg_inf(unsafe { load_at::<L, T>(k.x, nx + full, len) }, len);
+            nm = nm.select_lt(y, y, nm);
+        }
     }
-    (m, m + lane0(log(L::splat(s.finish()))), sx)
+    let next_max = next.map(|_| {
+        let mut o = [0f32; GROUP];
+        nm.store(&mut o);
+        o.iter().fold(-f32::MAX, |m, &v| if m < v { v } else { m })
+    });
+    (m, m + lane0(log(L::splat(s.finish()))), sx, next_max)
 }
 
 /// Pass 1's whole groups, columns `0..full` of the row at `base`: `exp(x -
 /// m)` pushed to `s` in column order and, with `CACHE`, stored to `cache`.
-/// Two groups an iteration, and the next row prefetched a line at a time.
+/// Two groups an iteration. With `NEXT`, the lane-wise max of the same
+/// columns of the row at `next` is returned (-f32::MAX without) and the
+/// row after it prefetched; else the next row, a line at a time.
 ///
 /// # Safety
-/// The columns are inside the row; with `CACHE`, `cache` holds them.
+/// The columns are inside the row (and, with `NEXT`, the row at `next`);
+/// with `CACHE`, `cache` holds them.
 #[inline(always)]
-unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool>(
+unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool, const NEXT: bool>(
     k: &Kern<T>,
     base: usize,
+    next: usize,
     full: usize,
     mv: L,
     cache: Dst<f32>,
     s: &mut RowSum<L>,
-) {
+) -> L {
     let n = k.cols;
+    // Rows ahead to prefetch: the next row is read by this loop with NEXT.
+    let ahead = if NEXT { 2 * n } else { n };
+    let lo = L::splat(-f32::MAX);
+    let (mut m0, mut m1) = (lo, lo);
     let mut j = 0;
     while j < full {
         // The segment's running sum in a register (RowSum's own order).
@@ -528,11 +575,10 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool>(
         let end = (j + room * GROUP).min(full);
         let start = j;
         while j + 2 * GROUP <= end {
-            // The next row into cache while this loop computes (the max
-            // pass then reads it from there): one prefetch per line.
-            L::prefetch(k.x.addr(base + n + j));
+            // One prefetch per line, into cache while this loop computes.
+            L::prefetch(k.x.addr(base + ahead + j));
             if core::mem::size_of::<T>() == 4 {
-                L::prefetch(k.x.addr(base + n + j + GROUP));
+                L::prefetch(k.x.addr(base + ahead + j + GROUP));
             }
             // SAFETY: columns j..j + 32 of the row.
             let (e0, e1) = unsafe {
@@ -541,6 +587,18 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool>(
                     exp_group::<L, T, CAP>(k, base + j + GROUP, mv),
                 )
             };
+            if NEXT {
+                // SAFETY: columns j..j + 32 of the row at `next`. A NaN
+                // never wins the compare.
+                let (y0, y1) = unsafe {
+                    (
+                        T::load::<L>(k.x.group(next + j)),
+                        T::load::<L>(k.x.group(next + j + GROUP)),
+                    )
+                };
+                m0 = m0.select_lt(y0, y0, m0);
+                m1 = m1.select_lt(y1, y1, m1);
+            }
             if CACHE {
                 // SAFETY: columns j..j + 32 of this block's cache row.
                 unsafe {
@@ -552,9 +610,14 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool>(
             j += 2 * GROUP;
         }
         if j < end {
-            L::prefetch(k.x.addr(base + n + j));
+            L::prefetch(k.x.addr(base + ahead + j));
             // SAFETY: columns j..j + 16 of the row.
             let e = unsafe { exp_group::<L, T, CAP>(k, base + j, mv) };
+            if NEXT {
+                // SAFETY: columns j..j + 16 of the row at `next`.
+                let y = T::load::<L>(unsafe { k.x.group(next + j) });
+                m0 = m0.select_lt(y, y, m0);
+            }
             if CACHE {
                 // SAFETY: columns j..j + 16 of this block's cache row.
                 unsafe { e.store(cache.group(j)) };
@@ -564,6 +627,7 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool>(
         }
         s.commit(acc, (j - start) / GROUP);
     }
+    m0.select_lt(m1, m1, m0)
 }
 
 /// `exp(x - m)` of the (capped) logits at `at..at + 16` (a function, not a
