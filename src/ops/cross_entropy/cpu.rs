@@ -1,5 +1,7 @@
 //! CrossEntropy on the CPU. Per row: the max pass streams the row from
-//! memory (the max `m` and, with label smoothing, the weighted logit sum);
+//! memory (the max `m` and, with label smoothing, the weighted logit sum;
+//! in the forward a plain row other than its block's first has none: the
+//! previous row's pass 1 found its max, from cache);
 //! pass 1 (forward, fused) re-reads it from cache for `sum exp(x - m)`
 //! (`RowSum`'s order) and, fused, keeps those exps in the block's cache row;
 //! pass 2 (backward, fused) writes dlogits from them (or, backward alone,
@@ -8,7 +10,8 @@
 //! fused (the online form took 2 1/8), and the fused call's bits are those
 //! of forward then backward. Everything is f32 in `lanes::math`'s functions
 //! and fixed orders: the same bits on every ISA, block count and thread
-//! count. The next row is prefetched while a row's exps are computed.
+//! count. The next row (two ahead when pass 1 takes the next row's max) is
+//! prefetched while a row's exps are computed.
 
 use super::plan::cache_stride;
 use super::*;
