@@ -425,17 +425,16 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
         m0 = m0.select_lt(x, x, m0);
         j += GROUP;
     }
-    let mut m = -f32::MAX;
-    for v in [m0, m1, m2, m3] {
-        let mut o = [0f32; GROUP];
-        v.store(&mut o);
-        for v in o {
-            if m < v {
-                m = v;
-            }
-        }
-    }
+    let m = [m0, m1, m2, m3].into_iter().fold(-f32::MAX, fold_max);
     (m, if SMOOTH { sx.finish() } else { 0.0 })
+}
+
+/// `m` raised to the largest lane of `v`, lanes in order (a NaN never wins).
+#[inline(always)]
+fn fold_max<L: Lanes>(m: f32, v: L) -> f32 {
+    let mut o = [0f32; GROUP];
+    v.store(&mut o);
+    o.into_iter().fold(m, |m, v| if m < v { v } else { m })
 }
 
 /// The (capped) logits at columns `j..j + len` (`len <= 16`, at `at` in
@@ -473,8 +472,8 @@ unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
 /// order) and, with label smoothing, `sum_c w_c x_c` (0 otherwise). The
 /// exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
 /// `next` row also take its max meanwhile, from cache (prefetched a row
-/// earlier): its own max pass was a memory-bound loop of its own, about a
-/// tenth of the fused call; the max is exact, so its order changes no bit.
+/// earlier): a separate max pass was a memory-bound loop, about a tenth of
+/// the fused call; the max is exact, so its order changes no bit.
 ///
 /// # Safety
 /// The row is inside the logits; `cache` holds `cols` f32; so is row
@@ -489,15 +488,18 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
 ) -> (f32, f32, f32, Option<f32>) {
     let n = k.cols;
     let smooth = k.ls > 0.0;
+    // Rows whose max needs nothing beside it: the ones whose max the
+    // previous row can find.
+    let plain = !CAP && !smooth;
     // SAFETY: forwarded.
     let (m, sx) = unsafe {
         match known {
-            Some(m) if !CAP && !smooth => (m, 0.0),
+            Some(m) if plain => (m, 0.0),
             _ if smooth => row_max::<L, T, CAP, true>(k, base),
             _ => row_max::<L, T, CAP, false>(k, base),
         }
     };
-    let next = next.filter(|_| !CAP && !smooth);
+    let next = next.filter(|_| plain);
     let mv = L::splat(m);
     let mut s = RowSum::<L>::new();
     // Whole groups two at a time (two independent exps in flight, no
@@ -539,11 +541,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
             nm = nm.select_lt(y, y, nm);
         }
     }
-    let next_max = next.map(|_| {
-        let mut o = [0f32; GROUP];
-        nm.store(&mut o);
-        o.iter().fold(-f32::MAX, |m, &v| if m < v { v } else { m })
-    });
+    let next_max = next.map(|_| fold_max(-f32::MAX, nm));
     (m, m + lane0(log(L::splat(s.finish()))), sx, next_max)
 }
 
