@@ -28,8 +28,15 @@ const P: [f32; 6] = [
 /// rounded once, NaN in -> NaN out (the input's payload, quieted).
 #[inline(always)]
 pub fn exp<L: Lanes>(x: L) -> L {
+    exp_scale(exp_reduce(x))
+}
+
+/// `exp`'s first stage (see `exp_nonpos_reduce`): followed by `exp_scale`,
+/// the same bits as `exp`.
+#[inline(always)]
+pub fn exp_reduce<L: Lanes>(x: L) -> ExpArg<L> {
     // NaN stays NaN.
-    exp_in_range(x.clamp(L::splat(LO), L::splat(HI)))
+    reduce(x.clamp(L::splat(LO), L::splat(HI)))
 }
 
 /// `exp` for inputs known to be <= 0 or NaN (`x - max` in a softmax): the
@@ -37,15 +44,38 @@ pub fn exp<L: Lanes>(x: L) -> L {
 /// input unchanged), one operation fewer in the loss's hottest loop.
 #[inline(always)]
 pub fn exp_nonpos<L: Lanes>(x: L) -> L {
-    // `clamp`'s lower side: a NaN lane stays NaN.
-    exp_in_range(x.at_least(L::splat(LO)))
+    exp_scale(exp_nonpos_reduce(x))
 }
 
-/// `exp` of `x` in [LO, HI] or NaN.
+/// `exp_nonpos`'s first stage: the clamped input split as `x = n ln2 + r`.
+/// Followed by `exp_scale`, the same bits as `exp_nonpos`; apart, so that a
+/// loop can reduce the next groups while it finishes these (software
+/// pipelining: the scheduler then holds two independent chains, not one
+/// long one).
 #[inline(always)]
-fn exp_in_range<L: Lanes>(x: L) -> L {
+pub fn exp_nonpos_reduce<L: Lanes>(x: L) -> ExpArg<L> {
+    // `clamp`'s lower side: a NaN lane stays NaN.
+    reduce(x.at_least(L::splat(LO)))
+}
+
+/// An `exp` argument after range reduction: `x = n ln2 + r`.
+#[derive(Clone, Copy)]
+pub struct ExpArg<L> {
+    r: L,
+    n: L,
+}
+
+/// The reduction of `x` in [LO, HI] or NaN (Cody-Waite).
+#[inline(always)]
+fn reduce<L: Lanes>(x: L) -> ExpArg<L> {
     let n = x.mul(L::splat(LOG2E)).round_even();
     let r = x.sub(n.mul(L::splat(LN2_HI))).sub(n.mul(L::splat(LN2_LO)));
+    ExpArg { r, n }
+}
+
+/// `exp`'s second stage: `2^n e^r`.
+#[inline(always)]
+pub fn exp_scale<L: Lanes>(ExpArg { r, n }: ExpArg<L>) -> L {
     // The polynomial in Estrin's order (three independent pairs, joined by
     // r^2 and r^4): 4 dependent steps, not Horner's 10, so more vectors are
     // in flight in the out-of-order window (SwiGLU's loop: 11% faster) for
@@ -65,10 +95,19 @@ fn exp_in_range<L: Lanes>(x: L) -> L {
 }
 
 /// Lane-wise SiLU, `x / (1 + e^-x)` (PyTorch's formula: the same special
-/// values, e.g. -Inf -> NaN, -100 -> -0).
+/// values, e.g. -Inf -> NaN, -100 -> -0), in two stages for a pipelined
+/// loop: `silu_finish(x, silu_reduce(x))`.
+///
+/// The first stage: `e^-x`'s range reduction (as `exp_reduce`).
 #[inline(always)]
-pub fn silu<L: Lanes>(x: L) -> L {
-    x.div(L::splat(1.0).add(exp(L::splat(0.0).sub(x))))
+pub fn silu_reduce<L: Lanes>(x: L) -> ExpArg<L> {
+    exp_reduce(L::splat(0.0).sub(x))
+}
+
+/// SiLU's second stage: `silu(x)` from `silu_reduce(x)`.
+#[inline(always)]
+pub fn silu_finish<L: Lanes>(x: L, e: ExpArg<L>) -> L {
+    x.div(L::splat(1.0).add(exp_scale(e)))
 }
 
 /// Cephes `logf`'s minimax coefficients for log(1 + f) - f + f^2/2 on

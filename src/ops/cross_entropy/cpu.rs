@@ -17,7 +17,7 @@ use super::plan::cache_stride;
 use super::*;
 use crate::dtype::DType;
 use crate::lanes::detect::Available;
-use crate::lanes::math::{exp, exp_nonpos, log, tanh};
+use crate::lanes::math::{exp, exp_nonpos, exp_nonpos_reduce, exp_scale, log, tanh, ExpArg};
 use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
 use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
@@ -569,78 +569,113 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool, c
     let ahead = if NEXT { 2 * n } else { n };
     let lo = L::splat(-f32::MAX);
     let (mut m0, mut m1) = (lo, lo);
+    let pairs = full / (2 * GROUP) * (2 * GROUP);
     let mut j = 0;
-    while j < full {
-        // The segment's running sum in a register (RowSum's own order).
-        let (mut acc, room) = (s.acc(), s.room());
-        let end = (j + room * GROUP).min(full);
-        let start = j;
-        while j + 2 * GROUP <= end {
-            // One prefetch per line, into cache while this loop computes.
-            L::prefetch(k.x.addr(base + ahead + j));
-            if core::mem::size_of::<T>() == 4 {
-                L::prefetch(k.x.addr(base + ahead + j + GROUP));
-            }
-            // SAFETY: columns j..j + 32 of the row.
-            let (e0, e1) = unsafe {
-                (
-                    exp_group::<L, T, CAP>(k, base + j, mv),
-                    exp_group::<L, T, CAP>(k, base + j + GROUP, mv),
-                )
-            };
-            if NEXT {
-                // SAFETY: columns j..j + 32 of the row at `next`. A NaN
-                // never wins the compare.
-                let (y0, y1) = unsafe {
-                    (
-                        T::load::<L>(k.x.group(next + j)),
-                        T::load::<L>(k.x.group(next + j + GROUP)),
-                    )
-                };
-                m0 = m0.select_lt(y0, y0, m0);
-                m1 = m1.select_lt(y1, y1, m1);
-            }
-            if CACHE {
-                // SAFETY: columns j..j + 32 of this block's cache row.
-                unsafe {
-                    e0.store(cache.group(j));
-                    e1.store(cache.group(j + GROUP));
+    if pairs > 0 {
+        // Software pipelined: the reduction of the next pair's exps runs
+        // beside this pair's polynomial, so the out-of-order window holds
+        // independent work instead of one pair's long chains (the same
+        // operations on the same values: the same bits).
+        // SAFETY: columns 0..32 of the row.
+        let mut st = unsafe { reduce_pair::<L, T, CAP>(k, base, mv) };
+        while j < pairs {
+            // The segment's running sum in a register (RowSum's own order;
+            // `s` is fresh, so its segments end on whole pairs).
+            let (mut acc, room) = (s.acc(), s.room());
+            let end = (j + room * GROUP).min(pairs);
+            let start = j;
+            while j < end {
+                // One prefetch per line, into cache while this loop computes.
+                L::prefetch(k.x.addr(base + ahead + j));
+                if core::mem::size_of::<T>() == 4 {
+                    L::prefetch(k.x.addr(base + ahead + j + GROUP));
                 }
+                let after = j + 2 * GROUP;
+                let next_st = if after < pairs {
+                    // SAFETY: columns after..after + 32 of the row.
+                    unsafe { reduce_pair::<L, T, CAP>(k, base + after, mv) }
+                } else {
+                    st
+                };
+                let (e0, e1) = (exp_scale(st.0), exp_scale(st.1));
+                st = next_st;
+                if NEXT {
+                    // SAFETY: columns j..j + 32 of the row at `next`. A NaN
+                    // never wins the compare.
+                    let (y0, y1) = unsafe {
+                        (
+                            T::load::<L>(k.x.group(next + j)),
+                            T::load::<L>(k.x.group(next + j + GROUP)),
+                        )
+                    };
+                    m0 = m0.select_lt(y0, y0, m0);
+                    m1 = m1.select_lt(y1, y1, m1);
+                }
+                if CACHE {
+                    // SAFETY: columns j..j + 32 of this block's cache row.
+                    unsafe {
+                        e0.store(cache.group(j));
+                        e1.store(cache.group(j + GROUP));
+                    }
+                }
+                acc = acc.add(e0).add(e1);
+                j = after;
             }
-            acc = acc.add(e0).add(e1);
-            j += 2 * GROUP;
+            s.commit(acc, (j - start) / GROUP);
         }
-        if j < end {
-            L::prefetch(k.x.addr(base + ahead + j));
-            // SAFETY: columns j..j + 16 of the row.
-            let e = unsafe { exp_group::<L, T, CAP>(k, base + j, mv) };
-            if NEXT {
-                // SAFETY: columns j..j + 16 of the row at `next`.
-                let y = T::load::<L>(unsafe { k.x.group(next + j) });
-                m0 = m0.select_lt(y, y, m0);
-            }
-            if CACHE {
-                // SAFETY: columns j..j + 16 of this block's cache row.
-                unsafe { e.store(cache.group(j)) };
-            }
-            acc = acc.add(e);
-            j += GROUP;
+    }
+    if j < full {
+        L::prefetch(k.x.addr(base + ahead + j));
+        // SAFETY: columns j..j + 16 of the row.
+        let e = exp_scale(unsafe { reduce_group::<L, T, CAP>(k, base + j, mv) });
+        if NEXT {
+            // SAFETY: columns j..j + 16 of the row at `next`.
+            let y = T::load::<L>(unsafe { k.x.group(next + j) });
+            m0 = m0.select_lt(y, y, m0);
         }
-        s.commit(acc, (j - start) / GROUP);
+        if CACHE {
+            // SAFETY: columns j..j + 16 of this block's cache row.
+            unsafe { e.store(cache.group(j)) };
+        }
+        s.push(e);
     }
     m0.select_lt(m1, m1, m0)
 }
 
-/// `exp(x - m)` of the (capped) logits at `at..at + 16` (a function, not a
-/// closure: closures here are not inlined into the ISA's entry).
+/// `reduce_group` of the 32 logits at `at..at + 32`.
+///
+/// # Safety
+/// The 32 logits are inside the row.
+#[inline(always)]
+unsafe fn reduce_pair<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    at: usize,
+    mv: L,
+) -> (ExpArg<L>, ExpArg<L>) {
+    // SAFETY: forwarded.
+    unsafe {
+        (
+            reduce_group::<L, T, CAP>(k, at, mv),
+            reduce_group::<L, T, CAP>(k, at + GROUP, mv),
+        )
+    }
+}
+
+/// `exp(x - m)`'s reduction (`exp_nonpos_reduce`) of the (capped) logits at
+/// `at..at + 16`; `exp_scale` finishes it (functions, not closures:
+/// closures here are not inlined into the ISA's entry).
 ///
 /// # Safety
 /// The 16 logits are inside the row.
 #[inline(always)]
-unsafe fn exp_group<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, at: usize, mv: L) -> L {
+unsafe fn reduce_group<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    at: usize,
+    mv: L,
+) -> ExpArg<L> {
     // SAFETY: forwarded.
     let (x, _) = capped::<L, CAP>(T::load::<L>(unsafe { k.x.group(at) }), k.cap);
-    exp_nonpos(x.sub(mv))
+    exp_nonpos_reduce(x.sub(mv))
 }
 
 /// Pass 2 over the row at `base` with target `t`, row max `m` and `lse`:

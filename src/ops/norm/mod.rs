@@ -353,24 +353,73 @@ macro_rules! for_lines {
         let n: usize = $n;
         let head: usize = $head;
         let mut at = 0usize;
-        while at < head {
-            let ($j, $len) = (at, (head - at).min(G));
-            $one;
-            at += $len;
-        }
+        $crate::ops::norm::groups_to!(at, head, |$j, $len| $one);
         while at + 2 * G <= n {
             let $p = at;
             $pair;
             at += 2 * G;
         }
-        while at < n {
-            let ($j, $len) = (at, (n - at).min(G));
-            $one;
-            at += $len;
-        }
+        $crate::ops::norm::groups_to!(at, n, |$j, $len| $one);
     }};
 }
 pub(crate) use for_lines;
+
+/// `for_lines`' head and tail: `$one` on groups of at most 16 from `$at`
+/// up to `$end`, advancing `$at`.
+macro_rules! groups_to {
+    ($at:ident, $end:expr, |$j:ident, $len:ident| $one:expr) => {
+        while $at < $end {
+            let ($j, $len) = ($at, ($end - $at).min($crate::lanes::GROUP));
+            $one;
+            $at += $len;
+        }
+    };
+}
+pub(crate) use groups_to;
+
+/// `for_lines` with the pairs software pipelined: `$stage` (loads and the
+/// first half of the arithmetic, e.g. an exp's range reduction) of the
+/// pair at `$p` runs beside `$pair` (the rest, with the stage's value `$s`)
+/// of the pair before it, so the out-of-order window holds independent work
+/// and not one pair's long dependency chains. The same operations on the
+/// same values as unpipelined: the same bits.
+macro_rules! for_lines_piped {
+    ($n:expr, $head:expr, |$j:ident, $len:ident| $one:expr,
+     |$p:ident| $stage:expr, |$q:ident, $s:ident| $pair:expr) => {{
+        const G: usize = $crate::lanes::GROUP;
+        let n: usize = $n;
+        let head: usize = $head;
+        let mut at = 0usize;
+        $crate::ops::norm::groups_to!(at, head, |$j, $len| $one);
+        if at + 2 * G <= n {
+            let mut staged = {
+                let $p = at;
+                $stage
+            };
+            loop {
+                let next = at + 2 * G;
+                let more = next + 2 * G <= n;
+                let ahead = if more {
+                    let $p = next;
+                    $stage
+                } else {
+                    staged
+                };
+                {
+                    let ($q, $s) = (at, staged);
+                    $pair;
+                }
+                staged = ahead;
+                at = next;
+                if !more {
+                    break;
+                }
+            }
+        }
+        $crate::ops::norm::groups_to!(at, n, |$j, $len| $one);
+    }};
+}
+pub(crate) use for_lines_piped;
 
 /// Rounds every lane to `T` and widens it back (identity for f32).
 #[inline(always)]

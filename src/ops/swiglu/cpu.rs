@@ -3,10 +3,10 @@
 
 use super::*;
 use crate::lanes::detect::Available;
-use crate::lanes::math::silu;
+use crate::lanes::math::{silu_finish, silu_reduce, ExpArg};
 use crate::lanes::{dispatch_isa, Lanes};
 use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, prefetch_ahead};
-use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
+use crate::ops::norm::{for_lines_piped, load_at, put_pair, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
 use crate::workspace::{Dst, Src};
@@ -31,10 +31,23 @@ pub(crate) unsafe fn cpu(call: &SwigluCall, isa: Available, runner: &dyn Runner)
     unsafe { dispatch_isa!(isa, L => dispatch_t!(call.a.dtype, run::<L>(call, runner))) }
 }
 
-/// y at one window: silu(a) (rounded to T when eager) times b.
+/// y at one window: silu(a) (rounded to T when eager) times b, from `a`'s
+/// `silu_reduce` (done a pair ahead in the line loop).
 #[inline(always)]
-fn y_of<L: Lanes, T: Float>(a: L, b: L, eager: bool) -> L {
-    eager_round::<L, T>(silu(a), eager).mul(b)
+fn y_of<L: Lanes, T: Float>((a, b, e): (L, L, ExpArg<L>), eager: bool) -> L {
+    eager_round::<L, T>(silu_finish(a, e), eager).mul(b)
+}
+
+/// The group at `i` of a and b, and `a`'s `silu_reduce` (a function, not
+/// a closure: closures were not inlined into the ISA's entry).
+///
+/// # Safety
+/// The group is inside a and b.
+#[inline(always)]
+unsafe fn stage_at<L: Lanes, T: Float>(k: &Kern<T>, i: usize) -> (L, L, ExpArg<L>) {
+    // SAFETY: forwarded.
+    let (a, b) = unsafe { (T::load::<L>(k.a.group(i)), T::load::<L>(k.b.group(i))) };
+    (a, b, silu_reduce(a))
 }
 
 unsafe fn run<L: Lanes, T: Float>(call: &SwigluCall, runner: &dyn Runner) {
@@ -64,18 +77,16 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
     for_block_rows!(&k.t, blk, |r, c, n| {
         let (ia, iy) = (r * k.stride + c, r * cols + c);
         let head = if STREAM { k.y.line_head(iy, n) } else { 0 };
-        for_lines!(
+        for_lines_piped!(
             n,
             head,
             |j, len| {
                 // SAFETY: columns c + j.. of row r, inside every operand
                 // (validated shapes); the block owns this output row range.
                 unsafe {
-                    let v = y_of::<L, T>(
-                        load_at::<L, T>(k.a, ia + j, len),
-                        load_at::<L, T>(k.b, ia + j, len),
-                        k.eager,
-                    );
+                    let a = load_at::<L, T>(k.a, ia + j, len);
+                    let b = load_at::<L, T>(k.b, ia + j, len);
+                    let v = y_of::<L, T>((a, b, silu_reduce(a)), k.eager);
                     store_at::<L, T>(v, k.y, iy + j, len)
                 }
             },
@@ -83,19 +94,12 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 prefetch_ahead::<L, T>(k.a, ia + p);
                 prefetch_ahead::<L, T>(k.b, ia + p);
                 // SAFETY: as above, 32 columns.
-                unsafe {
-                    let y0 = y_of::<L, T>(
-                        load_at::<L, T>(k.a, ia + p, G),
-                        load_at::<L, T>(k.b, ia + p, G),
-                        k.eager,
-                    );
-                    let y1 = y_of::<L, T>(
-                        load_at::<L, T>(k.a, ia + p + G, G),
-                        load_at::<L, T>(k.b, ia + p + G, G),
-                        k.eager,
-                    );
-                    put_pair::<L, T, STREAM>(k.y, iy + p, y0, y1)
-                }
+                unsafe { (stage_at::<L, T>(k, ia + p), stage_at::<L, T>(k, ia + p + G)) }
+            },
+            |p, s| {
+                let (y0, y1) = (y_of::<L, T>(s.0, k.eager), y_of::<L, T>(s.1, k.eager));
+                // SAFETY: as above, 32 columns.
+                unsafe { put_pair::<L, T, STREAM>(k.y, iy + p, y0, y1) }
             }
         );
     });

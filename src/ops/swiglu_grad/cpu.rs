@@ -2,10 +2,10 @@
 
 use super::*;
 use crate::lanes::detect::Available;
-use crate::lanes::math::exp;
+use crate::lanes::math::{exp_scale, silu_reduce, ExpArg};
 use crate::lanes::{dispatch_isa, Lanes};
 use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, prefetch_ahead};
-use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
+use crate::ops::norm::{for_lines_piped, load_at, put_pair, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
 use crate::workspace::{Dst, Src};
@@ -32,13 +32,46 @@ pub(crate) unsafe fn cpu(call: &SwigluGradCall, isa: Available, runner: &dyn Run
     unsafe { dispatch_isa!(isa, L => dispatch_t!(call.a.dtype, run::<L>(call, runner))) }
 }
 
+/// One window's inputs and its `exp(-a)` reduced (`silu_reduce`): the first stage of
+/// `grads`, done a pair ahead in the line loop.
+#[derive(Clone, Copy)]
+struct Staged<L> {
+    dy: L,
+    a: L,
+    b: L,
+    e: ExpArg<L>,
+}
+
+#[inline(always)]
+fn stage<L: Lanes>(dy: L, a: L, b: L) -> Staged<L> {
+    let e = silu_reduce(a);
+    Staged { dy, a, b, e }
+}
+
+/// `stage` of the whole group at `iy` in dy, `ia` in a and b (a function,
+/// not a closure: closures were not inlined into the ISA's entry).
+///
+/// # Safety
+/// The group is inside every operand.
+#[inline(always)]
+unsafe fn stage_at<L: Lanes, T: Float>(k: &Kern<T>, iy: usize, ia: usize) -> Staged<L> {
+    // SAFETY: forwarded.
+    unsafe {
+        stage(
+            T::load::<L>(k.dy.group(iy)),
+            T::load::<L>(k.a.group(ia)),
+            T::load::<L>(k.b.group(ia)),
+        )
+    }
+}
+
 /// (da, db) at one window. PyTorch's formulas: `silu = a / (1 + e)`,
 /// `s = 1 / (1 + e)` with `e = exp(-a)`; eager rounds `silu` and `dy * b`
 /// to T as its saved forward output and its mul backward do.
 #[inline(always)]
-fn grads<L: Lanes, T: Float>(dy: L, a: L, b: L, eager: bool) -> (L, L) {
+fn grads<L: Lanes, T: Float>(Staged { dy, a, b, e }: Staged<L>, eager: bool) -> (L, L) {
     let one = L::splat(1.0);
-    let den = one.add(exp(L::splat(0.0).sub(a)));
+    let den = one.add(exp_scale(e));
     let s = one.div(den);
     let silu = eager_round::<L, T>(a.div(den), eager);
     let g = eager_round::<L, T>(dy.mul(b), eager);
@@ -75,7 +108,7 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
     for_block_rows!(&k.t, blk, |r, c, n| {
         let (ia, iy) = (r * k.stride + c, r * cols + c);
         let head = if STREAM { k.da.line_head(ia, n) } else { 0 };
-        for_lines!(
+        for_lines_piped!(
             n,
             head,
             |j, len| {
@@ -83,9 +116,11 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 // (validated shapes); the block owns these output ranges.
                 unsafe {
                     let (da, db) = grads::<L, T>(
-                        load_at::<L, T>(k.dy, iy + j, len),
-                        load_at::<L, T>(k.a, ia + j, len),
-                        load_at::<L, T>(k.b, ia + j, len),
+                        stage(
+                            load_at::<L, T>(k.dy, iy + j, len),
+                            load_at::<L, T>(k.a, ia + j, len),
+                            load_at::<L, T>(k.b, ia + j, len),
+                        ),
                         k.eager,
                     );
                     store_at::<L, T>(da, k.da, ia + j, len);
@@ -98,18 +133,17 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 prefetch_ahead::<L, T>(k.b, ia + p);
                 // SAFETY: as above, 32 columns.
                 unsafe {
-                    let (da0, db0) = grads::<L, T>(
-                        load_at::<L, T>(k.dy, iy + p, G),
-                        load_at::<L, T>(k.a, ia + p, G),
-                        load_at::<L, T>(k.b, ia + p, G),
-                        k.eager,
-                    );
-                    let (da1, db1) = grads::<L, T>(
-                        load_at::<L, T>(k.dy, iy + p + G, G),
-                        load_at::<L, T>(k.a, ia + p + G, G),
-                        load_at::<L, T>(k.b, ia + p + G, G),
-                        k.eager,
-                    );
+                    (
+                        stage_at::<L, T>(k, iy + p, ia + p),
+                        stage_at::<L, T>(k, iy + p + G, ia + p + G),
+                    )
+                }
+            },
+            |p, s| {
+                let (da0, db0) = grads::<L, T>(s.0, k.eager);
+                let (da1, db1) = grads::<L, T>(s.1, k.eager);
+                // SAFETY: as above, 32 columns.
+                unsafe {
                     put_pair::<L, T, STREAM>(k.da, ia + p, da0, da1);
                     put_pair::<L, T, STREAM>(k.db, ia + p, db0, db1);
                 }
