@@ -947,9 +947,9 @@ typedef struct npk_cross_entropy_tiling {
   uint32_t flags;
   /**
    * Total workspace bytes (+ 64 bytes of alignment slack): N f32 row
-   * losses for a reducing forward; for the fused form `blocks` cache rows
-   * of C f32 (C rounded up to 16; the exps pass 2 reuses), at most 16 MiB
-   * (fewer blocks for a wider row; none past C = 4 Mi); else 0.
+   * losses for a reducing forward; for the fused form two cache rows per
+   * block of C f32 (C rounded up to 16; the exps pass 2 reuses), at most
+   * 16 MiB (fewer blocks for a wider row; none past C = 2 Mi); else 0.
    */
   uint64_t workspace_bytes;
 } npk_cross_entropy_tiling;

@@ -13,7 +13,7 @@
 //! count. The next row (two ahead when pass 1 takes the next row's max) is
 //! prefetched while a row's exps are computed.
 
-use super::plan::cache_stride;
+use super::plan::{cache_stride, CACHE_ROWS};
 use super::*;
 use crate::dtype::DType;
 use crate::lanes::detect::Available;
@@ -271,32 +271,47 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, b: usize) {
     let k = &{ *k };
     let start = b.saturating_mul(k.rpb).min(k.rows);
     let end = (start + k.rpb).min(k.rows);
-    // This block's cache row (blocks never share one).
-    let cache = k.cache.map(|c| Dst(c.0.wrapping_add(b * k.cache_stride)));
+    // This block's cache rows (blocks never share one).
+    let cache = k
+        .cache
+        .map(|c| Dst(c.0.wrapping_add(b * CACHE_ROWS * k.cache_stride)));
     // Row r's max when row r - 1's pass 1 found it (plain rows, forward).
     let mut known = None;
+    // Row r - 1's pass 2 when row r's pass 1 is to write it.
+    let mut pending = None;
     for r in start..end {
         let next = (r + 1 < end).then(|| (r + 1) * k.cols);
+        // Rows alternate between the two cache rows.
+        let slot = cache.map(|c| Dst(c.0.wrapping_add((r - start) % 2 * k.cache_stride)));
         // SAFETY: row r belongs to this block; every tensor was validated.
         known = unsafe {
             if k.cap > 0.0 {
-                row::<L, T, true>(k, r, cache, None, None)
+                row::<L, T, true>(k, r, slot, None, None, &mut pending)
             } else {
-                row::<L, T, false>(k, r, cache, known, next)
+                row::<L, T, false>(k, r, slot, known, next, &mut pending)
             }
         };
+    }
+    if let Some(p) = pending {
+        // SAFETY: the block's last row, its exps in its cache row.
+        unsafe { pass2_cols::<L, T, false>(k, &p, 0) };
     }
 }
 
 /// One row: pass 1 and the loss (forward, fused), pass 2 (backward, fused).
 /// `known` is the row's max when the previous row's pass 1 found it; with
 /// `next` (the next row's start in the same block) pass 1 finds the next
-/// row's max too where it can (plain rows), returned.
+/// row's max too where it can (plain rows), returned. `pending` is the
+/// previous row's pass 2 (fused, cached, not soft-capped): this row's pass
+/// 1 writes it when it caches its own exps (the dlogits' stores then
+/// overlap the exps' arithmetic), else it is done first; this row's own
+/// pass 2 is left in `pending` when it qualifies.
 ///
 /// # Safety
 /// Row `r` is inside the call's tensors and belongs to the calling block;
-/// `cache`, when given, holds `cols` f32 used by this block alone; so does
-/// row `next`, and `known` is row `r`'s max.
+/// `cache`, when given, holds `cols` f32 used by this block alone (not the
+/// cache row `pending` reads); so does row `next`, and `known` is row `r`'s
+/// max; `pending` is row `r - 1`'s.
 #[inline(always)]
 unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     k: &Kern<T>,
@@ -304,6 +319,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     cache: Option<Dst<f32>>,
     known: Option<f32>,
     next: Option<usize>,
+    pending: &mut Option<Pending<L>>,
 ) -> Option<f32> {
     let base = r * k.cols;
     // SAFETY: target holds `rows` elements.
@@ -319,10 +335,23 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     };
     // The exps are cached only when pass 2 follows (not for ignored rows).
     let cache = cache.filter(|_| k.bwd && !ignored);
+    // The previous row's pass 2 goes inside this row's pass 1 only when
+    // that caches its exps (and never with a soft cap, whose pass 2 reads
+    // the logits): else it is done now.
+    let prev = pending.take();
+    let prev = match prev {
+        Some(p) if CAP || !k.fwd || cache.is_none() => {
+            // SAFETY: row r - 1's pass 2 (the caller's contract).
+            unsafe { pass2_cols::<L, T, false>(k, &p, 0) };
+            None
+        }
+        p => p,
+    };
     let mut next_max = None;
     let (m, lse) = if k.fwd {
         // SAFETY: forwarded.
-        let (m, lse, sx, nm) = unsafe { pass1::<L, T, CAP>(k, base, cache, known, next) };
+        let (m, lse, sx, nm) =
+            unsafe { pass1::<L, T, CAP>(k, base, cache, known, next, prev.as_ref()) };
         next_max = nm;
         if let Some(o) = k.lse {
             // SAFETY: lse holds `rows` f32; row r is this block's.
@@ -373,8 +402,16 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
             } else {
                 k.g0
             };
-            // SAFETY: forwarded.
-            unsafe { pass2::<L, T, CAP>(k, base, tu, wt, (m, lse), g, cache) };
+            let p = Pending {
+                f: pass2_consts::<L, T>(k, tu, wt, (m, lse), g, cache),
+                base,
+            };
+            if !CAP && k.fwd && cache.is_some() {
+                *pending = Some(p);
+            } else {
+                // SAFETY: forwarded.
+                unsafe { pass2_cols::<L, T, CAP>(k, &p, 0) };
+            }
         }
     }
     next_max
@@ -485,6 +522,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     cache: Option<Dst<f32>>,
     known: Option<f32>,
     next: Option<usize>,
+    prev: Option<&Pending<L>>,
 ) -> (f32, f32, f32, Option<f32>) {
     let n = k.cols;
     let smooth = k.ls > 0.0;
@@ -508,22 +546,47 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     let full = n / GROUP * GROUP;
     let null = Dst(core::ptr::null_mut());
     // SAFETY: forwarded (columns ..full are whole groups of the row).
-    let mut nm = unsafe {
-        match (cache, next) {
-            (Some(c), Some(nx)) => {
-                pass1_groups::<L, T, CAP, true, true>(k, base, nx, full, mv, c, &mut s)
+    let (mut nm, emitted) = unsafe {
+        match (cache, next, prev.filter(|_| !CAP)) {
+            (Some(c), Some(nx), Some(p)) => pass1_groups::<L, T, CAP, true, true, true>(
+                k,
+                base,
+                nx,
+                full,
+                mv,
+                c,
+                Some(p),
+                &mut s,
+            ),
+            (Some(c), None, Some(p)) => pass1_groups::<L, T, CAP, true, false, true>(
+                k,
+                base,
+                0,
+                full,
+                mv,
+                c,
+                Some(p),
+                &mut s,
+            ),
+            (Some(c), Some(nx), None) => {
+                pass1_groups::<L, T, CAP, true, true, false>(k, base, nx, full, mv, c, None, &mut s)
             }
-            (Some(c), None) => {
-                pass1_groups::<L, T, CAP, true, false>(k, base, 0, full, mv, c, &mut s)
+            (Some(c), None, None) => {
+                pass1_groups::<L, T, CAP, true, false, false>(k, base, 0, full, mv, c, None, &mut s)
             }
-            (None, Some(nx)) => {
-                pass1_groups::<L, T, CAP, false, true>(k, base, nx, full, mv, null, &mut s)
-            }
-            (None, None) => {
-                pass1_groups::<L, T, CAP, false, false>(k, base, 0, full, mv, null, &mut s)
-            }
+            (None, Some(nx), _) => pass1_groups::<L, T, CAP, false, true, false>(
+                k, base, nx, full, mv, null, None, &mut s,
+            ),
+            (None, None, _) => pass1_groups::<L, T, CAP, false, false, false>(
+                k, base, 0, full, mv, null, None, &mut s,
+            ),
         }
     };
+    if let Some(p) = prev {
+        // The previous row's columns past the loop's pairs.
+        // SAFETY: forwarded (the caller's contract).
+        unsafe { pass2_cols::<L, T, false>(k, p, emitted) };
+    }
     if full < n {
         let len = n - full;
         // SAFETY: the row's last columns (now in cache).
@@ -555,15 +618,25 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
 /// The columns are inside the row (and, with `NEXT`, the row at `next`);
 /// with `CACHE`, `cache` holds them.
 #[inline(always)]
-unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool, const NEXT: bool>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn pass1_groups<
+    L: Lanes,
+    T: Float,
+    const CAP: bool,
+    const CACHE: bool,
+    const NEXT: bool,
+    const EMIT: bool,
+>(
     k: &Kern<T>,
     base: usize,
     next: usize,
     full: usize,
     mv: L,
     cache: Dst<f32>,
+    prev: Option<&Pending<L>>,
     s: &mut RowSum<L>,
-) -> L {
+) -> (L, usize) {
+    let prev = if EMIT { prev } else { None };
     let n = k.cols;
     // Rows ahead to prefetch: the next row is read by this loop with NEXT.
     let ahead = if NEXT { 2 * n } else { n };
@@ -619,6 +692,17 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool, c
                     }
                 }
                 acc = acc.add(e0).add(e1);
+                if let Some(p) = prev {
+                    // SAFETY: columns j..j + 32 of the previous row (its
+                    // dlogits and its cache row, which is not `cache`).
+                    unsafe {
+                        let (d0, d1) = (
+                            grad_group::<L, T, false>(k, &p.f, p.base, j, GROUP),
+                            grad_group::<L, T, false>(k, &p.f, p.base, j + GROUP, GROUP),
+                        );
+                        put_pair::<L, T, false>(k.d, p.base + j, d0, d1);
+                    }
+                }
                 j = after;
             }
             s.commit(acc, (j - start) / GROUP);
@@ -639,7 +723,10 @@ unsafe fn pass1_groups<L: Lanes, T: Float, const CAP: bool, const CACHE: bool, c
         }
         s.push(e);
     }
-    m0.select_lt(m1, m1, m0)
+    (
+        m0.select_lt(m1, m1, m0),
+        if prev.is_some() { pairs } else { 0 },
+    )
 }
 
 /// `reduce_group` of the 32 logits at `at..at + 32`.
@@ -678,25 +765,18 @@ unsafe fn reduce_group<L: Lanes, T: Float, const CAP: bool>(
     exp_nonpos_reduce(x.sub(mv))
 }
 
-/// Pass 2 over the row at `base` with target `t`, row max `m` and `lse`:
+/// Pass 2's constants for a row with target `t`, row max `m` and `lse`:
 /// dlogits from `p_c = exp(x_c - m) * exp(m - lse)` (the first factor from
-/// `cache` when pass 1 left it there: the same bits), each window read
-/// before it is written.
-///
-/// # Safety
-/// The row is inside logits and dlogits (which are the same buffer or
-/// apart) and belongs to the calling block; `cache` holds the row's exps.
+/// `cache` when pass 1 left it there: the same bits).
 #[inline(always)]
-unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
+fn pass2_consts<L: Lanes, T: Float>(
     k: &Kern<T>,
-    base: usize,
     t: usize,
     wt: f32,
     (m, lse): (f32, f32),
     g: f32,
     cache: Option<Dst<f32>>,
-) {
-    let n = k.cols;
+) -> Pass2<L> {
     let on = (1.0 - k.ls) * wt;
     let mut a = on;
     if k.ls > 0.0 {
@@ -706,7 +786,7 @@ unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
         a += (2.0 * k.zs) * lse;
     }
     // p_c * a = e_c * (exp(m - lse) * a): one multiply per element.
-    let f = Pass2 {
+    Pass2 {
         qa: L::splat(lane0(exp(L::splat(m - lse))) * a),
         mv: L::splat(m),
         gv: L::splat(g),
@@ -714,29 +794,51 @@ unsafe fn pass2<L: Lanes, T: Float, const CAP: bool>(
         on,
         t,
         cached: cache.map(|c| Src(c.0 as *const f32)),
-    };
+    }
+}
+
+/// A row's pass 2, waiting: its constants and where the row starts.
+struct Pending<L> {
+    f: Pass2<L>,
+    base: usize,
+}
+
+/// Pass 2 of the row `p`, columns `from..`, each window read before it is
+/// written.
+///
+/// # Safety
+/// The row is inside logits and dlogits (which are the same buffer or
+/// apart) and belongs to the calling block; its cache row, when given,
+/// holds the row's exps.
+#[inline(always)]
+unsafe fn pass2_cols<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    p: &Pending<L>,
+    from: usize,
+) {
+    let (f, base) = (&p.f, p.base);
     // Whole lines where the row has them: one conversion and one 64-byte
     // store per two groups (the same bits as group by group).
     for_lines!(
-        n,
+        k.cols - from,
         0,
         |j, len| {
-            // SAFETY: columns j..j + len of the row; the window is read
+            // SAFETY: columns from + j.. of the row; the window is read
             // before it is written.
             unsafe {
-                let d = grad_group::<L, T, CAP>(k, &f, base, j, len);
-                store_at::<L, T>(d, k.d, base + j, len);
+                let d = grad_group::<L, T, CAP>(k, f, base, from + j, len);
+                store_at::<L, T>(d, k.d, base + from + j, len);
             }
         },
-        |p| {
-            // SAFETY: columns p..p + 32 of the row; both windows are read
-            // before the line is written.
+        |q| {
+            // SAFETY: columns from + q.. (32) of the row; both windows are
+            // read before the line is written.
             unsafe {
                 let (d0, d1) = (
-                    grad_group::<L, T, CAP>(k, &f, base, p, GROUP),
-                    grad_group::<L, T, CAP>(k, &f, base, p + GROUP, GROUP),
+                    grad_group::<L, T, CAP>(k, f, base, from + q, GROUP),
+                    grad_group::<L, T, CAP>(k, f, base, from + q + GROUP, GROUP),
                 );
-                put_pair::<L, T, false>(k.d, base + p, d0, d1);
+                put_pair::<L, T, false>(k.d, base + from + q, d0, d1);
             }
         }
     );

@@ -156,9 +156,9 @@ pub struct CrossEntropyTiling {
     /// `NORM_FLAG_SERIAL` when small: a hint that never changes a bit.
     pub flags: u32,
     /// Total workspace bytes (+ 64 bytes of alignment slack): N f32 row
-    /// losses for a reducing forward; for the fused form `blocks` cache rows
-    /// of C f32 (C rounded up to 16; the exps pass 2 reuses), at most 16 MiB
-    /// (fewer blocks for a wider row; none past C = 4 Mi); else 0.
+    /// losses for a reducing forward; for the fused form two cache rows per
+    /// block of C f32 (C rounded up to 16; the exps pass 2 reuses), at most
+    /// 16 MiB (fewer blocks for a wider row; none past C = 2 Mi); else 0.
     pub workspace_bytes: u64,
 }
 

@@ -16,9 +16,13 @@ pub(crate) struct CeDims {
     pub cols: usize,
 }
 
-/// Most workspace bytes the fused form's exp cache takes (one row of C
-/// f32 per block; the plan cuts fewer blocks for a wider row).
+/// Most workspace bytes the fused form's exp cache takes (`CACHE_ROWS`
+/// rows of C f32 per block; the plan cuts fewer blocks for a wider row).
 pub(crate) const CACHE_MAX_BYTES: usize = 16 << 20;
+
+/// Cache rows per block: pass 1 of a row fills one while the previous
+/// row's pass 2 reads the other.
+pub(crate) const CACHE_ROWS: usize = 2;
 
 /// f32 per cache row of C classes: C rounded up to whole 64-byte lines.
 pub(crate) fn cache_stride(cols: usize) -> usize {
@@ -146,11 +150,13 @@ pub(crate) fn plan(
         tl.blocks = d.rows.div_ceil(rpb) as u32;
     }
     if mode == CeMode::Fused && d.rows > 0 {
-        // A cache row of pass 1's exps per block for pass 2: one exp per
-        // logit instead of two. Within CACHE_MAX_BYTES a wide vocabulary
-        // gets fewer, longer blocks; past it (C over 4 Mi) no cache, and
-        // pass 2 recomputes the exps (the same bits).
-        let stride = cache_stride(d.cols).saturating_mul(4);
+        // Two cache rows of pass 1's exps per block for pass 2: one exp
+        // per logit instead of two, and row r's pass 2 runs inside row r +
+        // 1's pass 1 (one row's exps written while the other's are read).
+        // Within CACHE_MAX_BYTES a wide vocabulary gets fewer, longer
+        // blocks; past it (C over 2 Mi) no cache, and pass 2 recomputes the
+        // exps (the same bits).
+        let stride = cache_stride(d.cols).saturating_mul(4 * CACHE_ROWS);
         if stride <= CACHE_MAX_BYTES {
             let blocks = (CACHE_MAX_BYTES / stride).min(tl.blocks as usize).max(1);
             let rpb = d.rows.div_ceil(blocks);
