@@ -417,7 +417,8 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     next_max
 }
 
-/// The max of the (capped) row at `base` (a NaN never wins the compare;
+/// The max of the (capped) row at `base` (`m.at_least(x)` lane-wise: one
+/// `max` on x86, and a NaN `x` never wins the compare;
 /// -f32::MAX for a row of -Inf) and, with `SMOOTH` (a const parameter: the
 /// loop without it carries no sum), `sum_c w_c x_c` (0
 /// otherwise). Four max chains for throughput: the max is exact, so the
@@ -449,17 +450,17 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
                 max_group::<L, T, CAP, SMOOTH>(k, base + j + 48, j + 48, GROUP, &mut sx),
             )
         };
-        m0 = m0.select_lt(x0, x0, m0);
-        m1 = m1.select_lt(x1, x1, m1);
-        m2 = m2.select_lt(x2, x2, m2);
-        m3 = m3.select_lt(x3, x3, m3);
+        m0 = m0.at_least(x0);
+        m1 = m1.at_least(x1);
+        m2 = m2.at_least(x2);
+        m3 = m3.at_least(x3);
         j += 4 * GROUP;
     }
     while j < n {
         // SAFETY: forwarded.
         let x =
             unsafe { max_group::<L, T, CAP, SMOOTH>(k, base + j, j, (n - j).min(GROUP), &mut sx) };
-        m0 = m0.select_lt(x, x, m0);
+        m0 = m0.at_least(x);
         j += GROUP;
     }
     let m = [m0, m1, m2, m3].into_iter().fold(-f32::MAX, fold_max);
@@ -601,7 +602,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
         if let Some(nx) = next {
             // SAFETY: the next row's last columns.
             let y = pad_neg_inf(unsafe { load_at::<L, T>(k.x, nx + full, len) }, len);
-            nm = nm.select_lt(y, y, nm);
+            nm = nm.at_least(y);
         }
     }
     let next_max = next.map(|_| fold_max(-f32::MAX, nm));
@@ -681,8 +682,8 @@ unsafe fn pass1_groups<
                             T::load::<L>(k.x.group(next + j + GROUP)),
                         )
                     };
-                    m0 = m0.select_lt(y0, y0, m0);
-                    m1 = m1.select_lt(y1, y1, m1);
+                    m0 = m0.at_least(y0);
+                    m1 = m1.at_least(y1);
                 }
                 if CACHE {
                     // SAFETY: columns j..j + 32 of this block's cache row.
@@ -715,7 +716,7 @@ unsafe fn pass1_groups<
         if NEXT {
             // SAFETY: columns j..j + 16 of the row at `next`.
             let y = T::load::<L>(unsafe { k.x.group(next + j) });
-            m0 = m0.select_lt(y, y, m0);
+            m0 = m0.at_least(y);
         }
         if CACHE {
             // SAFETY: columns j..j + 16 of this block's cache row.
@@ -723,10 +724,7 @@ unsafe fn pass1_groups<
         }
         s.push(e);
     }
-    (
-        m0.select_lt(m1, m1, m0),
-        if prev.is_some() { pairs } else { 0 },
-    )
+    (m0.at_least(m1), if prev.is_some() { pairs } else { 0 })
 }
 
 /// `reduce_group` of the 32 logits at `at..at + 32`.
