@@ -1481,7 +1481,7 @@ enum npk_status npk_cross_entropy_grad(const struct npk_tensor *logits,
                                        const struct npk_exec *exec);
 
 /**
- * Workspace bytes `npk_cross_entropy_fused` uses: its exp cache (one row
+ * Workspace bytes `npk_cross_entropy_fused` uses: its exp cache (two rows
  * of C f32 per block, at most 16 MiB). A smaller workspace, or none (as
  * ABI 2.3 reported 0), is accepted: the call then recomputes the exps,
  * with the same bits, about 1.5x slower.

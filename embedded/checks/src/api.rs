@@ -3,8 +3,9 @@
 
 use npukern::*;
 
-/// Stack workspace per call; every call here needs far less (checked).
-pub const WS: usize = 32 * 1024;
+/// Stack workspace per call; every call here needs at most about half
+/// (checked: the fused CrossEntropy on 2x2100 f32 takes 33 KiB).
+pub const WS: usize = 64 * 1024;
 
 /// The element types the checks run on (every float dtype).
 pub trait El: Float {}

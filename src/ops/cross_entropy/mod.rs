@@ -395,7 +395,7 @@ pub fn cross_entropy_grad_in_place<T: Float, I: Element>(
     launch_into(exec, call, workspace)
 }
 
-/// Workspace bytes `cross_entropy_fused` uses: its exp cache (one row of
+/// Workspace bytes `cross_entropy_fused` uses: its exp cache (two rows of
 /// C f32 per block, at most 16 MiB), which makes it about 1.5x faster. A
 /// smaller workspace (even empty) is accepted: the call then recomputes
 /// the exps, with the same bits.
