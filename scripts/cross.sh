@@ -254,9 +254,9 @@ if wants cortex-m; then
     step_start cortex-m
     debian_rust
     ensure qemu-system-arm
-    (cd embedded && deb_cargo build --profile cortex --locked -p npukern-cortex-m4f -Zbuild-std=core \
+    (cd embedded && deb_cargo build --release --locked -p npukern-cortex-m4f -Zbuild-std=core \
         --target thumbv7em-none-eabihf --target-dir "$CACHE/embedded")
-    elf="$CACHE/embedded/thumbv7em-none-eabihf/cortex/npukern-cortex-m4f"
+    elf="$CACHE/embedded/thumbv7em-none-eabihf/release/npukern-cortex-m4f"
     # Semihosting output goes to stdout; the program's exit request ends QEMU
     # with its status (the timeout guards against a hang).
     if ! timeout 600 qemu-system-arm -M mps2-an386 -cpu cortex-m4 -nographic -monitor none \
