@@ -174,6 +174,14 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// in order (`lo` = elements 0..16, `hi` = 16..32). AVX-512 does not:
     /// its line order is the even elements then the odd ones.
     const BF16_LINE_IN_ORDER: bool = true;
+    /// Whether kernels take their software-pipelined loop forms here (the
+    /// fused CrossEntropy's next-row max and in-loop pass 2): they pay on
+    /// wide out-of-order cores and cost code size (one more loop instance
+    /// per form, dtype and option). The portable lanes serve small in-order
+    /// cores (Cortex-M, whose code memory the pipelined forms overflowed)
+    /// and checking: one loop form there. The same operations either way:
+    /// the same bits.
+    const PIPELINED: bool = true;
     /// One line of 32 bf16 widened exactly into two vectors in this ISA's
     /// *line order* (`BF16_LINE_IN_ORDER`). AVX-512's even/odd order widens
     /// a whole line with one shift and one mask, where in-order lanes take a

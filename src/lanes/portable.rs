@@ -42,6 +42,7 @@ fn narrow8(v: f32x8) -> [u16; 8] {
 
 impl Lanes for Portable {
     const ISA: Isa = Isa::Portable;
+    const PIPELINED: bool = false;
 
     fn detect() -> bool {
         true

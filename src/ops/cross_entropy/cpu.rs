@@ -340,7 +340,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     // the logits): else it is done now.
     let prev = pending.take();
     let prev = match prev {
-        Some(p) if CAP || !k.fwd || cache.is_none() => {
+        Some(p) if CAP || !L::PIPELINED || !k.fwd || cache.is_none() => {
             // SAFETY: row r - 1's pass 2 (the caller's contract).
             unsafe { pass2_cols::<L, T, false>(k, &p, 0) };
             None
@@ -406,7 +406,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
                 f: pass2_consts::<L, T>(k, tu, wt, (m, lse), g, cache),
                 base,
             };
-            if !CAP && k.fwd && cache.is_some() {
+            if !CAP && L::PIPELINED && k.fwd && cache.is_some() {
                 *pending = Some(p);
             } else {
                 // SAFETY: forwarded.
@@ -530,6 +530,9 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     // Rows whose max needs nothing beside it: the ones whose max the
     // previous row can find.
     let plain = !CAP && !smooth;
+    // The next row's max and the previous row's pass 2 ride in this loop
+    // only where the ISA takes pipelined forms (`Lanes::PIPELINED`).
+    let plain_next = plain && L::PIPELINED;
     // SAFETY: forwarded.
     let (m, sx) = unsafe {
         match known {
@@ -538,7 +541,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
             _ => row_max::<L, T, CAP, false>(k, base),
         }
     };
-    let next = next.filter(|_| plain);
+    let next = next.filter(|_| plain_next);
     let mv = L::splat(m);
     let mut s = RowSum::<L>::new();
     // Whole groups two at a time (two independent exps in flight, no
@@ -548,7 +551,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     let null = Dst(core::ptr::null_mut());
     // SAFETY: forwarded (columns ..full are whole groups of the row).
     let (mut nm, emitted) = unsafe {
-        match (cache, next, prev.filter(|_| !CAP)) {
+        match (cache, next, prev.filter(|_| !CAP && L::PIPELINED)) {
             (Some(c), Some(nx), Some(p)) => pass1_groups::<L, T, CAP, true, true, true>(
                 k,
                 base,
