@@ -335,12 +335,15 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     };
     // The exps are cached only when pass 2 follows (not for ignored rows).
     let cache = cache.filter(|_| k.bwd && !ignored);
-    // The previous row's pass 2 goes inside this row's pass 1 only when
-    // that caches its exps (and never with a soft cap, whose pass 2 reads
-    // the logits): else it is done now.
+    // Whether this row's pass 1 carries a pass 2: only when it caches its
+    // exps, never with a soft cap (whose pass 2 reads the logits), and
+    // only where the ISA takes pipelined forms. Such a row writes the
+    // previous row's pass 2 inside its pass 1 and leaves its own to the
+    // next row (which runs it first if it carries none).
+    let carries = !CAP && L::PIPELINED && k.fwd && cache.is_some();
     let prev = pending.take();
     let prev = match prev {
-        Some(p) if CAP || !L::PIPELINED || !k.fwd || cache.is_none() => {
+        Some(p) if !carries => {
             // SAFETY: row r - 1's pass 2 (the caller's contract).
             unsafe { pass2_cols::<L, T, false>(k, &p, 0) };
             None
@@ -406,7 +409,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
                 f: pass2_consts::<L, T>(k, tu, wt, (m, lse), g, cache),
                 base,
             };
-            if !CAP && L::PIPELINED && k.fwd && cache.is_some() {
+            if carries {
                 *pending = Some(p);
             } else {
                 // SAFETY: forwarded.
@@ -549,6 +552,9 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     // order either way: the same bits as group by group.
     let full = n / GROUP * GROUP;
     let null = Dst(core::ptr::null_mut());
+    // `row` passes `prev` only where it carries (see there); its static
+    // part restated here keeps the EMIT instances out of the soft-capped
+    // and non-pipelined builds (code size).
     // SAFETY: forwarded (columns ..full are whole groups of the row).
     let (mut nm, emitted) = unsafe {
         match (cache, next, prev.filter(|_| !CAP && L::PIPELINED)) {
