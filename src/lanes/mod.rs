@@ -92,6 +92,20 @@ macro_rules! dispatch_isa_arms {
 }
 pub(crate) use dispatch_isa_arms;
 
+/// Runs `f` entered for `L` (`Lanes::enter`) as a function of its own,
+/// never inlined into the caller. For kernels with many loop forms: LLVM's
+/// loop passes cost about the square of a function's size, and a block
+/// function with every form inlined took minutes per ISA and dtype to
+/// build. A call per row costs nothing next to the row.
+///
+/// # Safety
+/// As `Lanes::enter`: the CPU must support `L::ISA`.
+#[inline(never)]
+pub(crate) unsafe fn enter_apart<L: Lanes, R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: the caller's contract.
+    unsafe { L::enter(f) }
+}
+
 /// The logical vector width and the reduction pattern's lane count.
 pub const GROUP: usize = 16;
 

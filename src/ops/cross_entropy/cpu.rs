@@ -18,7 +18,7 @@ use super::*;
 use crate::dtype::DType;
 use crate::lanes::detect::Available;
 use crate::lanes::math::{exp, exp_nonpos, exp_nonpos_reduce, exp_scale, log, tanh, ExpArg};
-use crate::lanes::{dispatch_isa, Lanes, RowSum, GROUP};
+use crate::lanes::{dispatch_isa, enter_apart, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
 use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
 use crate::ops::run_blocks;
@@ -430,7 +430,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
 /// # Safety
 /// The row is inside the logits.
 #[inline(always)]
-unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
+unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     k: &Kern<T>,
     base: usize,
 ) -> (f32, f32) {
@@ -468,6 +468,28 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     }
     let m = [m0, m1, m2, m3].into_iter().fold(-f32::MAX, fold_max);
     (m, if SMOOTH { sx.finish() } else { 0.0 })
+}
+
+/// `row_max_body` as a function of its own per form (`enter_apart`: the
+/// build time), entered for `L`.
+///
+/// # Safety
+/// As `row_max_body`, inside `L`'s context.
+#[inline(always)]
+unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
+    k: &Kern<T>,
+    base: usize,
+) -> (f32, f32) {
+    // The arguments copied to locals: their fields stay in registers
+    // (behind the caller's pointers they would be reloaded after each
+    // store through the raw output pointers).
+    // SAFETY: forwarded; L is entered (the caller's contract).
+    unsafe {
+        enter_apart::<L, _>(
+            #[inline(always)]
+            || row_max_body::<L, T, CAP, SMOOTH>(&{ *k }, base),
+        )
+    }
 }
 
 /// `m` raised to the largest lane of `v`, lanes in order (a NaN never wins).
@@ -629,7 +651,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
 /// with `CACHE`, `cache` holds them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pass1_groups<
+unsafe fn pass1_groups_body<
     L: Lanes,
     T: Float,
     const CAP: bool,
@@ -736,6 +758,54 @@ unsafe fn pass1_groups<
     (m0.at_least(m1), if prev.is_some() { pairs } else { 0 })
 }
 
+/// `pass1_groups_body` as a function of its own per form (`enter_apart`: the
+/// build time), entered for `L`.
+///
+/// # Safety
+/// As `pass1_groups_body`, inside `L`'s context.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pass1_groups<
+    L: Lanes,
+    T: Float,
+    const CAP: bool,
+    const CACHE: bool,
+    const NEXT: bool,
+    const EMIT: bool,
+>(
+    k: &Kern<T>,
+    base: usize,
+    next: usize,
+    full: usize,
+    mv: L,
+    cache: Dst<f32>,
+    prev: Option<&Pending<L>>,
+    s: &mut RowSum<L>,
+) -> (L, usize) {
+    // The arguments copied to locals: their fields stay in registers
+    // (behind the caller's pointers they would be reloaded after each
+    // store through the raw output pointers).
+    // SAFETY: forwarded; L is entered (the caller's contract).
+    unsafe {
+        enter_apart::<L, _>(
+            #[inline(always)]
+            || {
+                let prev = prev.copied();
+                pass1_groups_body::<L, T, CAP, CACHE, NEXT, EMIT>(
+                    &{ *k },
+                    base,
+                    next,
+                    full,
+                    mv,
+                    cache,
+                    prev.as_ref(),
+                    s,
+                )
+            },
+        )
+    }
+}
+
 /// `reduce_group` of the 32 logits at `at..at + 32`.
 ///
 /// # Safety
@@ -805,6 +875,7 @@ fn pass2_consts<L: Lanes, T: Float>(
 }
 
 /// A row's pass 2, waiting: its constants and where the row starts.
+#[derive(Clone, Copy)]
 struct Pending<L> {
     f: Pass2<L>,
     base: usize,
@@ -818,7 +889,7 @@ struct Pending<L> {
 /// apart) and belongs to the calling block; its cache row, when given,
 /// holds the row's exps.
 #[inline(always)]
-unsafe fn pass2_cols<L: Lanes, T: Float, const CAP: bool>(
+unsafe fn pass2_cols_body<L: Lanes, T: Float, const CAP: bool>(
     k: &Kern<T>,
     p: &Pending<L>,
     from: usize,
@@ -851,7 +922,31 @@ unsafe fn pass2_cols<L: Lanes, T: Float, const CAP: bool>(
     );
 }
 
+/// `pass2_cols_body` as a function of its own per form (`enter_apart`: the
+/// build time), entered for `L`.
+///
+/// # Safety
+/// As `pass2_cols_body`, inside `L`'s context.
+#[inline(always)]
+unsafe fn pass2_cols<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    p: &Pending<L>,
+    from: usize,
+) {
+    // The arguments copied to locals: their fields stay in registers
+    // (behind the caller's pointers they would be reloaded after each
+    // store through the raw output pointers).
+    // SAFETY: forwarded; L is entered (the caller's contract).
+    unsafe {
+        enter_apart::<L, _>(
+            #[inline(always)]
+            || pass2_cols_body::<L, T, CAP>(&{ *k }, &{ *p }, from),
+        )
+    }
+}
+
 /// Pass 2's row constants.
+#[derive(Clone, Copy)]
 struct Pass2<L> {
     /// `exp(m - lse) * a`.
     qa: L,
