@@ -9,8 +9,9 @@
 #   aarch64   `cargo test -p npukern` for aarch64-unknown-linux-gnu under qemu-user,
 #             bit hashes included, twice: with the NEON lanes (automatic
 #             selection: `neonbf16` where qemu's CPU has FEAT_BF16, and every
-#             cross-ISA test compares it with `neon` and `portable`), then with
-#             the portable `wide` lanes forced (NPK_MAX_CPU_ISA=portable)
+#             cross-ISA test compares it with `neon` and `portable`), then the
+#             integration tests with the portable `wide` lanes forced
+#             (NPK_MAX_CPU_ISA=portable)
 #   cortex-m  the consumer on a Cortex-M4F under qemu-system-arm (mps2-an386),
 #             reporting through semihosting, exiting with its status
 #
@@ -182,9 +183,15 @@ if wants embedded; then
     step_end embedded
 fi
 
-# `cargo test -p npukern` on aarch64 under qemu-user; extra arguments go to
-# the test harness.
+# `cargo test -p npukern` on aarch64 under qemu-user: cargo's own
+# arguments, then `--` and the test harness's.
 aarch64_test() {
+    local cargo_args=()
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do
+        cargo_args+=("$1")
+        shift
+    done
+    [ $# -gt 0 ] && shift
     debian_rust
     ensure gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
     # The test harness unwinds: std is built once, for panic = "unwind"
@@ -193,7 +200,7 @@ aarch64_test() {
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
         deb_cargo test -p npukern --release --locked --target aarch64-unknown-linux-gnu \
-        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target" -- "$@"
+        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target" "${cargo_args[@]}" -- "$@"
 }
 
 if wants aarch64; then
@@ -201,15 +208,18 @@ if wants aarch64; then
     skip=(--skip seed_cases_match_reference --skip streamed_)
     [ "${NPK_CROSS_SEED_CASES:-0}" = 1 ] && skip=()
     echo "== aarch64: NEON lanes (automatic selection)"
-    NPK_MAX_CPU_ISA= aarch64_test "${skip[@]}"
-    echo "== aarch64: portable lanes forced (NPK_MAX_CPU_ISA=portable)"
-    NPK_MAX_CPU_ISA=portable aarch64_test "${skip[@]}"
+    NPK_MAX_CPU_ISA= aarch64_test -- "${skip[@]}"
+    # The integration tests through the dispatch with portable forced. The
+    # library's unit tests (the lanes' math sweeps, two minutes under
+    # qemu-user) run every ISA, portable included, in the run above.
+    echo "== aarch64: portable lanes forced (NPK_MAX_CPU_ISA=portable), integration tests"
+    NPK_MAX_CPU_ISA=portable aarch64_test --test '*' -- "${skip[@]}"
     step_end aarch64
 fi
 
 if wants aarch64-exhaustive; then
     step_start aarch64-exhaustive
-    NPK_MAX_CPU_ISA= aarch64_test --ignored --exact --nocapture \
+    NPK_MAX_CPU_ISA= aarch64_test -- --ignored --exact --nocapture \
         lanes::neon::tests::neon_conversions_equal_the_definitions_on_all_2_pow_32_inputs
     step_end aarch64-exhaustive
 fi
