@@ -574,44 +574,38 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     // order either way: the same bits as group by group.
     let full = n / GROUP * GROUP;
     let null = Dst(core::ptr::null_mut());
+    let at = |next, cache, prev| Groups {
+        base,
+        next,
+        full,
+        mv,
+        cache,
+        prev,
+    };
     // `row` passes `prev` only where it carries (see there); its static
     // part restated here keeps the EMIT instances out of the soft-capped
     // and non-pipelined builds (code size).
     // SAFETY: forwarded (columns ..full are whole groups of the row).
     let (mut nm, emitted) = unsafe {
         match (cache, next, prev.filter(|_| !CAP && L::PIPELINED)) {
-            (Some(c), Some(nx), Some(p)) => pass1_groups::<L, T, CAP, true, true, true>(
-                k,
-                base,
-                nx,
-                full,
-                mv,
-                c,
-                Some(p),
-                &mut s,
-            ),
-            (Some(c), None, Some(p)) => pass1_groups::<L, T, CAP, true, false, true>(
-                k,
-                base,
-                0,
-                full,
-                mv,
-                c,
-                Some(p),
-                &mut s,
-            ),
+            (Some(c), Some(nx), Some(p)) => {
+                pass1_groups::<L, T, CAP, true, true, true>(k, at(nx, c, Some(p)), &mut s)
+            }
+            (Some(c), None, Some(p)) => {
+                pass1_groups::<L, T, CAP, true, false, true>(k, at(0, c, Some(p)), &mut s)
+            }
             (Some(c), Some(nx), None) => {
-                pass1_groups::<L, T, CAP, true, true, false>(k, base, nx, full, mv, c, None, &mut s)
+                pass1_groups::<L, T, CAP, true, true, false>(k, at(nx, c, None), &mut s)
             }
             (Some(c), None, None) => {
-                pass1_groups::<L, T, CAP, true, false, false>(k, base, 0, full, mv, c, None, &mut s)
+                pass1_groups::<L, T, CAP, true, false, false>(k, at(0, c, None), &mut s)
             }
-            (None, Some(nx), _) => pass1_groups::<L, T, CAP, false, true, false>(
-                k, base, nx, full, mv, null, None, &mut s,
-            ),
-            (None, None, _) => pass1_groups::<L, T, CAP, false, false, false>(
-                k, base, 0, full, mv, null, None, &mut s,
-            ),
+            (None, Some(nx), _) => {
+                pass1_groups::<L, T, CAP, false, true, false>(k, at(nx, null, None), &mut s)
+            }
+            (None, None, _) => {
+                pass1_groups::<L, T, CAP, false, false, false>(k, at(0, null, None), &mut s)
+            }
         }
     };
     if let Some(p) = prev {
@@ -650,7 +644,6 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
 /// The columns are inside the row (and, with `NEXT`, the row at `next`);
 /// with `CACHE`, `cache` holds them.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn pass1_groups_body<
     L: Lanes,
     T: Float,
@@ -660,14 +653,10 @@ unsafe fn pass1_groups_body<
     const EMIT: bool,
 >(
     k: &Kern<T>,
-    base: usize,
-    next: usize,
-    full: usize,
-    mv: L,
-    cache: Dst<f32>,
-    prev: Option<&Pending<L>>,
+    g: Groups<'_, L>,
     s: &mut RowSum<L>,
 ) -> (L, usize) {
+    let (base, next, full, mv, cache, prev) = (g.base, g.next, g.full, g.mv, g.cache, g.prev);
     let prev = if EMIT { prev } else { None };
     let n = k.cols;
     // Rows ahead to prefetch: the next row is read by this loop with NEXT.
@@ -764,7 +753,6 @@ unsafe fn pass1_groups_body<
 /// # Safety
 /// As `pass1_groups_body`, inside `L`'s context.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn pass1_groups<
     L: Lanes,
     T: Float,
@@ -774,12 +762,7 @@ unsafe fn pass1_groups<
     const EMIT: bool,
 >(
     k: &Kern<T>,
-    base: usize,
-    next: usize,
-    full: usize,
-    mv: L,
-    cache: Dst<f32>,
-    prev: Option<&Pending<L>>,
+    g: Groups<'_, L>,
     s: &mut RowSum<L>,
 ) -> (L, usize) {
     // The arguments copied to locals: their fields stay in registers
@@ -790,20 +773,28 @@ unsafe fn pass1_groups<
         enter_apart::<L, _>(
             #[inline(always)]
             || {
-                let prev = prev.copied();
-                pass1_groups_body::<L, T, CAP, CACHE, NEXT, EMIT>(
-                    &{ *k },
-                    base,
-                    next,
-                    full,
-                    mv,
-                    cache,
-                    prev.as_ref(),
-                    s,
-                )
+                let prev = g.prev.copied();
+                let g = Groups {
+                    prev: prev.as_ref(),
+                    ..g
+                };
+                pass1_groups_body::<L, T, CAP, CACHE, NEXT, EMIT>(&{ *k }, g, s)
             },
         )
     }
+}
+
+/// Where pass 1's whole groups run: the row at `base`, columns `0..full`,
+/// its max `mv`; the row at `next` (its max taken meanwhile), the cache
+/// row, the previous row's pass 2 (as the loop form uses them).
+#[derive(Clone, Copy)]
+struct Groups<'a, L> {
+    base: usize,
+    next: usize,
+    full: usize,
+    mv: L,
+    cache: Dst<f32>,
+    prev: Option<&'a Pending<L>>,
 }
 
 /// `reduce_group` of the 32 logits at `at..at + 32`.
