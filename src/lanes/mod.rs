@@ -96,7 +96,12 @@ pub(crate) use dispatch_isa_arms;
 /// never inlined into the caller. For kernels with many loop forms: LLVM's
 /// loop passes cost about the square of a function's size, and a block
 /// function with every form inlined took minutes per ISA and dtype to
-/// build. A call per row costs nothing next to the row.
+/// build. A call per row costs nothing next to the row. Pass `f` as an
+/// `#[inline(always)]` closure (else LLVM may leave it outside the ISA's
+/// context, every lane operation a call), and copy what it reads through
+/// a reference to a local inside it (`&{ *k }`): behind the caller's
+/// pointer the fields are reloaded after each store through a raw output
+/// pointer.
 ///
 /// # Safety
 /// As `Lanes::enter`: the CPU must support `L::ISA`.

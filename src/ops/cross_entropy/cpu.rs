@@ -480,9 +480,7 @@ unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     k: &Kern<T>,
     base: usize,
 ) -> (f32, f32) {
-    // The arguments copied to locals: their fields stay in registers
-    // (behind the caller's pointers they would be reloaded after each
-    // store through the raw output pointers).
+    // Arguments copied to locals (see `enter_apart`).
     // SAFETY: forwarded; L is entered (the caller's contract).
     unsafe {
         enter_apart::<L, _>(
@@ -765,9 +763,7 @@ unsafe fn pass1_groups<
     g: Groups<'_, L>,
     s: &mut RowSum<L>,
 ) -> (L, usize) {
-    // The arguments copied to locals: their fields stay in registers
-    // (behind the caller's pointers they would be reloaded after each
-    // store through the raw output pointers).
+    // Arguments copied to locals (see `enter_apart`).
     // SAFETY: forwarded; L is entered (the caller's contract).
     unsafe {
         enter_apart::<L, _>(
@@ -924,9 +920,7 @@ unsafe fn pass2_cols<L: Lanes, T: Float, const CAP: bool>(
     p: &Pending<L>,
     from: usize,
 ) {
-    // The arguments copied to locals: their fields stay in registers
-    // (behind the caller's pointers they would be reloaded after each
-    // store through the raw output pointers).
+    // Arguments copied to locals (see `enter_apart`).
     // SAFETY: forwarded; L is entered (the caller's contract).
     unsafe {
         enter_apart::<L, _>(
