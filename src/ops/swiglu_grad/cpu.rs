@@ -5,7 +5,7 @@ use crate::lanes::detect::Available;
 use crate::lanes::math::{exp_scale, silu_reduce, ExpArg};
 use crate::lanes::{dispatch_isa, Lanes};
 use crate::ops::elementwise::{dispatch_t, eager_round, for_block_rows, prefetch_ahead};
-use crate::ops::norm::{for_lines_piped, load_at, put_pair, store_at};
+use crate::ops::norm::{for_lines_piped, load_at, load_line, put_line, store_at};
 use crate::ops::run_blocks;
 use crate::runner::Runner;
 use crate::workspace::{Dst, Src};
@@ -48,21 +48,25 @@ fn stage<L: Lanes>(dy: L, a: L, b: L) -> Staged<L> {
     Staged { dy, a, b, e }
 }
 
-/// `stage` of the whole group at `iy` in dy, `ia` in a and b (a function,
-/// not a closure: closures were not inlined into the ISA's entry).
+/// `stage` of the lines at `iy` in dy, `ia` in a and b, in `T`'s line
+/// order on `L` (elementwise: the order changes no bit, and on AVX-512
+/// without BF16 it spares a bf16 line two word permutes in and two out; a
+/// function, not a closure: closures were not inlined into the ISA's
+/// entry).
 ///
 /// # Safety
-/// The group is inside every operand.
+/// The line is inside every operand.
 #[inline(always)]
-unsafe fn stage_at<L: Lanes, T: Float>(k: &Kern<T>, iy: usize, ia: usize) -> Staged<L> {
+unsafe fn stage_line<L: Lanes, T: Float>(k: &Kern<T>, iy: usize, ia: usize) -> [Staged<L>; 2] {
     // SAFETY: forwarded.
-    unsafe {
-        stage(
-            T::load::<L>(k.dy.group(iy)),
-            T::load::<L>(k.a.group(ia)),
-            T::load::<L>(k.b.group(ia)),
+    let ((dy0, dy1), (a0, a1), (b0, b1)) = unsafe {
+        (
+            load_line::<L, T>(k.dy, iy),
+            load_line::<L, T>(k.a, ia),
+            load_line::<L, T>(k.b, ia),
         )
-    }
+    };
+    [stage(dy0, a0, b0), stage(dy1, a1, b1)]
 }
 
 /// (da, db) at one window. PyTorch's formulas: `silu = a / (1 + e)`,
@@ -132,20 +136,16 @@ fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, blk: usize) {
                 prefetch_ahead::<L, T>(k.a, ia + p);
                 prefetch_ahead::<L, T>(k.b, ia + p);
                 // SAFETY: as above, 32 columns.
-                unsafe {
-                    (
-                        stage_at::<L, T>(k, iy + p, ia + p),
-                        stage_at::<L, T>(k, iy + p + G, ia + p + G),
-                    )
-                }
+                unsafe { stage_line::<L, T>(k, iy + p, ia + p) }
             },
             |p, s| {
-                let (da0, db0) = grads::<L, T>(s.0, k.eager);
-                let (da1, db1) = grads::<L, T>(s.1, k.eager);
-                // SAFETY: as above, 32 columns.
+                let [s0, s1] = s;
+                let (da0, db0) = grads::<L, T>(s0, k.eager);
+                let (da1, db1) = grads::<L, T>(s1, k.eager);
+                // SAFETY: as above, 32 columns (in line order, as loaded).
                 unsafe {
-                    put_pair::<L, T, STREAM>(k.da, ia + p, da0, da1);
-                    put_pair::<L, T, STREAM>(k.db, ia + p, db0, db1);
+                    put_line::<L, T, STREAM>(k.da, ia + p, da0, da1);
+                    put_line::<L, T, STREAM>(k.db, ia + p, db0, db1);
                 }
             }
         );
