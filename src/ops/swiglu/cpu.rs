@@ -40,9 +40,9 @@ fn y_of<L: Lanes, T: Float>((a, b, e): (L, L, ExpArg<L>), eager: bool) -> L {
 
 /// The line at `i` of a and b, in `T`'s line order on `L` (elementwise:
 /// the order changes no bit, and on AVX-512 without BF16 it spares a bf16
-/// line two word permutes in and two out), and `a`'s `silu_reduce` (a
-/// function, not a closure: closures were not inlined into the ISA's
-/// entry).
+/// line two widenings in and two word permutes out), and `a`'s
+/// `silu_reduce` (a function, not a closure: closures were not inlined
+/// into the ISA's entry).
 ///
 /// # Safety
 /// The line is inside a and b.

@@ -50,9 +50,9 @@ fn stage<L: Lanes>(dy: L, a: L, b: L) -> Staged<L> {
 
 /// `stage` of the lines at `iy` in dy, `ia` in a and b, in `T`'s line
 /// order on `L` (elementwise: the order changes no bit, and on AVX-512
-/// without BF16 it spares a bf16 line two word permutes in and two out; a
-/// function, not a closure: closures were not inlined into the ISA's
-/// entry).
+/// without BF16 it spares a bf16 line two widenings in and two word
+/// permutes out; a function, not a closure: closures were not inlined
+/// into the ISA's entry).
 ///
 /// # Safety
 /// The line is inside every operand.
