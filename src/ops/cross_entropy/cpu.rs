@@ -668,8 +668,8 @@ unsafe fn pass1_groups_body<
     // How far ahead to prefetch. Without NEXT: the next row. With NEXT
     // (which reads the next row itself): the row after it, unless rows are
     // wide; then a few KiB ahead in the next row, since three rows in
-    // flight beside two cache rows overflow a 1 MiB L2 (Cascade Lake,
-    // 256x128256 16-bit: 1.27-1.33 -> 1.22-1.26 of a copy; f32 0.95 -> 0.85).
+    // flight beside two cache rows overflow a 1 MiB L2 (measured on
+    // Cascade Lake: docs/performance.md, "Wide rows' prefetch").
     let wide = n * core::mem::size_of::<T>() > WIDE_ROW_BYTES;
     let ahead = match (NEXT, wide) {
         (true, false) => 2 * n,
