@@ -17,6 +17,11 @@ spread (min-max of the reps), then the median minus the group's
 - ``op below autograd``: the same under ``_AutoDispatchBelowAutograd`` (the
   CPU kernel and the dispatcher only);
 - ``op, x requires grad``: the forward that records the graph (no backward);
+- ``op, eager caller``: the same overload through npukern_torch's eager
+  caller (``npukern_torch/_fast.py``: the dispatcher without the
+  ``torch.ops`` door), what the functional forms and modules call;
+  ``NPK_TORCH_FAST_CALL=0`` in the environment routes them back through
+  ``torch.ops``;
 - ``module no_grad`` / ``module grad``: the nn.Module's forward under
   ``torch.no_grad()`` and with its parameters requiring grad (forward only).
 
@@ -89,9 +94,14 @@ def groups():
             ("op", lambda x=x, g=g: ops.rms_norm(x, g, 1e-6), plain),
             ("op below autograd", lambda x=x, g=g: ops.rms_norm(x, g, 1e-6), below_autograd),
             ("op, x requires grad", lambda xg=xg, g=g: ops.rms_norm(xg, g, 1e-6), plain),
+            # The same overload through npukern_torch's eager caller (_fast.py:
+            # no torch.ops door), and the public function that uses it.
+            ("op, eager caller", lambda x=x, g=g: F._rms_norm_op(x, g, 1e-6), plain),
+            ("npukern_torch.rms_norm", lambda x=x, g=g: npukern_torch.rms_norm(x, g, 1e-6), plain),
             ("RMSNorm no_grad", lambda m=m, x=x: m(x), torch.no_grad),
             ("RMSNorm grad", lambda m=m, x=x: m(x), plain),
             ("add_rms_norm op", lambda x=x, res=res, g=g: ops.add_rms_norm(x, res, g, 1e-6), plain),
+            ("add_rms_norm op, eager caller", lambda x=x, res=res, g=g: F._add_rms_norm_op(x, res, g, 1e-6), plain),
             ("AddRMSNorm no_grad", lambda am=am, x=x, res=res: am(x, res), torch.no_grad),
             ("AddRMSNorm grad", lambda am=am, x=x, res=res: am(x, res), plain),
         ]))
@@ -103,6 +113,7 @@ def groups():
         ("torch.add(gate, gate)", lambda: torch.add(gate, gate), plain),
         ("silu_mul op", lambda: ops.silu_mul(gate, up), plain),
         ("silu_mul op below autograd", lambda: ops.silu_mul(gate, up), below_autograd),
+        ("silu_mul op, eager caller", lambda: F._silu_mul_op(gate, up), plain),
         ("silu_mul op, gate requires grad", lambda: ops.silu_mul(gateg, up), plain),
         ("F.silu_mul", lambda: F.silu_mul(gate, up), plain),
         ("swiglu op (x 1x22016)", lambda: ops.swiglu(gu), plain),
@@ -116,6 +127,7 @@ def groups():
         ("torch.add(q, q)", lambda: torch.add(q, q), plain),
         ("rotary_mul op", lambda: ops.rotary_mul(q, cos, sin), plain),
         ("rotary_mul op below autograd", lambda: ops.rotary_mul(q, cos, sin), below_autograd),
+        ("rotary_mul op, eager caller", lambda: F._rotary_mul_op(q, cos, sin), plain),
         ("rotary_mul op, q requires grad", lambda: ops.rotary_mul(qg, cos, sin), plain),
         ("rope_qk op", lambda: ops.rope_qk(q, k, cos, sin), plain),
         ("F.apply_rotary_pos_emb", lambda: F.apply_rotary_pos_emb(q, k, cos3, sin3), plain),

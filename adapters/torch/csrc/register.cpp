@@ -6,6 +6,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "fast_call.h"
 #include "npukern.h"
 #include "ops.h"
 
@@ -129,6 +130,8 @@ PyObject *detected_isa(PyObject *, PyObject *) {
 PyMethodDef methods[] = {
     {"version", version, METH_NOARGS, "The linked npukern library's version."},
     {"detected_isa", detected_isa, METH_NOARGS, "The SIMD ISA npukern picks on this CPU."},
+    {"fast_op", npk_torch::fast_op, METH_VARARGS,
+     "fast_op(overload, name, overload_name, parameter_type): the overload's eager caller, or None."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -7,17 +7,18 @@ gamma. ``casting`` and ``offset`` choose a model family's numerics (see
 import torch
 
 from . import _casting
+from ._fast import eager
 
 ops = torch.ops.npukern
-# The overloads themselves: calling one skips the packet's overload lookup.
-_rms_norm_op = ops.rms_norm.default
-_add_rms_norm_op = ops.add_rms_norm.default
-_add_rms_norm_inplace_op = ops.add_rms_norm_.default
-_embedding_op = ops.embedding.default
-_swiglu_op = ops.swiglu.default
-_silu_mul_op = ops.silu_mul.default
-_rotary_mul_op = ops.rotary_mul.default
-_rope_qk_op = ops.rope_qk.default
+# The overloads, called eagerly without the torch.ops door (_fast.py).
+_rms_norm_op = eager(ops.rms_norm.default)
+_add_rms_norm_op = eager(ops.add_rms_norm.default)
+_add_rms_norm_inplace_op = eager(ops.add_rms_norm_.default)
+_embedding_op = eager(ops.embedding.default)
+_swiglu_op = eager(ops.swiglu.default)
+_silu_mul_op = eager(ops.silu_mul.default)
+_rotary_mul_op = eager(ops.rotary_mul.default)
+_rope_qk_op = eager(ops.rope_qk.default)
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *, casting: str = "torch", offset=None):

@@ -1,0 +1,146 @@
+"""The eager caller the functional forms and modules use (npukern_torch/_fast.py,
+csrc/fast_call.cpp) against the torch.ops overload it stands for: the same
+bits, the same errors, the same autograd, and torch.ops' own behaviour for
+everything it hands back (keywords, subclasses, __torch_function__ modes,
+fake tensors, torch.compile)."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from npukern_torch import functional as F
+
+ops = torch.ops.npukern
+
+
+def _r(*shape, dtype=torch.float32, grad=False):
+    return torch.randn(*shape).to(dtype).requires_grad_(grad)
+
+
+def cases():
+    """(eager caller, overload, positional args) for every op the package calls eagerly."""
+    q, k = _r(1, 5, 4, 8, dtype=torch.bfloat16), _r(1, 5, 2, 8, dtype=torch.bfloat16)
+    cos, sin = _r(1, 5, 1, 8, dtype=torch.bfloat16), _r(1, 5, 1, 8, dtype=torch.bfloat16)
+    return [
+        (F._rms_norm_op, ops.rms_norm.default, (_r(3, 37, dtype=torch.bfloat16), _r(37, dtype=torch.bfloat16), 1e-6)),
+        (F._rms_norm_op, ops.rms_norm.default, (_r(2, 3, 16), _r(3, 16), 1e-5, 1.0, True)),
+        (F._rms_norm_op, ops.rms_norm.default, (_r(4, 8), _r(8), 1)),  # an int where the schema says float
+        (F._rms_norm_op, ops.rms_norm.default, (_r(4, 8), _r(8), 1e-6, 0.0, 1)),  # and for a bool (torch.ops takes it)
+        (F._add_rms_norm_op, ops.add_rms_norm.default, (_r(5, 24), _r(5, 24), _r(24), 1e-6, 0.0, False)),
+        (F._embedding_op, ops.embedding.default, (_r(6, 5), torch.tensor([[0, 3, 3], [5, 1, 3]]), 3, True)),
+        (F._swiglu_op, ops.swiglu.default, (_r(3, 2, 10, dtype=torch.float16), 1, True)),
+        (F._silu_mul_op, ops.silu_mul.default, (_r(4, 9), _r(4, 9))),
+        (F._rotary_mul_op, ops.rotary_mul.default, (q, cos, sin, True)),
+        (F._rope_qk_op, ops.rope_qk.default, (q, k, cos, sin, False, True)),
+    ]
+
+
+def _same(a, b):
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride()
+        assert torch.equal(x.view(torch.uint8) if x.dtype.itemsize == 1 else x, y)
+
+
+@pytest.mark.parametrize("i", range(len(cases())))
+def test_same_result_as_the_overload(i):
+    fast, overload, args = cases()[i]
+    assert fast is not overload  # the eager caller is in use
+    _same(fast(*args), overload(*args))
+
+
+def test_in_place_writes_and_bumps_the_version():
+    x1, x2, g = _r(4, 12), _r(4, 12), _r(12)
+    a, b = x1.clone(), x1.clone()
+    va, vb = a._version, b._version
+    ya = F._add_rms_norm_inplace_op(a, x2, g, 1e-6)
+    yb = ops.add_rms_norm_.default(b, x2, g, 1e-6)
+    _same(ya, yb)
+    assert torch.equal(a, b) and torch.equal(a, x1 + x2)
+    assert a._version - va == b._version - vb > 0
+
+
+def test_autograd_through_the_eager_caller():
+    x, g = _r(3, 16, grad=True), _r(16, grad=True)
+    y, _ = F._rms_norm_op(x, g, 1e-6)
+    y.square().sum().backward()
+    x2, g2 = x.detach().clone().requires_grad_(), g.detach().clone().requires_grad_()
+    y2, _ = ops.rms_norm.default(x2, g2, 1e-6)
+    y2.square().sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(g.grad, g2.grad)
+    with torch.inference_mode():
+        assert F._rms_norm_op(x, g, 1e-6)[0].is_inference()
+
+
+def test_parameters_are_taken():
+    x, w = _r(2, 8), torch.nn.Parameter(_r(8))
+    _same(F._rms_norm_op(x, w, 1e-6), ops.rms_norm.default(x, w, 1e-6))
+
+
+def test_errors_are_torch_ops_errors():
+    bad = [
+        (_r(4, 8, dtype=torch.float64), _r(8, dtype=torch.float64), 1e-6),  # a dtype the kernels do not take
+        (_r(4, 8), _r(7), 1e-6),  # gamma's shape
+        (_r(4, 8), _r(8), "1e-6"),  # an argument of the wrong type
+        (_r(4, 8), _r(8), 1e-6, 0.0, False, 7),  # too many arguments
+        (_r(4, 8),),  # too few
+        (_r(4, 8), None, 1e-6),
+    ]
+    for args in bad:
+        with pytest.raises(Exception) as want:
+            ops.rms_norm.default(*args)
+        with pytest.raises(want.type) as got:
+            F._rms_norm_op(*args)
+        assert str(got.value) == str(want.value)
+
+
+def test_keywords_go_to_the_overload():
+    x, g = _r(3, 8), _r(8)
+    _same(F._rms_norm_op.fast(x, g, epsilon=1e-3), ops.rms_norm.default(x, g, 1e-3))
+    _same(F._rms_norm_op.fast(x, gamma=g), ops.rms_norm.default(x, g))
+
+
+class _Logged(torch.Tensor):
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_subclasses_and_modes_see_the_call():
+    x, g = _r(3, 8), _r(8)
+    _Logged.seen.clear()
+    y, _ = F._rms_norm_op(x.as_subclass(_Logged), g, 1e-6)
+    assert ops.rms_norm.default in _Logged.seen
+
+    class Mode(TorchFunctionMode):
+        seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Mode.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        F._silu_mul_op(x, x)
+    assert ops.silu_mul.default in Mode.seen
+
+
+def test_fake_tensors_and_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        y, rstd = F._rms_norm_op(torch.empty(5, 64), torch.empty(64), 1e-6)
+        assert y.shape == (5, 64) and rstd.shape == (5, 1)
+
+    def f(x, g):
+        y, _ = F._rms_norm_op(x, g, 1e-6)
+        return F._silu_mul_op(y, y) * 2
+
+    x, g = _r(4, 32), _r(32)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, g), f(x, g))
