@@ -144,3 +144,27 @@ def test_fake_tensors_and_compile():
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, g), f(x, g))
+
+
+def test_modules_read_a_parametrized_weight():
+    import npukern_torch
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    x = _r(3, 16)
+    for cls, args in ((npukern_torch.RMSNorm, (x,)), (npukern_torch.AddRMSNorm, (x, _r(3, 16)))):
+        m = cls(16, eps=1e-6)
+        with torch.no_grad():
+            m.weight.uniform_(0.5, 1.5)
+        plain = m(*args)
+        parametrize.register_parametrization(m, "weight", Double())
+        with torch.no_grad():
+            m.parametrizations.weight.original.mul_(0.5)  # the parametrized weight equals the old one
+        got = m(*args)
+        _same(got, plain)
+        m.parametrizations.weight.original.data.mul_(2)
+        assert not torch.equal((m(*args) if cls is npukern_torch.RMSNorm else m(*args)[0]),
+                               plain if cls is npukern_torch.RMSNorm else plain[0])
