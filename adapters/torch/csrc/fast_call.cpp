@@ -31,8 +31,7 @@ enum class Kind { Tensor, OptionalTensor, Float, Int, Bool };
 struct FastOp {
   c10::OperatorHandle op;
   std::vector<Kind> kinds;
-  std::vector<c10::IValue> defaults;  // per argument; None where required
-  std::vector<bool> has_default;
+  std::vector<std::optional<c10::IValue>> defaults;  // per argument; nullopt where required
   size_t returns = 0;
   PyObject *fallback = nullptr;  // the torch.ops overload (a new reference)
 };
@@ -59,15 +58,13 @@ bool exact_int(PyObject *o, int64_t *out) {
 // Pushes `o` as an argument of `kind`; false when the fast path does not take it.
 bool push(torch::jit::Stack &stack, Kind kind, PyObject *o) {
   switch (kind) {
-    case Kind::Tensor:
-      if (!plain_tensor(o)) return false;
-      stack.emplace_back(THPVariable_Unpack(o));
-      return true;
     case Kind::OptionalTensor:
       if (o == Py_None) {
         stack.emplace_back();
         return true;
       }
+      [[fallthrough]];
+    case Kind::Tensor:
       if (!plain_tensor(o)) return false;
       stack.emplace_back(THPVariable_Unpack(o));
       return true;
@@ -109,8 +106,8 @@ PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObjec
     for (size_t i = 0; taken && i < fast->kinds.size(); ++i) {
       if (i < nargs) {
         taken = push(stack, fast->kinds[i], args[i]);
-      } else if (fast->has_default[i]) {
-        stack.push_back(fast->defaults[i]);
+      } else if (fast->defaults[i]) {
+        stack.push_back(*fast->defaults[i]);
       } else {
         taken = false;
       }
@@ -196,13 +193,12 @@ PyObject *fast_op(PyObject *, PyObject *args) {
   if (!handle) Py_RETURN_NONE;
   const auto &schema = handle->schema();
   if (schema.is_vararg() || schema.is_varret()) Py_RETURN_NONE;
-  auto fast = std::make_unique<FastOp>(FastOp{*handle, {}, {}, {}, schema.returns().size(), nullptr});
+  auto fast = std::make_unique<FastOp>(FastOp{*handle, {}, {}, schema.returns().size(), nullptr});
   for (const auto &a : schema.arguments()) {
     auto kind = kind_of(a);
     if (!kind) Py_RETURN_NONE;
     fast->kinds.push_back(*kind);
-    fast->has_default.push_back(a.default_value().has_value());
-    fast->defaults.push_back(a.default_value().value_or(c10::IValue()));
+    fast->defaults.push_back(a.default_value());
   }
   for (const auto &r : schema.returns()) {
     if (r.type()->kind() != c10::TypeKind::TensorType) Py_RETURN_NONE;
