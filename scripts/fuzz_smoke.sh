@@ -13,7 +13,7 @@
 #   scripts/fuzz_smoke.sh                 # every target, 20 s each
 #   NPK_FUZZ_SECONDS=600 scripts/fuzz_smoke.sh capi   # one target, longer
 #
-# Long campaigns: see README.md, "Fuzzing".
+# Long campaigns: see docs/testing.md.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root/fuzz"
