@@ -602,10 +602,18 @@ impl<L: Lanes> Default for RowSum<L> {
 /// Adds `$body` for `$k` in `0..$n`, in order, to the `RowSum` `$s`: the
 /// same sum as `$n` calls of `push`, with the running sum in a local. A
 /// macro, not a closure, so the body always inlines into the ISA context.
+///
+/// `push_groups!(paired s, ...)` sums two whole segments side by side where
+/// the row has them: a segment's additions are one dependent chain, the next
+/// segment's chain does not depend on it (only the merges are ordered, and
+/// `commit` keeps that order), so the row's latency halves with the same
+/// bits. For a sum that waits on that chain alone (the norms' sum of
+/// squares: a decode row, f32 rows); a heavier term is bound by its loads
+/// and arithmetic instead, and a second stream only spreads its reads.
 macro_rules! push_groups {
-    ($s:expr, $n:expr, |$k:ident| $body:expr) => {{
+    (@from $i:expr, $s:expr, $n:expr, |$k:ident| $body:expr) => {{
         let n: usize = $n;
-        let mut i = 0usize;
+        let mut i: usize = $i;
         while i < n {
             let take = $s.room().min(n - i);
             let mut acc = $s.acc();
@@ -615,6 +623,32 @@ macro_rules! push_groups {
             $s.commit(acc, take);
             i += take;
         }
+    }};
+    (paired $s:expr, $n:expr, |$k:ident| $body:expr) => {{
+        const SEG: usize = $crate::lanes::SEGMENT_GROUPS;
+        let n: usize = $n;
+        let mut i = 0usize;
+        while $s.room() == SEG && n - i >= 2 * SEG {
+            // At a segment start the running sum is +0.0: both start there.
+            let (mut a0, mut a1) = ($s.acc(), $s.acc());
+            for j in i..i + SEG {
+                a0 = $crate::lanes::Lanes::add(a0, {
+                    let $k = j;
+                    $body
+                });
+                a1 = $crate::lanes::Lanes::add(a1, {
+                    let $k = j + SEG;
+                    $body
+                });
+            }
+            $s.commit(a0, SEG);
+            $s.commit(a1, SEG);
+            i += 2 * SEG;
+        }
+        $crate::lanes::push_groups!(@from i, $s, n, |$k| $body)
+    }};
+    ($s:expr, $n:expr, |$k:ident| $body:expr) => {{
+        $crate::lanes::push_groups!(@from 0usize, $s, $n, |$k| $body)
     }};
 }
 pub(crate) use push_groups;
@@ -891,5 +925,44 @@ mod tests {
         let got = s.finish() as f64;
         let want = (n / GROUP) as f64 * xs.iter().map(|v| *v as f64).sum::<f64>();
         assert!(((got - want) / want).abs() < 1e-6, "{got} vs {want}");
+    }
+
+    /// `push_groups!(paired ...)` (two segments side by side) has the bits of
+    /// pushing the groups one by one, for lengths around whole segments.
+    #[test]
+    fn paired_segments_sum_like_push() {
+        let seg = SEGMENT_GROUPS;
+        for groups in [
+            0,
+            1,
+            seg - 1,
+            seg,
+            2 * seg - 1,
+            2 * seg,
+            2 * seg + 3,
+            5 * seg + 7,
+        ] {
+            let mut bits = bits_stream(groups as u32 + 11, groups * GROUP);
+            // Finite values of mixed magnitude, so the order shows in the bits.
+            let v: std::vec::Vec<f32> = (0..groups * GROUP)
+                .map(|_| f32::from_bits(bits.next().unwrap_or(0) & 0x8fff_ffff | 0x3000_0000))
+                .collect();
+            let group = |k: usize| -> Portable {
+                let mut a = [0f32; GROUP];
+                a.copy_from_slice(&v[k * GROUP..(k + 1) * GROUP]);
+                Portable::load(&a)
+            };
+            let mut one = RowSum::<Portable>::new();
+            for k in 0..groups {
+                one.push(group(k));
+            }
+            let mut paired = RowSum::<Portable>::new();
+            push_groups!(paired paired, groups, |k| group(k));
+            assert_eq!(
+                paired.finish().to_bits(),
+                one.finish().to_bits(),
+                "{groups} groups"
+            );
+        }
     }
 }

@@ -163,7 +163,7 @@ unsafe fn row_sum_sq<L: Lanes, T: Float, G: Float, S: FwdSource<T>>(
 ) -> f32 {
     let (full, tail) = (n / GROUP, n % GROUP);
     let mut s = RowSum::<L>::new();
-    push_groups!(s, full, |k| {
+    push_groups!(paired s, full, |k| {
         // SAFETY: group k of the row.
         let v = unsafe { c.src.at::<L>(row + k * GROUP, GROUP) };
         v.mul(v)
