@@ -566,19 +566,24 @@ impl<L: Lanes> RowSum<L> {
         self.in_segment = 0;
     }
 
-    /// The total.
+    /// The total; the sum is left empty. By reference, not by value: moving
+    /// the 3 KiB of pending partials into the call was a `memcpy` per row
+    /// that LLVM did not elide (Cascade Lake: 12% of an L2-resident
+    /// 64x4096 bf16 RmsNorm, 0.15 us of a decode row).
     #[inline(always)]
-    pub fn finish(mut self) -> f32 {
+    pub fn finish(&mut self) -> f32 {
         if self.in_segment > 0 {
             self.close_segment();
         }
-        if self.depth == 0 {
-            return L::splat(0.0).fold();
+        let mut r = L::splat(0.0);
+        if self.depth > 0 {
+            r = self.slot(self.depth - 1);
+            for i in (0..self.depth - 1).rev() {
+                r = self.slot(i).add(r);
+            }
         }
-        let mut r = self.slot(self.depth - 1);
-        for i in (0..self.depth - 1).rev() {
-            r = self.slot(i).add(r);
-        }
+        self.depth = 0;
+        self.segments = 0;
         r.fold()
     }
 
