@@ -854,3 +854,51 @@ fn bits_are_the_same_everywhere() {
     }
     assert!(seen >= 1);
 }
+
+/// Rows whose logits all sit far from 0 (a fully masked row filled with a
+/// finite -1e30 among them): the loss comes from `m - x_t` and `log s`, not
+/// from an `lse` rounded at the scale of the logits (which kept nothing of
+/// `log s`: all logits -1e10 gave a loss of 0). Within 8 f32 epsilons of
+/// max(loss, 1) of the f64 model of the same f32 inputs, at every offset.
+#[test]
+fn far_from_zero_logits() {
+    let c = 37;
+    let mut rng = Rng(11);
+    for offset in [1e3f64, 1e5, -1e5, 1e10, -1e10, -1e30, 3e38] {
+        let n = 4;
+        let mut x: Vec<f32> = (0..n * c)
+            .map(|_| (offset + rng.uniform(-4.0, 4.0)) as f32)
+            .collect();
+        x[c..2 * c].fill(offset as f32); // a row of one value: loss ln C
+        let tgt: Vec<i64> = targets(&mut rng, n, c, 0);
+        let k = Case {
+            x: &x,
+            n,
+            c,
+            tgt: &tgt,
+            w: None,
+            opts: options(Reduction::None, 0.0, 0.0, 0.0),
+            g: grad_for(&mut Rng(12), n, Reduction::None),
+        };
+        let (loss, _) = k.forward(&Exec::cpu()).unwrap();
+        // torch's formulation in f64: -log_softmax = (m - x_t) + ln sum exp(x - m)
+        // (the golden model's `x - lse` keeps nothing of ln s at 1e30 in f64 either).
+        let want: Vec<f64> = (0..n)
+            .map(|r| {
+                let row: Vec<f64> = x[r * c..(r + 1) * c].iter().map(|v| *v as f64).collect();
+                let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let ln_s = row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+                (m - row[tgt[r] as usize]) + ln_s
+            })
+            .collect();
+        for r in 0..n {
+            assert!(
+                (loss[r] as f64 - want[r]).abs() <= 8.0 * EPS * want[r].abs().max(1.0),
+                "offset {offset}: loss[{r}] {} vs {}",
+                loss[r],
+                want[r]
+            );
+        }
+        assert!(((loss[1] as f64) - (c as f64).ln()).abs() <= 4.0 * EPS);
+    }
+}

@@ -211,3 +211,53 @@ def test_linear_and_plain_share_the_reduction(reduction):
     a = L.linear_cross_entropy(x, w, t, reduction=reduction)
     b = L.cross_entropy(x @ w.t(), t, reduction=reduction)
     assert a.view(torch.int32).item() == b.view(torch.int32).item()
+
+
+def test_far_from_zero_logits_keep_the_loss():
+    # lse rounds to the max at this scale: the loss comes from (m - x_t) + log s.
+    for v in (-1e10, 1e10, -1e30):
+        x = torch.full((3, 4), v)
+        t = torch.tensor([1, 0, 3])
+        assert L.cross_entropy(x, t).item() == pytest.approx(torch.log(torch.tensor(4.0)).item(), rel=1e-6)
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)) + 1e4
+    t = torch.randint(0, 50, (6,), generator=torch.Generator().manual_seed(4))
+    want = TF.cross_entropy(x.double(), t, reduction="none")
+    assert (L.cross_entropy(x, t, reduction="none").double() - want).abs().max() <= 1e-5
+
+
+def test_target_shape_and_weight_grad_are_checked():
+    x = torch.randn(2, 7, 3)
+    t = torch.randint(0, 7, (2, 3))
+    assert L.cross_entropy(x, t).item() == pytest.approx(TF.cross_entropy(x, t).item(), rel=1e-6)
+    for bad in (t.t().contiguous(), t.reshape(-1), t.reshape(2, 3, 1)):
+        with pytest.raises(ValueError, match="expected target of shape"):
+            L.cross_entropy(x, bad)
+    w = torch.rand(7, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not differentiable with respect to 'weight'"):
+        L.cross_entropy(x, t, weight=w)
+    with torch.no_grad():
+        L.cross_entropy(x, t, weight=w)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_weighted_z_loss_is_the_same_on_the_kernel_and_the_composite(reduction):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 11, generator=g) * 3
+    t = torch.randint(0, 11, (8,), generator=g)
+    t[2] = -100
+    w = torch.rand(11, generator=g) + 0.2
+    kern = L.cross_entropy(x, t, weight=w, z_loss=1e-2, reduction=reduction)
+    comp = L.cross_entropy(x.double(), t, weight=w.double(), z_loss=1e-2, reduction=reduction)
+    assert kern.double().item() == pytest.approx(comp.item(), rel=1e-6)
+
+
+def test_linear_cross_entropy_compiles_fullgraph_with_grad():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(12, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (12,), generator=g)
+    torch.compile(lambda a, b, c: L.linear_cross_entropy(a, b, c), fullgraph=True)(x, w, t).backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    TF.cross_entropy(xr @ wr.t(), t).backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-6)

@@ -361,8 +361,9 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
     let mut next_max = None;
     let (m, lse) = if k.fwd {
         // SAFETY: forwarded.
-        let (m, lse, sx, nm) =
+        let (m, ln_s, sx, nm) =
             unsafe { pass1::<L, T, CAP>(k, base, cache, known, next, prev.as_ref()) };
+        let lse = m + ln_s;
         next_max = nm;
         if let Some(o) = k.lse {
             // SAFETY: lse holds `rows` f32; row r is this block's.
@@ -376,9 +377,13 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
                 // pass 2 comes later).
                 let z = unsafe { k.x.get(base + tu, 1)[0].to_f32() };
                 let xt = lane0(capped::<L, CAP>(L::splat(z), k.cap).0);
-                let nll = wt * (lse - xt);
+                // From `m - x_t` and `log s`, as torch's log_softmax
+                // (`(x - m) - log s`), never `lse - x_t`: `lse` rounded at the
+                // scale of `m` keeps nothing of `log s` once |m| is large
+                // (all logits -1e10: lse == m, the loss 0).
+                let nll = wt * ((m - xt) + ln_s);
                 let mut l = if k.ls > 0.0 {
-                    (1.0 - k.ls) * nll + k.lsc * (k.w_sum * lse - sx)
+                    (1.0 - k.ls) * nll + k.lsc * (k.w_sum * ln_s + (k.w_sum * m - sx))
                 } else {
                     nll
                 };
@@ -537,8 +542,8 @@ unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
 }
 
 /// Pass 1 over the row at `base`: the row max `m` (`known`, or a max pass
-/// of its own), `lse = m + log(sum_c exp(x_c - m))` (the sum in `RowSum`'s
-/// order) and, with label smoothing, `sum_c w_c x_c` (0 otherwise). The
+/// of its own), `log(sum_c exp(x_c - m))` (the sum in `RowSum`'s order;
+/// `lse` is `m` plus it) and, with label smoothing, `sum_c w_c x_c` (0 otherwise). The
 /// exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
 /// `next` row also take its max meanwhile, from cache (prefetched a row
 /// earlier): a separate max pass was a memory-bound loop, about a tenth of
@@ -637,7 +642,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
         }
     }
     let next_max = next.map(|_| fold_max(-f32::MAX, nm));
-    (m, m + lane0(log(L::splat(s.finish()))), sx, next_max)
+    (m, lane0(log(L::splat(s.finish()))), sx, next_max)
 }
 
 /// Pass 1's whole groups, columns `0..full` of the row at `base`: `exp(x -

@@ -50,7 +50,17 @@ def _composite(input, target, weight, ignore_index, reduction, label_smoothing, 
         lse = torch.logsumexp(x, 1 if x.dim() > 1 else 0)
         keep = (target != ignore_index).to(lse.dtype)
         z = z_loss * lse.square() * keep
-        z = {"none": z, "sum": z.sum(), "mean": z.sum() / keep.sum()}[reduction]
+        if reduction == "mean":
+            # Part of each row's loss, so divided by the loss's own denominator:
+            # the weight sum over rows not ignored (docs/operators.md), as the kernel.
+            if weight is None:
+                den = keep.sum()
+            else:
+                classes = x.shape[1 if x.dim() > 1 else 0]
+                den = (weight.to(lse.dtype)[target.clamp(0, classes - 1)] * keep).sum()
+            z = z.sum() / den
+        elif reduction == "sum":
+            z = z.sum()
         loss = loss + z
     return loss.to(input.dtype)
 
@@ -65,8 +75,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     same ``weight``, ``ignore_index``, ``reduction`` (mean: the weighted mean
     over rows not ignored; NaN when every row is ignored) and
     ``label_smoothing``, and the result in input's dtype. ``z_loss`` adds
-    ``z_loss * lse**2`` per row (reduced like the loss, the mean over rows
-    not ignored); ``softcap`` replaces the logits by ``softcap *
+    ``z_loss * lse**2`` per row not ignored, part of that row's loss (so a
+    mean divides it by the same weighted denominator); ``softcap`` replaces the logits by ``softcap *
     tanh(logits / softcap)`` first (Gemma2). Differentiable in input.
     Class-probability targets, float64 and non-CPU inputs run torch's own."""
     red = _reduction(reduction)
@@ -74,6 +84,14 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     if not on_kernels(input) or target.dtype.is_floating_point or input.dim() == 0:
         return _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, cap)
     x, t = input, target
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        # As torch's nll_loss: the loss is not differentiable in the class weight.
+        raise RuntimeError("cross_entropy: the loss is not differentiable with respect to 'weight' "
+                           "(it requires grad); pass weight.detach()")
+    if x.dim() > 2 and tuple(t.shape) != (x.shape[0],) + tuple(x.shape[2:]):
+        # (N, C, d1, ...) pairs with an (N, d1, ...) target, as torch checks.
+        raise ValueError(f"cross_entropy: expected target of shape {[x.shape[0]] + list(x.shape[2:])} "
+                         f"for input of shape {list(x.shape)}, got {list(t.shape)}")
     if x.dim() == 1:  # unbatched (C)
         x, t = x.unsqueeze(0), t.unsqueeze(0)
     elif x.dim() > 2:  # (N, C, d1, ...): classes last
@@ -162,7 +180,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         d_input, d_weight, d_bias = ctx.saved_tensors
         g = grad.reshape(())
-        if not torch.is_grad_enabled() and g.item() == 1.0:
+        # Under torch.compile the scale is always applied (no data-dependent branch).
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and g.item() == 1.0:
             # loss.backward(): the saved gradients as they are (no second copy of d_weight).
             di = d_input.reshape(ctx.shape) if d_input is not None else None
             return di, d_weight, None, d_bias, None, None, None, None, None, None
