@@ -338,6 +338,43 @@ def _residual_norm(norm, residual, h):
     return norm(s), s
 
 
+def _binder(owner, sig):
+    """``sig.bind(self, *args, **kwargs)`` with defaults applied, as plain
+    dicts read at patch time: ``(arguments, extra keywords)``, the same
+    TypeErrors. Under torch.compile ``Signature.bind`` reads a mappingproxy,
+    which dynamo refuses once the trace has mutated a dict (the loss route's
+    head swap does): a graph break in every layer."""
+    params = list(sig.parameters.values())
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD][1:]  # after self
+    keyword = {p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    required = [p.name for p in params[1:] if p.default is p.empty and p.kind != p.VAR_KEYWORD]
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+
+    def bind(args, kwargs):
+        if len(args) > len(positional):
+            raise TypeError(f"{owner}.forward() takes {len(positional) + 1} positional arguments but "
+                            f"{len(args) + 1} were given")
+        a = dict(defaults)
+        a.update(zip(positional, args))
+        extra = {}
+        for k, v in kwargs.items():
+            if k in keyword:
+                if k in positional[:len(args)]:
+                    raise TypeError(f"{owner}.forward() got multiple values for argument '{k}'")
+                a[k] = v
+            elif var_kw:
+                extra[k] = v
+            else:
+                raise TypeError(f"{owner}.forward() got an unexpected keyword argument '{k}'")
+        for n in required:
+            if n not in a:
+                raise TypeError(f"{owner}.forward() missing a required argument: '{n}'")
+        return a, extra
+
+    return bind
+
+
 def _decoder_forward_of(cls):
     """`cls.forward` (its decorators kept) with the residual add before the
     post-attention norm fused into npukern's AddRmsNorm, or None when the
@@ -346,15 +383,12 @@ def _decoder_forward_of(cls):
     if found is None:
         return None
     named, var_kw = found
-    sig = inspect.signature(_innermost(cls.forward))
+    bind = _binder(cls.__name__, inspect.signature(_innermost(cls.forward)))
 
     def forward(self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a, extra = bind(args, kwargs)
         rest = {n: a[n] for n in named}
-        if var_kw:
-            rest.update(a.get(var_kw, {}))
+        rest.update(extra)
         residual = a["hidden_states"]
         h, _ = self.self_attn(hidden_states=self.input_layernorm(residual), **rest)
         y, residual = _residual_norm(self.post_attention_layernorm, residual, h)
