@@ -7,6 +7,7 @@ gamma. ``casting`` and ``offset`` choose a model family's numerics (see
 import torch
 
 from . import _casting
+from ._composite import rotate_half
 from ._fast import eager
 
 ops = torch.ops.npukern
@@ -115,6 +116,10 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, eager: bool = True)
     [batch, heads, seq, head_dim] as transposed views of [batch, seq, heads,
     head_dim] (as the attention layers make them) are read in place."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    if not q.dtype == k.dtype == cos.dtype == sin.dtype:
+        # Mixed dtypes (float32 tables beside 16-bit q/k): the composite's own
+        # type promotion, as Hugging Face's function gives it.
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     # Contiguous q and k (decode: one position, where both layouts are the
     # same memory) go straight in: eight views fewer, the same bits.
     if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 4 and not (q.is_contiguous() and k.is_contiguous()) \
