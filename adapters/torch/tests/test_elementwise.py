@@ -180,15 +180,13 @@ def test_compile_fullgraph():
 
 
 def test_apply_rotary_pos_emb_promotes_mixed_dtypes_as_hugging_face():
+    import transformers.models.llama.modeling_llama as modeling
+
     # float32 tables beside bf16 q/k: the composite's type promotion (float32 out).
     g = torch.Generator().manual_seed(9)
     q = torch.randn(1, 4, 5, 8, generator=g).bfloat16()
     k = torch.randn(1, 2, 5, 8, generator=g).bfloat16()
     cos, sin = torch.randn(1, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g)
-
-    def rotate_half(x):
-        a, b = x.chunk(2, -1)
-        return torch.cat((-b, a), -1)
-    want = (q * cos[:, None] + rotate_half(q) * sin[:, None], k * cos[:, None] + rotate_half(k) * sin[:, None])
+    want = modeling.apply_rotary_pos_emb(q, k, cos, sin)
     got = F.apply_rotary_pos_emb(q, k, cos, sin)
     assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want))

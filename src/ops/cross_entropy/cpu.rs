@@ -543,8 +543,8 @@ unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
 
 /// Pass 1 over the row at `base`: the row max `m` (`known`, or a max pass
 /// of its own), `log(sum_c exp(x_c - m))` (the sum in `RowSum`'s order;
-/// `lse` is `m` plus it) and, with label smoothing, `sum_c w_c x_c` (0 otherwise). The
-/// exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
+/// `lse` is `m` plus it) and, with label smoothing, `sum_c w_c x_c` (0
+/// otherwise). The exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
 /// `next` row also take its max meanwhile, from cache (prefetched a row
 /// earlier): a separate max pass was a memory-bound loop, about a tenth of
 /// the fused call; the max is exact, so its order changes no bit.

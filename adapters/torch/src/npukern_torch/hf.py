@@ -382,7 +382,7 @@ def _decoder_forward_of(cls):
     found = _decoder_params(cls)
     if found is None:
         return None
-    named, var_kw = found
+    named, _ = found  # the **kwargs the layer takes: collected by `bind`
     bind = _binder(cls.__name__, inspect.signature(_innermost(cls.forward)))
 
     def forward(self, *args, **kwargs):

@@ -76,8 +76,8 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     over rows not ignored; NaN when every row is ignored) and
     ``label_smoothing``, and the result in input's dtype. ``z_loss`` adds
     ``z_loss * lse**2`` per row not ignored, part of that row's loss (so a
-    mean divides it by the same weighted denominator); ``softcap`` replaces the logits by ``softcap *
-    tanh(logits / softcap)`` first (Gemma2). Differentiable in input.
+    mean divides it by the same weighted denominator); ``softcap`` replaces
+    the logits by ``softcap * tanh(logits / softcap)`` first (Gemma2). Differentiable in input.
     Class-probability targets, float64 and non-CPU inputs run torch's own."""
     red = _reduction(reduction)
     cap = _softcap(softcap)
