@@ -85,6 +85,26 @@ static void test_all(void) {
   CHECK(npk_cross_entropy(&xt, &tt, &wt, &o, &st, NULL, wbuf, ws, &cpu) == NPK_OK, "mean: %s", g_detail.message);
   CHECK(fabs(scalar - sum / den) <= 1e-5 * fabs(sum / den), "mean %g vs %g", scalar, sum / den);
   free(wbuf);
+  {
+    /* ABI 2.4: the same reduction over the per-row losses, bit for bit, and
+       the mean's gradient factor 2 / den rounded once. */
+    float again = -1.0f, factor = -1.0f;
+    npk_tensor rows = tens(loss, NPK_F32, 1, ns);
+    CHECK(npk_cross_entropy_reduce(&rows, &tt, &wt, &o, &again, &cpu) == NPK_OK && again == scalar,
+          "reduce %g vs %g: %s", again, scalar, g_detail.message);
+    CHECK(npk_cross_entropy_grad_scale(&tt, &wt, &o, 2.0f, &factor, &cpu) == NPK_OK && factor == (float)(2.0 / den),
+          "grad_scale %g vs %g", factor, 2.0 / den);
+    o.reduction = NPK_REDUCTION_NONE;
+    CHECK(npk_cross_entropy_reduce(&rows, &tt, &wt, &o, &again, &cpu) == NPK_ERR_PARAM_INVALID &&
+              !strcmp(g_detail.argument, "reduction"),
+          "reduce of none: %s", g_detail.message);
+    o.reduction = NPK_REDUCTION_MEAN;
+    o.lse_square_scale = -0.5f;
+    CHECK(npk_cross_entropy(&xt, &tt, &wt, &o, &st, NULL, NULL, 0, &cpu) == NPK_ERR_PARAM_INVALID &&
+              !strcmp(g_detail.argument, "lse_square_scale"),
+          "negative z-loss: %s", g_detail.message);
+    o.lse_square_scale = 0.0f;
+  }
   /* Backward of the per-row loss, then the fused form in place: same bits. */
   o.reduction = NPK_REDUCTION_NONE;
   for (r = 0; r < N; ++r) g[r] = (float)urand(0.5, 1.5);
@@ -144,7 +164,8 @@ static void test_all(void) {
     for (r = 0; r < N; ++r) floss[r] = -7.0f;
     CHECK(npk_cross_entropy_fused(&fxt, &tt, &wt, &gt, &o, &flt, &fet, &fxt, NULL, 0, &cpu) ==
                   NPK_ERR_INDEX_OUT_OF_RANGE &&
-              g_detail.position == 2 && g_detail.value == C && !strcmp(g_detail.argument, "target"),
+              g_detail.position == 2 && g_detail.value == C && !strcmp(g_detail.argument, "target") &&
+              strstr(g_detail.message, "valid: 0..") != NULL,
           "bad target: %s", g_detail.message);
     CHECK(!memcmp(fx, g_x, sizeof fx), "%s", "logits untouched on error");
     for (r = 0; r < N; ++r) CHECK(floss[r] == -7.0f, "loss[%d] untouched", r);
@@ -157,7 +178,7 @@ static void test_all(void) {
 }
 
 int main(void) {
-  CHECK(npk_abi_version() == NPK_ABI_VERSION && NPK_ABI_VERSION_MINOR >= 3, "ABI %#x", npk_abi_version());
+  CHECK(npk_abi_version() == NPK_ABI_VERSION && NPK_ABI_VERSION_MINOR >= 4, "ABI %#x", npk_abi_version());
   test_all();
   printf("test_cross_entropy: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;

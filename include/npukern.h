@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 3
+#define NPK_ABI_VERSION_MINOR 4
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -1482,9 +1482,10 @@ enum npk_status npk_cross_entropy_grad(const struct npk_tensor *logits,
 
 /**
  * Workspace bytes `npk_cross_entropy_fused` uses: its exp cache (two rows
- * of C f32 per block, at most 16 MiB). A smaller workspace, or none (as
- * ABI 2.3 reported 0), is accepted: the call then recomputes the exps,
- * with the same bits, about 1.5x slower.
+ * of C f32 per block, at most 16 MiB). A smaller workspace, or none (the
+ * first ABI 2.3 builds reported 0, later ones one row per block), is
+ * accepted: the call then recomputes the exps, with the same bits, about
+ * 1.5x slower.
  *
  * # Safety
  * Every pointer is NULL or valid for its type.
@@ -1519,6 +1520,45 @@ enum npk_status npk_cross_entropy_fused(const struct npk_tensor *logits,
                                         void *workspace,
                                         size_t workspace_bytes,
                                         const struct npk_exec *exec);
+
+/**
+ * The reduced loss of per-row losses, exactly as `npk_cross_entropy`
+ * reduces them (the one definition: the f32 rows summed in f64 in row
+ * order; for `NPK_REDUCTION_MEAN` over the f64 sum of the class weights of
+ * the rows not ignored (their count without a weight); rounded to f32
+ * once): for a caller that ran the rows in several calls (the fused form
+ * per chunk). `loss_rows` is N f32, `target` `[N]` i32/i64, `weight` `[C]`
+ * f32 or NULL (then only negative targets other than `ignore_index` are
+ * refused: C is unknown); `opts->reduction` is SUM or MEAN. Writes
+ * `*loss`. ABI 2.4.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype; `loss` is NULL or writable.
+ */
+enum npk_status npk_cross_entropy_reduce(const struct npk_tensor *loss_rows,
+                                         const struct npk_tensor *target,
+                                         const struct npk_tensor *weight,
+                                         const struct npk_cross_entropy_options *opts,
+                                         float *loss,
+                                         const struct npk_exec *exec);
+
+/**
+ * The factor every row's dlogits get from an upstream gradient `grad` of
+ * the reduced loss: `grad` for SUM, `grad / denominator` rounded once for
+ * MEAN (the denominator as `npk_cross_entropy_reduce`'s). Passed as the
+ * fused form's `grad_scale` it gives `npk_cross_entropy_grad`'s bits.
+ * Arguments as `npk_cross_entropy_reduce`'s; writes `*grad_scale`. ABI 2.4.
+ *
+ * # Safety
+ * As for `npk_cross_entropy_reduce`; `grad_scale` is NULL or writable.
+ */
+enum npk_status npk_cross_entropy_grad_scale(const struct npk_tensor *target,
+                                             const struct npk_tensor *weight,
+                                             const struct npk_cross_entropy_options *opts,
+                                             float grad,
+                                             float *grad_scale,
+                                             const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_embedding_dense_grad` needs (sized from the shapes

@@ -131,6 +131,10 @@ pub enum Error {
         position: u64,
         /// Its value.
         value: i64,
+        /// The valid range's first value.
+        start: i64,
+        /// One past the valid range's last value.
+        end: i64,
     },
     /// The caller's workspace is smaller than `*_workspace_size` said.
     WorkspaceTooSmall {
@@ -207,7 +211,12 @@ impl fmt::Display for Error {
                 arg,
                 position,
                 value,
-            } => write!(f, "{arg}[{position}] = {value} is out of range"),
+                start,
+                end,
+            } => write!(
+                f,
+                "{arg}[{position}] = {value} is out of range (valid: {start}..{end})"
+            ),
             Error::WorkspaceTooSmall { needed, given } => {
                 write!(
                     f,

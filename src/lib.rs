@@ -66,9 +66,9 @@ pub use ops::add_rms_norm::{
 };
 pub use ops::cross_entropy::{
     cross_entropy, cross_entropy_fused, cross_entropy_fused_workspace_size, cross_entropy_grad,
-    cross_entropy_grad_in_place, cross_entropy_grad_workspace_size, cross_entropy_workspace_size,
-    CeMode, CrossEntropyCall, CrossEntropyOptions, CrossEntropyTargets, CrossEntropyTiling,
-    Reduction,
+    cross_entropy_grad_in_place, cross_entropy_grad_scale, cross_entropy_grad_workspace_size,
+    cross_entropy_reduce, cross_entropy_workspace_size, CeMode, CrossEntropyCall,
+    CrossEntropyOptions, CrossEntropyTargets, CrossEntropyTiling, Reduction,
 };
 pub use ops::elementwise::ElemRounding;
 pub use ops::embedding_dense_grad::{

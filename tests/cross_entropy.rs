@@ -449,8 +449,8 @@ fn reference_matches_an_independent_model_and_finite_differences() {
             zm[i] -= h;
             let fd = (model_objective(&k, &zp) - model_objective(&k, &zm)) / (2.0 * h);
             let got = rf.dx[i] as f64;
-            // The backward reads the forward's lse as an f32: p carries its
-            // rounding (~1e-7 absolute), which p - 1 at the target exposes.
+            // The backward recomputes the row's sum in f64 here (the golden
+            // model): what is left is the f32 rounding of each output.
             assert!(
                 (got - fd).abs() <= 1e-6 * fd.abs() + 5e-7,
                 "{red:?} ls {ls} zs {zs} cap {cap}: d[{i}] {got} vs {fd}"
@@ -615,6 +615,8 @@ fn bad_targets_are_refused_and_nothing_is_written() {
             arg: "target",
             position: row as u64,
             value: bad,
+            start: 0,
+            end: c as i64,
         };
         let mut loss = vec![-7.0f32; n];
         let mut lse = vec![-7.0f32; n];
@@ -656,7 +658,10 @@ fn bad_targets_are_refused_and_nothing_is_written() {
         );
         assert_eq!(r, Err(want));
         assert_eq!(bits(&xi), bits(&x));
-        assert!(format!("{}", r.unwrap_err()).contains(&format!("target[{row}] = {bad}")));
+        let msg = format!("{}", r.unwrap_err());
+        assert!(msg.contains(&format!("target[{row}] = {bad}")), "{msg}");
+        // The valid range, so a caller sees what was expected.
+        assert!(msg.contains(&format!("valid: 0..{c}")), "{msg}");
     }
     // ignore_index may be any value, a valid class included.
     let k = Case {
@@ -694,6 +699,10 @@ fn bad_shapes_and_options_are_refused() {
             "lse_square_scale",
         ),
         (options(Reduction::None, 0.0, 0.0, -1.0), "softcap"),
+        (
+            options(Reduction::None, 0.0, -1e-4, 0.0),
+            "lse_square_scale",
+        ),
     ] {
         let r = cross_entropy(&e, xr, t, &o, &mut loss, None, &mut []);
         assert_eq!(r.unwrap_err().argument(), arg);
@@ -901,4 +910,217 @@ fn far_from_zero_logits() {
         }
         assert!(((loss[1] as f64) - (c as f64).ln()).abs() <= 4.0 * EPS);
     }
+}
+
+/// The gradient where the row's max is huge: the backward recomputes the
+/// row's sum, so p stays normalized (8 equal logits at 1e6 gave 0.1271 and
+/// at 1e7 8% off when it trusted an f32 lse). Forward then backward and the
+/// fused form, every dtype that can hold the values.
+#[test]
+fn gradient_at_a_large_row_max() {
+    for &m in &[1e6f32, 1e7, -1e7, 3e8, -1e10, 1e30] {
+        let (n, c) = (2, 8);
+        // Row 0: 8 equal logits; row 1: one logit 1 above 7 equal ones.
+        let mut x = vec![m; n * c];
+        x[c + 3] = m + ulp_f32(m).max(1.0);
+        let tgt = [2i64, 3];
+        let k = Case {
+            x: &x,
+            n,
+            c,
+            tgt: &tgt,
+            w: None,
+            opts: options(Reduction::Sum, 0.0, 0.0, 0.0),
+            g: vec![1.0],
+        };
+        for o in [k.run(&Exec::cpu()), k.fused(&Exec::cpu(), &[1.0])] {
+            for j in 0..c {
+                let want = if j == 2 { 0.125 - 1.0 } else { 0.125 };
+                assert!(
+                    (o.dx[j] as f64 - want).abs() <= 2.0 * EPS,
+                    "m {m}: dx[0][{j}] = {} vs {want}",
+                    o.dx[j]
+                );
+            }
+            // Row 1 against f64 softmax of the same (exactly representable) logits.
+            let top = x[c + 3] as f64;
+            let z: Vec<f64> = x[c..].iter().map(|&v| v as f64 - top).collect();
+            let s: f64 = z.iter().map(|v| v.exp()).sum();
+            for j in 0..c {
+                let want = z[j].exp() / s - if j == 3 { 1.0 } else { 0.0 };
+                assert!(
+                    (o.dx[c + j] as f64 - want).abs() <= 4.0 * EPS,
+                    "m {m}: dx[1][{j}] = {} vs {want}",
+                    o.dx[c + j]
+                );
+            }
+        }
+    }
+}
+
+fn ulp_f32(v: f32) -> f32 {
+    f32::from_bits(v.abs().to_bits() + 1) - v.abs()
+}
+
+/// Label smoothing on rows of one large repeated value: `sum_c (m - x_c)`
+/// has no Inf - Inf (a row of 3e38 gave NaN; torch 2.0794 = ln 8), and no
+/// cancellation far from 0.
+#[test]
+fn label_smoothing_at_huge_logits() {
+    for &v in &[3e38f32, -3e38, 1e30, 1e7, -1e10, 0.5] {
+        let x = vec![v; 8];
+        let k = Case {
+            x: &x,
+            n: 1,
+            c: 8,
+            tgt: &[2i64],
+            w: None,
+            opts: options(Reduction::Mean, 0.1, 0.0, 0.0),
+            g: vec![1.0],
+        };
+        for o in [k.run(&Exec::cpu()), k.fused(&Exec::cpu(), &[1.0])] {
+            let want = 8f64.ln();
+            assert!(
+                (o.loss[0] as f64 - want).abs() <= 4.0 * EPS * want,
+                "{v}: loss {} vs {want}",
+                o.loss[0]
+            );
+            for j in 0..8 {
+                let want = 0.125 - 0.1 / 8.0 - if j == 2 { 0.9 } else { 0.0 };
+                assert!(
+                    (o.dx[j] as f64 - want).abs() <= 4.0 * EPS,
+                    "{v}: dx[{j}] = {} vs {want}",
+                    o.dx[j]
+                );
+            }
+        }
+    }
+    // Weighted, spread around a huge offset: against the f64 model.
+    let mut rng = Rng(31);
+    let c = 37;
+    let off = 1e6f64;
+    let x: Vec<f32> = (0..c)
+        .map(|_| (off + rng.uniform(-8.0, 8.0)) as f32)
+        .collect();
+    let w: Vec<f32> = (0..c).map(|_| rng.uniform(0.5, 1.5) as f32).collect();
+    let k = Case {
+        x: &x,
+        n: 1,
+        c,
+        tgt: &[5i64],
+        w: Some(&w),
+        opts: options(Reduction::None, 0.2, 0.0, 0.0),
+        g: vec![1.0],
+    };
+    let z: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let (want, _) = model_rows(&k, &z);
+    let got = k.run(&Exec::cpu()).loss[0] as f64;
+    assert!(
+        (got - want[0]).abs() <= 16.0 * EPS * want[0].abs().max(1.0),
+        "{got} vs {}",
+        want[0]
+    );
+}
+
+/// z-loss on a single class: the gradient is `2 z lse` exactly formed
+/// (`(p - 1) a_t + p extra`, p = 1), not `p (1 + 2 z lse) - 1`'s
+/// cancellation (1e-4 off in relative terms).
+#[test]
+fn z_loss_on_one_class() {
+    let x = vec![3.5f32, -2.0, 40.0];
+    let zs = 1e-4f32;
+    let k = Case {
+        x: &x,
+        n: 3,
+        c: 1,
+        tgt: &[0i32, 0, 0],
+        w: None,
+        opts: options(Reduction::None, 0.0, zs, 0.0),
+        g: vec![1.0, 2.0, 0.5],
+    };
+    for o in [k.run(&Exec::cpu()), k.fused(&Exec::cpu(), &k.g)] {
+        for r in 0..3 {
+            let want = k.g[r] as f64 * 2.0 * zs as f64 * x[r] as f64;
+            assert!(
+                (o.dx[r] as f64 - want).abs() <= 2.0 * EPS * want.abs(),
+                "row {r}: {} vs {want}",
+                o.dx[r]
+            );
+        }
+    }
+}
+
+/// `cross_entropy_reduce` and `cross_entropy_grad_scale` are the forward's
+/// reduction and the backward's factor bit for bit (one definition), for
+/// rows split over several fused calls; bad arguments are refused.
+#[test]
+fn reduce_and_grad_scale_are_the_ops_own() {
+    let mut rng = Rng(77);
+    let (n, c) = (37, 50);
+    let x: Vec<bf16> = logits(&mut rng, n * c, 3.0);
+    let tgt: Vec<i64> = targets(&mut rng, n, c, 5);
+    let w: Vec<f32> = (0..c).map(|_| rng.uniform(0.25, 1.25) as f32).collect();
+    for weight in [None, Some(&w[..])] {
+        for red in [Reduction::Sum, Reduction::Mean] {
+            let k = Case {
+                x: &x,
+                n,
+                c,
+                tgt: &tgt,
+                w: weight,
+                opts: options(red, 0.1, 1e-3, 0.0),
+                g: vec![0.75],
+            };
+            let e = Exec::cpu();
+            let reduced = k.forward(&e).unwrap().0[0];
+            let rows = Case {
+                opts: options(Reduction::None, 0.1, 1e-3, 0.0),
+                g: vec![1.0; n],
+                ..k
+            }
+            .forward(&e)
+            .unwrap()
+            .0;
+            let got = cross_entropy_reduce(&rows, k.targets(), &k.opts).unwrap();
+            assert_eq!(got.to_bits(), reduced.to_bits(), "{red:?}");
+            // The backward's bits from the fused form with the factor.
+            let scale = cross_entropy_grad_scale(k.targets(), 0.75, &k.opts).unwrap();
+            let back = k.run(&e).dx;
+            let fused = k.fused(&e, &[scale]).dx;
+            assert_eq!(bits(&back), bits(&fused), "{red:?}");
+        }
+    }
+    let t = CrossEntropyTargets::new(TensorRef::new(&tgt, &[n]).unwrap());
+    let rows = vec![1f32; n];
+    let none = options(Reduction::None, 0.0, 0.0, 0.0);
+    assert_eq!(
+        cross_entropy_reduce(&rows, t, &none)
+            .unwrap_err()
+            .argument(),
+        "reduction"
+    );
+    let mean = options(Reduction::Mean, 0.0, 0.0, 0.0);
+    assert_eq!(
+        cross_entropy_reduce(&rows[1..], t, &mean)
+            .unwrap_err()
+            .argument(),
+        "target"
+    );
+    let short = vec![1f32; 3];
+    let tw = t.with_weight(TensorRef::new(&short, &[3]).unwrap());
+    assert_eq!(
+        cross_entropy_grad_scale(tw, 1.0, &mean)
+            .unwrap_err()
+            .argument(),
+        "target"
+    );
+    // Every row ignored: a sum of 0, a mean of NaN, as torch.
+    let ign = vec![-100i64; 4];
+    let ti = CrossEntropyTargets::new(TensorRef::new(&ign, &[4]).unwrap());
+    let zeros = [0f32; 4]; // the ignored rows' losses
+    assert_eq!(
+        cross_entropy_reduce(&zeros, ti, &options(Reduction::Sum, 0.0, 0.0, 0.0)).unwrap(),
+        0.0
+    );
+    assert!(cross_entropy_reduce(&zeros, ti, &mean).unwrap().is_nan());
 }

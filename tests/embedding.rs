@@ -714,7 +714,9 @@ fn zero_width_or_zero_rows_write_nothing() {
         Err(Error::IndexOutOfRange {
             arg: "indices",
             position: 1,
-            value: 9
+            value: 9,
+            start: 0,
+            end: 4
         })
     );
     // num_weights == 0: every index is outside the (empty) table.
@@ -730,7 +732,9 @@ fn zero_width_or_zero_rows_write_nothing() {
         Err(Error::IndexOutOfRange {
             arg: "indices",
             position: 0,
-            value: 1
+            value: 1,
+            start: 0,
+            end: 0
         })
     );
 }
@@ -793,7 +797,9 @@ fn shard_ignores_indices_on_both_sides() {
         Err(Error::IndexOutOfRange {
             arg: "indices",
             position: first as u64,
-            value: idx[first]
+            value: idx[first],
+            start,
+            end: start + v as i64
         })
     );
     assert_eq!(bits(&out), bits(&old));
@@ -877,7 +883,9 @@ fn bad_index_values_name_the_first_position() {
             Err(Error::IndexOutOfRange {
                 arg: "indices",
                 position,
-                value
+                value,
+                start: 0,
+                end: v as i64
             })
         );
         assert_eq!(bits(&out), bits(&old), "output untouched");
@@ -885,7 +893,9 @@ fn bad_index_values_name_the_first_position() {
             Error::IndexOutOfRange {
                 arg: "indices",
                 position,
-                value
+                value,
+                start: 0,
+                end: v as i64
             }
             .status(),
             161004
@@ -898,7 +908,9 @@ fn bad_index_values_name_the_first_position() {
         Err(Error::IndexOutOfRange {
             arg: "indices",
             position: 2,
-            value: -7
+            value: -7,
+            start: 0,
+            end: v as i64
         })
     );
     // Indices above 2^31 are fine in a shard that holds them.

@@ -10,7 +10,8 @@
 //! - the outputs are bit-identical across ISAs, runners and tilings (NaN
 //!   payloads aside);
 //! - on values of ordinary magnitude, lse within 1e-5 of the Reference
-//!   (relative to max(|lse|, 1)).
+//!   (relative to max(|lse|, 1));
+//! - the host reduction never panics and validates as its factor does.
 //!
 //! Run: `cargo +nightly fuzz run cross_entropy`, or the stable recipe in
 //! `scripts/fuzz_smoke.sh`.
@@ -157,6 +158,18 @@ fn go<T: Float, I: Element + TryFrom<i64>>(b: &mut Bytes<'_>) {
         }
     }
     let _ = (rl, rd);
+    // The host reduction (`cross_entropy_reduce`, `_grad_scale`): never a
+    // panic; both validate alike; a forward that reduced gives its bits.
+    if let Ok(t) = c.targets() {
+        let rows: Vec<f32> = (0..c.tgt.len()).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let r = cross_entropy_reduce(&rows, t, &c.o);
+        let s = cross_entropy_grad_scale(t, 0.75, &c.o);
+        assert_eq!(r.is_ok(), s.is_ok(), "reduce {r:?} vs grad_scale {s:?}");
+        if let (Ok(v), Reduction::Sum) = (r, c.o.reduction) {
+            let want: f64 = rows.iter().map(|&x| x as f64).sum();
+            assert_eq!(v, want as f32);
+        }
+    }
 }
 
 fuzz_target!(|data: &[u8]| {

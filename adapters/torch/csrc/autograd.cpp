@@ -24,9 +24,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
@@ -131,13 +131,11 @@ Tensor cast_dgamma(const Tensor &dgamma, const Tensor &gamma) {
   return dgamma.scalar_type() == gamma.scalar_type() ? dgamma : dgamma.to(gamma.scalar_type());
 }
 
-// The auxiliary outputs (rstd, lse): not differentiable, so not outputs of
-// the autograd Function (whose mark_non_differentiable compiled autograd
-// refuses); its forward leaves one here for the kernel that called apply, on
-// the same thread, right after.
-thread_local Tensor aux_output;
-
-Tensor take_aux_output() { return std::exchange(aux_output, Tensor()); }
+// The auxiliary outputs (rstd, lse) are not differentiable, so not outputs
+// of the autograd Function (whose mark_non_differentiable compiled autograd
+// refuses): the caller passes a Tensor* (a plain argument, not an input of
+// the graph: its gradient slot is empty) that the forward fills. No state
+// outlives the call.
 
 // The keys below autograd, for the no-grad path's redispatch (the guard
 // keeps whatever the kernel itself calls below autograd too).
@@ -149,13 +147,13 @@ using Below = at::AutoDispatchBelowADInplaceOrView;
 
 struct RmsNorm : Function<RmsNorm> {
   static variable_list forward(AutogradContext *ctx, const Tensor &x, const Tensor &gamma, double eps,
-                               double offset, bool cast_before_gamma) {
+                               double offset, bool cast_before_gamma, Tensor *rstd_out) {
     Below guard;
     auto [y, rstd] = rms_norm_op().call(x, gamma, eps, offset, cast_before_gamma);
     ctx->save_for_backward({x, gamma, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["offset"] = offset;
-    aux_output = rstd;
+    *rstd_out = rstd;
     return {y};
   }
 
@@ -165,10 +163,10 @@ struct RmsNorm : Function<RmsNorm> {
     const double eps = ctx->saved_data["eps"].toDouble(), offset = ctx->saved_data["offset"].toDouble();
     if (building_graph({&dy, &x, &gamma})) {
       auto [dx, dgamma] = rms_norm_grads_composite().call(dy, x, gamma, eps, offset, std::nullopt);
-      return {dx, dgamma, {}, {}, {}};
+      return {dx, dgamma, {}, {}, {}, {}};
     }
     auto [dx, dgamma] = rms_norm_backward_op().call(dy, x, gamma, rstd, offset);
-    return {dx, cast_dgamma(dgamma, gamma), {}, {}, {}};
+    return {dx, cast_dgamma(dgamma, gamma), {}, {}, {}, {}};
   }
 };
 
@@ -179,19 +177,20 @@ T2 rms_norm(c10::DispatchKeySet ks, const Tensor &x, const Tensor &gamma, double
     return rms_norm_op().redispatch(ks & kBelow, x, gamma, eps, offset, cast_before_gamma);
   }
   no_forward_ad("rms_norm", {&x, &gamma});
-  variable_list out = RmsNorm::apply(x, gamma, eps, offset, cast_before_gamma);
-  return {out[0], take_aux_output()};
+  Tensor rstd;
+  variable_list out = RmsNorm::apply(x, gamma, eps, offset, cast_before_gamma, &rstd);
+  return {out[0], rstd};
 }
 
 struct AddRmsNorm : Function<AddRmsNorm> {
   static variable_list forward(AutogradContext *ctx, const Tensor &x1, const Tensor &x2, const Tensor &gamma,
-                               double eps, double offset, bool cast_before_gamma) {
+                               double eps, double offset, bool cast_before_gamma, Tensor *rstd_out) {
     Below guard;
     auto [y, rstd, x_sum] = add_rms_norm_op().call(x1, x2, gamma, eps, offset, cast_before_gamma);
     ctx->save_for_backward({x_sum, gamma, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["offset"] = offset;
-    aux_output = rstd;
+    *rstd_out = rstd;
     return {y, x_sum};
   }
 
@@ -201,11 +200,11 @@ struct AddRmsNorm : Function<AddRmsNorm> {
     const double eps = ctx->saved_data["eps"].toDouble(), offset = ctx->saved_data["offset"].toDouble();
     if (building_graph({&dy, &x_sum, &gamma, &dx_sum})) {
       auto [dx, dgamma] = rms_norm_grads_composite().call(dy, x_sum, gamma, eps, offset, dx_sum);
-      return {dx, dx, dgamma, {}, {}, {}};
+      return {dx, dx, dgamma, {}, {}, {}, {}};
     }
     auto [dx, dgamma] = add_rms_norm_backward_op().call(dy, x_sum, gamma, rstd, dx_sum, offset);
     // x_sum = x1 + x2: both addends get the same gradient.
-    return {dx, dx, cast_dgamma(dgamma, gamma), {}, {}, {}};
+    return {dx, dx, cast_dgamma(dgamma, gamma), {}, {}, {}, {}};
   }
 };
 
@@ -216,15 +215,16 @@ T3 add_rms_norm(c10::DispatchKeySet ks, const Tensor &x1, const Tensor &x2, cons
     return add_rms_norm_op().redispatch(ks & kBelow, x1, x2, gamma, eps, offset, cast_before_gamma);
   }
   no_forward_ad("add_rms_norm", {&x1, &x2, &gamma});
-  variable_list out = AddRmsNorm::apply(x1, x2, gamma, eps, offset, cast_before_gamma);
-  return {out[0], take_aux_output(), out[1]};
+  Tensor rstd;
+  variable_list out = AddRmsNorm::apply(x1, x2, gamma, eps, offset, cast_before_gamma, &rstd);
+  return {out[0], rstd, out[1]};
 }
 
 // AddRmsNorm with x_sum written over x1 (IPEX's add_back). x1 then holds the
 // x_sum AddRmsNorm's backward reads, so that backward serves as is.
 struct AddRmsNormInPlace : Function<AddRmsNormInPlace> {
   static variable_list forward(AutogradContext *ctx, Tensor x1, const Tensor &x2, const Tensor &gamma, double eps,
-                               double offset, bool cast_before_gamma) {
+                               double offset, bool cast_before_gamma, Tensor *rstd_out) {
     T2 out;
     {
       // Through ADInplaceOrView, whose bump refuses an inference x1 before
@@ -237,7 +237,7 @@ struct AddRmsNormInPlace : Function<AddRmsNormInPlace> {
     ctx->save_for_backward({x1, gamma, rstd});
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["offset"] = offset;
-    aux_output = rstd;
+    *rstd_out = rstd;
     return {y, x1};
   }
 
@@ -262,11 +262,12 @@ T2 add_rms_norm_(c10::DispatchKeySet ks, Tensor &x1, const Tensor &x2, const Ten
                                                 cast_before_gamma);
   }
   no_forward_ad("add_rms_norm_", {&x1, &x2, &gamma});
-  variable_list out = AddRmsNormInPlace::apply(x1, x2, gamma, eps, offset, cast_before_gamma);
+  Tensor rstd;
+  variable_list out = AddRmsNormInPlace::apply(x1, x2, gamma, eps, offset, cast_before_gamma, &rstd);
   // apply has rebased x1's history; compiled autograd refuses a node whose
   // context still lists dirty inputs, so the list is emptied.
   static_cast<torch::autograd::CppNode<AddRmsNormInPlace> *>(out[0].grad_fn().get())->ctx_.mark_dirty({});
-  return {out[0], take_aux_output()};
+  return {out[0], rstd};
 }
 
 // The version bump torch's own in-place ops make at this key, made before
@@ -690,26 +691,34 @@ bool concrete(const Tensor &t) {
   return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
 
-// Whether the last cross-entropy backward got an upstream gradient of 1.
-// The training forward's dlogits serve only such a backward; a loop that
-// scales its loss (gradient accumulation, a GradScaler) would pay for them
-// and then run the backward op as well, so after such a backward the next
-// forwards skip them until a backward sees 1 again. Only the speed adapts:
-// both paths give the same bits.
-std::atomic<bool> upstream_was_one{true};
+// Differentiating the loss twice (create_graph=True, then a gradient of its
+// gradient): the kernel's backward has no derivative of its own, so its
+// result is wrapped as torch's once_differentiable wraps one, and a second
+// backward through it raises instead of silently seeing zero.
+Tensor once_differentiable(const Tensor &grad, const char *op) {
+  if (!c10::GradMode::is_enabled()) return grad;
+  Tensor alias = grad.detach();
+  alias.set_requires_grad(true);
+  torch::autograd::DelayedError err(std::string("npukern::") + op +
+                                        " is differentiable once: its gradient has no derivative (use "
+                                        "torch.nn.functional.cross_entropy for a second derivative)",
+                                    1);
+  return err.apply({alias})[0];
+}
 
 struct CrossEntropy : Function<CrossEntropy> {
   static variable_list forward(AutogradContext *ctx, const Tensor &logits, const Tensor &target, const Opt &weight,
                                int64_t reduction, int64_t ignore_index, double label_smoothing,
-                               double lse_square_scale, double softcap) {
+                               double lse_square_scale, double softcap, Tensor *lse_out) {
     Below guard;
     // A reduced loss whose logits require grad: the training forward also
     // writes dlogits for an upstream gradient of 1, in the same pass over
     // the logits (one exp per logit instead of two, one read instead of
     // two). loss.backward() then hands them over as they are; any other
-    // upstream gradient runs the backward op (its bits, one rounding).
-    const bool train = reduction != 0 && logits.requires_grad() && concrete(logits) &&
-                       upstream_was_one.load(std::memory_order_relaxed);
+    // upstream gradient (a scaled loss) runs the backward op (the same bits
+    // as forward then backward, one rounding), and those dlogits are
+    // dropped. Decided by this call alone: no state is kept between calls.
+    const bool train = reduction != 0 && logits.requires_grad() && concrete(logits);
     Tensor loss, lse, dlogits;
     if (train) {
       std::tie(loss, lse, dlogits) = cross_entropy_train_op().call(logits, target, weight, reduction, ignore_index,
@@ -727,7 +736,7 @@ struct CrossEntropy : Function<CrossEntropy> {
     ctx->saved_data["label_smoothing"] = label_smoothing;
     ctx->saved_data["lse_square_scale"] = lse_square_scale;
     ctx->saved_data["softcap"] = softcap;
-    aux_output = lse;
+    *lse_out = lse;
     return {loss};
   }
 
@@ -739,19 +748,20 @@ struct CrossEntropy : Function<CrossEntropy> {
       fresh = it->second.toTensor();
       ctx->saved_data.erase(it);
     }
-    if (concrete(g) && g.numel() == 1 && ctx->saved_data["reduction"].toInt() != 0) {
-      const bool one = g.item<double>() == 1.0;
-      upstream_was_one.store(one, std::memory_order_relaxed);
-      if (one && fresh.defined()) return {fresh, {}, {}, {}, {}, {}, {}, {}};
-    }
+    if (fresh.defined() && concrete(g) && g.numel() == 1 && g.item<double>() == 1.0)
+      return {once_differentiable(fresh, "cross_entropy"), {}, {}, {}, {}, {}, {}, {}, {}};
     fresh.reset();  // its memory back before the backward op takes its own
     const Opt weight = saved[2].defined() ? Opt(saved[2]) : std::nullopt;
     auto &d = ctx->saved_data;
-    Tensor dlogits = cross_entropy_backward_op().call(
-        grads[0].to(at::kFloat).contiguous(), saved[0], saved[1], weight, saved[3], d["reduction"].toInt(),
-        d["ignore_index"].toInt(), d["label_smoothing"].toDouble(), d["lse_square_scale"].toDouble(),
-        d["softcap"].toDouble());
-    return {dlogits, {}, {}, {}, {}, {}, {}, {}};
+    Tensor dlogits;
+    {
+      at::AutoGradMode no_grad(false);
+      dlogits = cross_entropy_backward_op().call(
+          grads[0].to(at::kFloat).contiguous(), saved[0], saved[1], weight, saved[3], d["reduction"].toInt(),
+          d["ignore_index"].toInt(), d["label_smoothing"].toDouble(), d["lse_square_scale"].toDouble(),
+          d["softcap"].toDouble());
+    }
+    return {once_differentiable(dlogits, "cross_entropy"), {}, {}, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -766,9 +776,10 @@ T2 cross_entropy(c10::DispatchKeySet ks, const Tensor &logits, const Tensor &tar
                                          label_smoothing, lse_square_scale, softcap);
   }
   no_forward_ad("cross_entropy", {&logits, &target, w});
+  Tensor lse;
   variable_list out = CrossEntropy::apply(logits, target, weight, reduction, ignore_index, label_smoothing,
-                                          lse_square_scale, softcap);
-  return {out[0], take_aux_output()};
+                                          lse_square_scale, softcap, &lse);
+  return {out[0], lse};
 }
 
 }  // namespace npk_torch::grad

@@ -48,28 +48,6 @@ int64_t rows_of(const at::Tensor &logits, const char *op) {
   return logits.size(0);
 }
 
-// torch's mean divides by the weight of the rows not ignored: their count,
-// or the sum of their classes' weights (float64, row order). A target out of
-// range adds nothing here; the kernel refuses it.
-template <class I>
-double denominator_of(const I *t, int64_t n, const float *w, int64_t classes, int64_t ignore_index) {
-  double d = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t v = t[i];
-    if (v == ignore_index) continue;
-    d += w == nullptr ? 1.0 : (v >= 0 && v < classes ? static_cast<double>(w[v]) : 0.0);
-  }
-  return d;
-}
-
-double denominator(const at::Tensor &target, const Optional &weight, int64_t ignore_index) {
-  const float *w = weight.t.defined() ? weight.t.data_ptr<float>() : nullptr;
-  const int64_t c = weight.t.defined() ? weight.t.numel() : 0;
-  if (target.scalar_type() == at::kInt)
-    return denominator_of(target.data_ptr<int32_t>(), target.numel(), w, c, ignore_index);
-  return denominator_of(target.data_ptr<int64_t>(), target.numel(), w, c, ignore_index);
-}
-
 // A 0-dim float32 tensor holding v.
 at::Tensor scalar_f32(float v) {
   at::Tensor out = empty_output({}, at::kFloat);
@@ -77,17 +55,31 @@ at::Tensor scalar_f32(float v) {
   return out;
 }
 
-// npukern_torch's reduction of the kernel's per-row (weighted) losses: the
-// float64 sum in row order, for a mean (reduction 2) divided by `den`
-// (`denominator`), rounded to float32 once. Every path that reduces (the
-// forward alone, the training forward that also writes dlogits) uses it, so
-// a loss has the same bits with and without grad; N = 0 or every row
-// ignored give torch's answers (0 for a sum, NaN for a mean).
-at::Tensor reduce_rows(const at::Tensor &rows, int64_t reduction, double den) {
-  const float *l = rows.data_ptr<float>();
-  double sum = 0.0;
-  for (int64_t i = 0, n = rows.numel(); i < n; ++i) sum += static_cast<double>(l[i]);
-  return scalar_f32(static_cast<float>(reduction == 1 ? sum : sum / den));
+// The crate's reduction of per-row losses (npk_cross_entropy_reduce: the
+// f32 rows summed in float64 in row order, a mean over the float64 weight
+// sum of the rows not ignored, rounded once) -- the one definition every
+// path uses (the forward alone, the training forward, the fused LM head's
+// chunks), so a loss has the same bits with and without grad, from C and
+// from PyTorch; N = 0 or every row ignored give torch's answers (0 for a
+// sum, NaN for a mean).
+at::Tensor reduce_rows(const char *op, const at::Tensor &rows, const at::Tensor &target, const Optional &weight,
+                       const npk_cross_entropy_options &o) {
+  npk_tensor rt = describe(rows, op, "loss_rows"), tt = describe(target, op, "target");
+  Call call(op);
+  float out = 0.0f;
+  call.check(npk_cross_entropy_reduce(&rt, &tt, weight.ptr(), &o, &out, call.exec()));
+  return scalar_f32(out);
+}
+
+// The factor dlogits get from an upstream gradient g of the reduced loss
+// (npk_cross_entropy_grad_scale: g, or g over the mean's denominator).
+float grad_scale_of(const char *op, const at::Tensor &target, const Optional &weight,
+                    const npk_cross_entropy_options &o, float g) {
+  npk_tensor tt = describe(target, op, "target");
+  Call call(op);
+  float out = 0.0f;
+  call.check(npk_cross_entropy_grad_scale(&tt, weight.ptr(), &o, g, &out, call.exec()));
+  return out;
 }
 
 // The kernel's forward with per-row losses (reduction none) into `loss`.
@@ -142,13 +134,11 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor &logits_in, co
   at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
   const int64_t n = rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  // The kernel writes per-row losses; a sum or mean is reduce_rows'.
-  at::Tensor loss = empty_output({n}, at::kFloat);
+  // The kernel reduces itself (its one definition) for a sum or mean.
+  at::Tensor loss = empty_output(reduction == 0 ? c10::IntArrayRef{n} : c10::IntArrayRef{}, at::kFloat);
   at::Tensor lse = empty_output({n}, at::kFloat);
-  forward_rows(op, logits, target, weight, ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap),
-               loss, lse);
-  if (reduction != 0)
-    loss = reduce_rows(loss, reduction, reduction == 2 ? denominator(target, weight, ignore_index) : 0.0);
+  forward_rows(op, logits, target, weight,
+               ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap), loss, lse);
   return {loss, lse};
 }
 
@@ -163,13 +153,6 @@ at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &l
   at::Tensor grad = cpu_contiguous(grad_in, op, "grad");
   rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  if (reduction == 2 && grad.numel() == 1 && grad.scalar_type() == at::kFloat) {
-    // A mean's factor g / denominator with reduce_rows' denominator (as
-    // cross_entropy_train's), applied by the kernel as a sum's.
-    const float den = static_cast<float>(denominator(target, weight, ignore_index));
-    grad = scalar_f32(*grad.data_ptr<float>() / den);
-    reduction = 1;
-  }
   at::Tensor dlogits = empty_output_like(logits);
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor lset = describe(lse, op, "lse"), gt = describe(grad, op, "grad");
@@ -218,16 +201,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_train(
   at::Tensor logits = cpu_contiguous(logits_in, op, "logits"), target = cpu_contiguous(target_in, op, "target");
   const int64_t n = rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  // d loss / d logits for an upstream gradient of 1: the backward's factor
-  // g / denominator with g = 1 (the same float32 division when the
-  // denominator is a row count), 1 for a sum.
-  const double den = denominator(target, weight, ignore_index);
-  const at::Tensor scale = scalar_f32(reduction == 2 ? 1.0f / static_cast<float>(den) : 1.0f);
+  // d loss / d logits for an upstream gradient of 1: the backward's own
+  // factor (the crate's), so these are the backward op's bits.
+  const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
+  const at::Tensor scale = scalar_f32(grad_scale_of(op, target, weight, o, 1.0f));
   at::Tensor rows = empty_output({n}, at::kFloat), lse = empty_output({n}, at::kFloat);
   at::Tensor dlogits = empty_output_like(logits);
   fused_rows(op, logits, target, weight, scale,
              ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap), rows, lse, dlogits);
-  return {reduce_rows(rows, reduction, den), lse, dlogits};
+  return {reduce_rows(op, rows, target, weight, o), lse, dlogits};
+}
+
+at::Tensor cross_entropy_reduce(const at::Tensor &loss_rows_in, const at::Tensor &target_in,
+                                const std::optional<at::Tensor> &weight_in, int64_t reduction, int64_t ignore_index) {
+  const char *op = "npukern::cross_entropy_reduce";
+  check_reduction(op, reduction);
+  at::Tensor rows = cpu_contiguous(loss_rows_in, op, "loss_rows"), target = cpu_contiguous(target_in, op, "target");
+  Optional weight = optional(weight_in, op, "weight");
+  return reduce_rows(op, rows, target, weight, ce_options(reduction, ignore_index, 0.0, 0.0, 0.0));
+}
+
+at::Tensor cross_entropy_grad_scale(const at::Tensor &target_in, const std::optional<at::Tensor> &weight_in,
+                                    int64_t reduction, int64_t ignore_index, double grad) {
+  const char *op = "npukern::cross_entropy_grad_scale";
+  check_reduction(op, reduction);
+  at::Tensor target = cpu_contiguous(target_in, op, "target");
+  Optional weight = optional(weight_in, op, "weight");
+  return scalar_f32(grad_scale_of(op, target, weight, ce_options(reduction, ignore_index, 0.0, 0.0, 0.0),
+                                  static_cast<float>(grad)));
 }
 
 }  // namespace npk_torch

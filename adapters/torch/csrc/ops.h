@@ -61,4 +61,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_train(
     const at::Tensor &logits, const at::Tensor &target, const std::optional<at::Tensor> &weight, int64_t reduction,
     int64_t ignore_index, double label_smoothing, double lse_square_scale, double softcap);
 
+// The reduction of per-row losses and the gradient factor, as the crate
+// defines them (npk_cross_entropy_reduce / npk_cross_entropy_grad_scale).
+at::Tensor cross_entropy_reduce(const at::Tensor &loss_rows, const at::Tensor &target,
+                                const std::optional<at::Tensor> &weight, int64_t reduction, int64_t ignore_index);
+at::Tensor cross_entropy_grad_scale(const at::Tensor &target, const std::optional<at::Tensor> &weight,
+                                    int64_t reduction, int64_t ignore_index, double grad);
+
 }  // namespace npk_torch

@@ -69,6 +69,13 @@ TORCH_LIBRARY(npukern, m) {
   m.def("cross_entropy_fused_(Tensor(a!) logits, Tensor target, Tensor? weight, Tensor grad_scale, "
         "int ignore_index=-100, float label_smoothing=0.0, float lse_square_scale=0.0, float softcap=0.0) -> "
         "(Tensor, Tensor)");
+  // The reduction of per-row losses (a 0-dim float32: reduction 1 sum, 2
+  // mean) and the factor dlogits get from an upstream gradient `grad` of it:
+  // the crate's one definition, for callers that run rows in chunks.
+  m.def("cross_entropy_reduce(Tensor loss_rows, Tensor target, Tensor? weight=None, int reduction=2, "
+        "int ignore_index=-100) -> Tensor");
+  m.def("cross_entropy_grad_scale(Tensor target, Tensor? weight=None, int reduction=2, int ignore_index=-100, "
+        "float grad=1.0) -> Tensor");
   // The differentiable float32 composites the autograd formulas
   // (autograd.cpp) run for double backward and for the RoPE tables'
   // gradients: CompositeImplicitAutograd implementations registered from
@@ -108,6 +115,8 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("cross_entropy_backward", &npk_torch::cross_entropy_backward);
   m.impl("cross_entropy_fused_", &npk_torch::cross_entropy_fused_);
   m.impl("cross_entropy_train", &npk_torch::cross_entropy_train);
+  m.impl("cross_entropy_reduce", &npk_torch::cross_entropy_reduce);
+  m.impl("cross_entropy_grad_scale", &npk_torch::cross_entropy_grad_scale);
 }
 
 // The list ops also serve an empty list (the dispatcher finds no tensor to

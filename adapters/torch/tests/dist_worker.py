@@ -144,6 +144,28 @@ def shard_semantics(rank, world):
     return out
 
 
+def _swap_rows(target, i, j):
+    """``target`` with flat rows i and j swapped (made to differ first)."""
+    t = target.reshape(-1).clone()
+    if t[i] == t[j]:
+        t[j] = (t[j] + 1) % 50
+    t[i], t[j] = t[j].clone(), t[i].clone()
+    return t.reshape(target.shape)
+
+
+def _moved(target, by):
+    """``target`` with its first row moved up by ``by`` classes."""
+    t = target.reshape(-1).clone()
+    t[0] = t[0] + by if t[0] >= 0 else 1 + by
+    return t.reshape(target.shape)
+
+
+def _wide_shard(shape, vocab, rank, world):
+    """This rank's shard of random logits over a vocabulary of ``vocab``."""
+    start, end = parallel.vocab_range(vocab, rank, world)
+    return torch.randn(*shape, end - start, generator=torch.Generator().manual_seed(5))
+
+
 def _raised(call):
     """The exception type name `call` raised ("" if none) and its message."""
     try:
@@ -366,6 +388,13 @@ def vocab_parallel_ce(rank, world):
             shard, target[:3] if rank == world - 1 else target)),
         "different_target": _raised(lambda: parallel.vocab_parallel_cross_entropy(
             shard, target.reshape(-1).index_fill(0, torch.tensor([40]), 3).reshape(shape) if rank == 0 else target)),
+        # Targets the checksum weighed alike (ids by position mod 251, values
+        # mod 65 521): two rows swapped on rank 0, one 251 positions apart
+        # from another, and a target moved by 65 521 (issue 47).
+        "swapped_rows": _raised(lambda: parallel.vocab_parallel_cross_entropy(
+            shard, _swap_rows(target, 3, 5) if rank == 0 else target)),
+        "moved_by_65521": _raised(lambda: parallel.vocab_parallel_cross_entropy(
+            _wide_shard(shape, 70000, rank, world), _moved(target, 65521) if rank == 0 else target)),
         # A shard not in vocab_range's layout (two classes short on rank 0).
         "layout": _raised(lambda: parallel.vocab_parallel_cross_entropy(
             shard[..., 2:] if rank == 0 else shard, target)),

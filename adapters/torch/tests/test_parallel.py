@@ -228,6 +228,9 @@ def test_vocab_parallel_cross_entropy_errors(ce_ranks):
         assert e["shape_one_rank"][0] == "ValueError", e
         if world > 1:
             assert e["different_target"][0] == "ValueError" and "same target" in e["different_target"][1], e
+            # Compared exactly: what a checksum weighs alike is caught too.
+            for case in ("swapped_rows", "moved_by_65521"):
+                assert e[case][0] == "ValueError" and "same target" in e[case][1], (case, e)
         assert e["layout"][0] == "ValueError", e
         assert r["ce"]["after_errors_ok"]
         lin = r["linear"]["errors"]

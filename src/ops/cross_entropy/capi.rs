@@ -8,11 +8,14 @@ use core::ffi::c_void;
 use core::marker::PhantomData;
 
 use super::{plan, prepare, CeMode, CeTensors, CrossEntropyCall, CrossEntropyOptions, Reduction};
+use crate::capi::exec::run;
 use crate::capi::skin::{self, CapiCall, CapiOp};
 use crate::capi::types::{npk_exec, npk_status, read_opt_tensor, read_tensor};
-use crate::error::{invalid_fmt, Result};
+use crate::dtype::DType;
+use crate::error::{dtype_err, invalid_fmt, Error, Result};
 use crate::tensor::RawTensor;
 use crate::tiling::UbConfig;
+use crate::workspace::Src;
 
 /// How CrossEntropy reduces its per-row losses (the header's
 /// `npk_reduction`; the library's own type is `Reduction`). ABI 2.3.
@@ -313,9 +316,10 @@ pub unsafe extern "C" fn npk_cross_entropy_grad(
 }
 
 /// Workspace bytes `npk_cross_entropy_fused` uses: its exp cache (two rows
-/// of C f32 per block, at most 16 MiB). A smaller workspace, or none (as
-/// ABI 2.3 reported 0), is accepted: the call then recomputes the exps,
-/// with the same bits, about 1.5x slower.
+/// of C f32 per block, at most 16 MiB). A smaller workspace, or none (the
+/// first ABI 2.3 builds reported 0, later ones one row per block), is
+/// accepted: the call then recomputes the exps, with the same bits, about
+/// 1.5x slower.
 ///
 /// # Safety
 /// Every pointer is NULL or valid for its type.
@@ -368,5 +372,84 @@ pub unsafe extern "C" fn npk_cross_entropy_fused(
             workspace_bytes,
             exec,
         )
+    }
+}
+
+/// The reduced loss of per-row losses, exactly as `npk_cross_entropy`
+/// reduces them (the one definition: the f32 rows summed in f64 in row
+/// order; for `NPK_REDUCTION_MEAN` over the f64 sum of the class weights of
+/// the rows not ignored (their count without a weight); rounded to f32
+/// once): for a caller that ran the rows in several calls (the fused form
+/// per chunk). `loss_rows` is N f32, `target` `[N]` i32/i64, `weight` `[C]`
+/// f32 or NULL (then only negative targets other than `ignore_index` are
+/// refused: C is unknown); `opts->reduction` is SUM or MEAN. Writes
+/// `*loss`. ABI 2.4.
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type, and every tensor's `data`
+/// points to a buffer of its shape and dtype; `loss` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_reduce(
+    loss_rows: *const RawTensor,
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    loss: *mut f32,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run(exec, |_| {
+            if loss.is_null() {
+                return Err(Error::NullPointer { arg: "loss" });
+            }
+            let rows = read_tensor(loss_rows, "loss_rows")?;
+            let rc = rows.check("loss_rows")?;
+            if rows.dtype != DType::F32 {
+                return Err(dtype_err!("loss_rows", "dtype {} is not f32", rows.dtype));
+            }
+            let t = read_tensor(target, "target")?;
+            let w = read_opt_tensor(weight, "weight")?;
+            let o = read_options(opts)?;
+            let den = super::plan::check_reduce(rc.numel, &(t, w), &o)?;
+            let v = Src(rows.data as *const f32).get(0, rc.numel);
+            let total = super::reduce::total(rc.numel, |i| v[i]);
+            loss.write_unaligned(super::reduce::reduced(total, o.reduction, den));
+            Ok(())
+        })
+    }
+}
+
+/// The factor every row's dlogits get from an upstream gradient `grad` of
+/// the reduced loss: `grad` for SUM, `grad / denominator` rounded once for
+/// MEAN (the denominator as `npk_cross_entropy_reduce`'s). Passed as the
+/// fused form's `grad_scale` it gives `npk_cross_entropy_grad`'s bits.
+/// Arguments as `npk_cross_entropy_reduce`'s; writes `*grad_scale`. ABI 2.4.
+///
+/// # Safety
+/// As for `npk_cross_entropy_reduce`; `grad_scale` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn npk_cross_entropy_grad_scale(
+    target: *const RawTensor,
+    weight: *const RawTensor,
+    opts: *const npk_cross_entropy_options,
+    grad: f32,
+    grad_scale: *mut f32,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        run(exec, |_| {
+            if grad_scale.is_null() {
+                return Err(Error::NullPointer { arg: "grad_scale" });
+            }
+            let t = read_tensor(target, "target")?;
+            let n = t.check("target")?.numel;
+            let w = read_opt_tensor(weight, "weight")?;
+            let o = read_options(opts)?;
+            let den = super::plan::check_reduce(n, &(t, w), &o)?;
+            grad_scale.write_unaligned(super::reduce::grad_factor(grad, o.reduction, den));
+            Ok(())
+        })
     }
 }

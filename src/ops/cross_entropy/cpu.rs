@@ -15,10 +15,11 @@
 //! row's exps are computed.
 
 use super::plan::{cache_stride, CACHE_ROWS};
+use super::reduce;
 use super::*;
 use crate::dtype::DType;
 use crate::lanes::detect::Available;
-use crate::lanes::math::{exp, exp_nonpos, exp_nonpos_reduce, exp_scale, log, tanh, ExpArg};
+use crate::lanes::math::{exp_nonpos, exp_nonpos_reduce, exp_scale, log, tanh, ExpArg};
 use crate::lanes::{dispatch_isa, enter_apart, Lanes, RowSum, GROUP};
 use crate::ops::elementwise::dispatch_t;
 use crate::ops::norm::{for_lines, load_at, put_pair, store_at};
@@ -41,7 +42,6 @@ struct Kern<T> {
     d: Dst<T>,
     tgt: Targets,
     w: Option<Src<f32>>,
-    lse_in: Src<f32>,
     grad: Src<f32>,
     /// Per-row losses: the output (`None` reduction, fused) or the workspace.
     loss: Option<Dst<f32>>,
@@ -136,16 +136,6 @@ fn pad_neg_inf<L: Lanes>(v: L, n: usize) -> L {
     L::load(&t)
 }
 
-/// `v` at lane `i`, 0 elsewhere.
-#[inline(always)]
-fn one_hot<L: Lanes>(i: usize, v: f32) -> L {
-    let mut t = [0f32; GROUP];
-    if let Some(x) = t.get_mut(i) {
-        *x = v;
-    }
-    L::load(&t)
-}
-
 /// A fixed-order f32 sum of `n` values given by `f` (16 lanes, `RowSum`).
 #[inline(always)]
 fn sum_of<L: Lanes>(n: usize, f: impl Fn(usize) -> f32) -> f32 {
@@ -175,40 +165,33 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
         Targets::I64(Src(call.target.data as *const i64))
     };
     let ignore = call.ignore_index;
-    // sum_{i not ignored} w[t_i], in a fixed order.
-    let denominator = || {
-        sum_of::<L>(rows, |i| {
-            // SAFETY: target holds `rows` elements; weight `cols`, and
-            // every target not ignored is in 0..cols (validated).
-            let v = unsafe { tgt.get(i) };
-            match (v == ignore, w) {
-                (true, _) => 0.0,
-                // SAFETY: as above.
-                (false, Some(w)) => unsafe { w.get(v as usize, 1)[0] },
-                (false, None) => 1.0,
-            }
-        })
-    };
     let mean = call.reduction == Reduction::Mean;
-    let need_den = mean && call.mode != CeMode::Fused;
-    let prelude = || {
-        let ws = match w {
-            // SAFETY: weight holds `cols` f32.
-            Some(w) => sum_of::<L>(cols, |c| unsafe { w.get(c, 1)[0] }),
-            None => cols as f32,
-        };
-        (ws, if need_den { denominator() } else { 0.0 })
+    let w_sum = match w {
+        // SAFETY: weight holds `cols` f32.
+        Some(w) => {
+            let sum = || sum_of::<L>(cols, |c| unsafe { w.get(c, 1)[0] });
+            // SAFETY: the caller's dispatch_isa! picked L among the ISAs this CPU has.
+            unsafe { L::enter(sum) }
+        }
+        None => cols as f32,
     };
-    // SAFETY: the caller's dispatch_isa! picked L among the ISAs this CPU has.
-    let (w_sum, den) = unsafe { L::enter(prelude) };
+    // The mean's denominator (reduce.rs: the one definition).
+    let den = if mean && call.mode != CeMode::Fused {
+        // SAFETY: target holds `rows` elements; weight `cols`.
+        let wv = w.map(|w| unsafe { w.get(0, cols) });
+        // SAFETY: as above.
+        reduce::denominator(rows, |i| unsafe { tgt.get(i) }, wv.as_deref(), ignore)
+    } else {
+        0.0
+    };
     let per_row = call.grad_per_row != 0;
     let g0 = if call.mode == CeMode::Forward || per_row || rows == 0 {
         0.0
     } else {
         // SAFETY: grad holds one f32 (validated).
         let g = unsafe { Src(call.grad.data as *const f32).get(0, 1)[0] };
-        if mean && call.mode == CeMode::Backward {
-            g / den
+        if call.mode == CeMode::Backward {
+            reduce::grad_factor(g, call.reduction, den)
         } else {
             g
         }
@@ -231,7 +214,6 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
         d: Dst(call.dlogits.data as *mut T),
         tgt,
         w,
-        lse_in: Src(call.lse_in.data as *const f32),
         grad: Src(call.grad.data as *const f32),
         loss: row_loss,
         lse: (call.has_lse != 0).then_some(Dst(call.lse.data as *mut f32)),
@@ -258,19 +240,19 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
         run_blocks!(runner, flags, t.blocks, |b| block::<L, T>(&k, b));
     }
     if reduces {
-        let sum = || match row_loss {
+        let total = match row_loss {
             Some(p) => {
                 // SAFETY: the blocks wrote all `rows` workspace rows.
                 let v = unsafe { p.get(0, rows) };
-                sum_of::<L>(rows, |i| v[i])
+                reduce::total(rows, |i| v[i])
             }
             None => 0.0,
         };
-        // SAFETY: L is available (above).
-        let total = unsafe { L::enter(sum) };
-        let l = if mean { total / den } else { total };
         // SAFETY: loss holds one f32.
-        unsafe { Dst(call.loss.data as *mut f32).get(0, 1)[0] = l };
+        unsafe {
+            Dst(call.loss.data as *mut f32).get(0, 1)[0] =
+                reduce::reduced(total, call.reduction, den)
+        };
     }
 }
 
@@ -359,12 +341,22 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
         p => p,
     };
     let mut next_max = None;
-    let (m, lse) = if k.fwd {
-        // SAFETY: forwarded.
-        let (m, ln_s, sx, nm) =
+    // The row's max and `s = sum_c exp(x_c - m)`: the backward recomputes
+    // them rather than trusting an f32 lse, which has rounded `log s` away
+    // once |m| is large (8 equal logits at 1e6 gave p = 0.1271).
+    let (m, sum) = if k.fwd || !ignored {
+        // SAFETY: forwarded (the backward alone has no cache and no
+        // pending pass 2).
+        let (m, sum, nm) =
             unsafe { pass1::<L, T, CAP>(k, base, cache, known, next, prev.as_ref()) };
-        let lse = m + ln_s;
         next_max = nm;
+        (m, sum)
+    } else {
+        (0.0, 1.0)
+    };
+    let ln_s = lane0(log(L::splat(sum)));
+    let lse = m + ln_s;
+    if k.fwd {
         if let Some(o) = k.lse {
             // SAFETY: lse holds `rows` f32; row r is this block's.
             unsafe { o.get(r, 1)[0] = lse };
@@ -383,7 +375,9 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
                 // (all logits -1e10: lse == m, the loss 0).
                 let nll = wt * ((m - xt) + ln_s);
                 let mut l = if k.ls > 0.0 {
-                    (1.0 - k.ls) * nll + k.lsc * (k.w_sum * ln_s + (k.w_sum * m - sx))
+                    // SAFETY: the row, still unwritten (pass 2 comes later).
+                    let below = unsafe { below_sum::<L, T, CAP>(k, base, m) };
+                    (1.0 - k.ls) * nll + k.lsc * (k.w_sum * ln_s + below)
                 } else {
                     nll
                 };
@@ -395,18 +389,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
             // SAFETY: the per-row loss holds `rows` f32; row r is this block's.
             unsafe { o.get(r, 1)[0] = l };
         }
-        (m, lse)
-    } else if ignored {
-        (0.0, 0.0)
-    } else {
-        // SAFETY: lse holds `rows` f32; the row is inside the logits.
-        unsafe {
-            (
-                row_max::<L, T, CAP, false>(k, base).0,
-                k.lse_in.get(r, 1)[0],
-            )
-        }
-    };
+    }
     if k.bwd {
         if ignored {
             // SAFETY: dlogits row r (no reference to the logits is live).
@@ -419,7 +402,7 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
                 k.g0
             };
             let p = Pending {
-                f: pass2_consts::<L, T>(k, tu, wt, (m, lse), g, cache),
+                f: pass2_consts::<L, T>(k, tu, wt, (m, sum, lse), g, cache),
                 base,
             };
             if carries {
@@ -434,21 +417,15 @@ unsafe fn row<L: Lanes, T: Float, const CAP: bool>(
 }
 
 /// The max of the (capped) row at `base` (`m.at_least(x)` lane-wise: one
-/// `max` on x86, and a NaN `x` never wins the compare;
-/// -f32::MAX for a row of -Inf) and, with `SMOOTH` (a const parameter: the
-/// loop without it carries no sum), `sum_c w_c x_c` (0
-/// otherwise). Four max chains for throughput: the max is exact, so the
+/// `max` on x86, and a NaN `x` never wins the compare; -f32::MAX for a row
+/// of -Inf). Four max chains for throughput: the max is exact, so the
 /// order changes no bit.
 ///
 /// # Safety
 /// The row is inside the logits.
 #[inline(always)]
-unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
-    k: &Kern<T>,
-    base: usize,
-) -> (f32, f32) {
+unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, base: usize) -> f32 {
     let n = k.cols;
-    let mut sx = RowSum::<L>::new();
     // Four chains in registers (an array here stays on the stack).
     let lo = L::splat(-f32::MAX);
     let (mut m0, mut m1, mut m2, mut m3) = (lo, lo, lo, lo);
@@ -460,10 +437,10 @@ unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
         // SAFETY: forwarded; columns j..j + 64 are in the row.
         let (x0, x1, x2, x3) = unsafe {
             (
-                max_group::<L, T, CAP, SMOOTH>(k, base + j, j, GROUP, &mut sx),
-                max_group::<L, T, CAP, SMOOTH>(k, base + j + 16, j + 16, GROUP, &mut sx),
-                max_group::<L, T, CAP, SMOOTH>(k, base + j + 32, j + 32, GROUP, &mut sx),
-                max_group::<L, T, CAP, SMOOTH>(k, base + j + 48, j + 48, GROUP, &mut sx),
+                max_group::<L, T, CAP>(k, base + j, GROUP),
+                max_group::<L, T, CAP>(k, base + j + 16, GROUP),
+                max_group::<L, T, CAP>(k, base + j + 32, GROUP),
+                max_group::<L, T, CAP>(k, base + j + 48, GROUP),
             )
         };
         m0 = m0.at_least(x0);
@@ -474,13 +451,11 @@ unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
     }
     while j < n {
         // SAFETY: forwarded.
-        let x =
-            unsafe { max_group::<L, T, CAP, SMOOTH>(k, base + j, j, (n - j).min(GROUP), &mut sx) };
+        let x = unsafe { max_group::<L, T, CAP>(k, base + j, (n - j).min(GROUP)) };
         m0 = m0.at_least(x);
         j += GROUP;
     }
-    let m = [m0, m1, m2, m3].into_iter().fold(-f32::MAX, fold_max);
-    (m, if SMOOTH { sx.finish() } else { 0.0 })
+    [m0, m1, m2, m3].into_iter().fold(-f32::MAX, fold_max)
 }
 
 /// `row_max_body` as a function of its own per form (`enter_apart`: the
@@ -489,18 +464,77 @@ unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
 /// # Safety
 /// As `row_max_body`, inside `L`'s context.
 #[inline(always)]
-unsafe fn row_max<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
-    k: &Kern<T>,
-    base: usize,
-) -> (f32, f32) {
+unsafe fn row_max<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, base: usize) -> f32 {
     // Arguments copied to locals (see `enter_apart`).
     // SAFETY: forwarded; L is entered (the caller's contract).
     unsafe {
         enter_apart::<L, _>(
             #[inline(always)]
-            || row_max_body::<L, T, CAP, SMOOTH>(&{ *k }, base),
+            || row_max_body::<L, T, CAP>(&{ *k }, base),
         )
     }
+}
+
+/// Label smoothing's `sum_c w_c (m - x_c)` over the (capped) row at `base`
+/// with max `m`, in `RowSum`'s order: every term is >= 0 and finite for a
+/// finite row, where `W m - sum_c w_c x_c` overflowed to Inf - Inf (a row
+/// of 3e38) and cancelled (a row far from 0). A pass of its own, from
+/// cache, for smoothed forward rows only.
+///
+/// # Safety
+/// The row is inside the logits.
+#[inline(always)]
+unsafe fn below_sum_body<L: Lanes, T: Float, const CAP: bool>(
+    k: &Kern<T>,
+    base: usize,
+    m: f32,
+) -> f32 {
+    let n = k.cols;
+    let mv = L::splat(m);
+    let mut s = RowSum::<L>::new();
+    let mut j = 0;
+    while j < n {
+        let len = (n - j).min(GROUP);
+        // SAFETY: columns j..j + len of the row.
+        let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, base + j, len) }, k.cap);
+        let mut d = mv.sub(x);
+        if let Some(w) = k.w {
+            // SAFETY: columns j..j + len of weight.
+            d = unsafe { load_at::<L, f32>(w, j, len) }.mul(d);
+        }
+        if len < GROUP {
+            d = zero_past(d, len);
+        }
+        s.push(d);
+        j += GROUP;
+    }
+    s.finish()
+}
+
+/// `below_sum_body` as a function of its own (`enter_apart`), entered for `L`.
+///
+/// # Safety
+/// As `below_sum_body`, inside `L`'s context.
+#[inline(always)]
+unsafe fn below_sum<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, base: usize, m: f32) -> f32 {
+    // SAFETY: forwarded; L is entered (the caller's contract).
+    unsafe {
+        enter_apart::<L, _>(
+            #[inline(always)]
+            || below_sum_body::<L, T, CAP>(&{ *k }, base, m),
+        )
+    }
+}
+
+/// `v` with lanes `n..16` set to 0.
+#[inline(always)]
+fn zero_past<L: Lanes>(v: L, n: usize) -> L {
+    let mut t = [0f32; GROUP];
+    v.store(&mut t);
+    for x in t.iter_mut().skip(n) {
+        *x = 0.0;
+    }
+    L::load(&t)
 }
 
 /// `m` raised to the largest lane of `v`, lanes in order (a NaN never wins).
@@ -511,29 +545,15 @@ fn fold_max<L: Lanes>(m: f32, v: L) -> f32 {
     o.into_iter().fold(m, |m, v| if m < v { v } else { m })
 }
 
-/// The (capped) logits at columns `j..j + len` (`len <= 16`, at `at` in
-/// the logits), lanes past `len` -Inf; pushed to `sx` (weighted) with
-/// `SMOOTH`.
+/// The (capped) logits at `at..at + len` (`len <= 16`) of the logits,
+/// lanes past `len` -Inf.
 ///
 /// # Safety
 /// The columns are inside the row.
 #[inline(always)]
-unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
-    k: &Kern<T>,
-    at: usize,
-    j: usize,
-    len: usize,
-    sx: &mut RowSum<L>,
-) -> L {
-    // SAFETY: columns j..j + len of the row.
+unsafe fn max_group<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, at: usize, len: usize) -> L {
+    // SAFETY: columns at..at + len of the row.
     let (x, _) = capped::<L, CAP>(unsafe { load_at::<L, T>(k.x, at, len) }, k.cap);
-    if SMOOTH {
-        sx.push(match k.w {
-            // SAFETY: columns j..j + len of weight.
-            Some(w) => unsafe { load_at::<L, f32>(w, j, len) }.mul(x),
-            None => x,
-        });
-    }
     if len < GROUP {
         pad_neg_inf(x, len)
     } else {
@@ -542,9 +562,8 @@ unsafe fn max_group<L: Lanes, T: Float, const CAP: bool, const SMOOTH: bool>(
 }
 
 /// Pass 1 over the row at `base`: the row max `m` (`known`, or a max pass
-/// of its own), `log(sum_c exp(x_c - m))` (the sum in `RowSum`'s order;
-/// `lse` is `m` plus it) and, with label smoothing, `sum_c w_c x_c` (0
-/// otherwise). The exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
+/// of its own) and `s = sum_c exp(x_c - m)` (in `RowSum`'s order; `lse`
+/// is `m + log s`). The exps go to `cache` when given. Plain rows (no cap, no smoothing) with a
 /// `next` row also take its max meanwhile, from cache (prefetched a row
 /// earlier): a separate max pass was a memory-bound loop, about a tenth of
 /// the fused call; the max is exact, so its order changes no bit.
@@ -560,7 +579,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     known: Option<f32>,
     next: Option<usize>,
     prev: Option<&Pending<L>>,
-) -> (f32, f32, f32, Option<f32>) {
+) -> (f32, f32, Option<f32>) {
     let n = k.cols;
     let smooth = k.ls > 0.0;
     // Rows whose max needs nothing beside it: the ones whose max the
@@ -570,12 +589,10 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
     // only where the ISA takes pipelined forms (`Lanes::PIPELINED`).
     let plain_next = plain && L::PIPELINED;
     // SAFETY: forwarded.
-    let (m, sx) = unsafe {
-        match known {
-            Some(m) if plain => (m, 0.0),
-            _ if smooth => row_max::<L, T, CAP, true>(k, base),
-            _ => row_max::<L, T, CAP, false>(k, base),
-        }
+    let m = match known {
+        Some(m) if plain => m,
+        // SAFETY: forwarded.
+        _ => unsafe { row_max::<L, T, CAP>(k, base) },
     };
     let next = next.filter(|_| plain_next);
     let mv = L::splat(m);
@@ -642,7 +659,7 @@ unsafe fn pass1<L: Lanes, T: Float, const CAP: bool>(
         }
     }
     let next_max = next.map(|_| fold_max(-f32::MAX, nm));
-    (m, lane0(log(L::splat(s.finish()))), sx, next_max)
+    (m, s.finish(), next_max)
 }
 
 /// Pass 1's whole groups, columns `0..full` of the row at `base`: `exp(x -
@@ -851,33 +868,37 @@ unsafe fn reduce_group<L: Lanes, T: Float, const CAP: bool>(
     exp_nonpos_reduce(x.sub(mv))
 }
 
-/// Pass 2's constants for a row with target `t`, row max `m` and `lse`:
-/// dlogits from `p_c = exp(x_c - m) * exp(m - lse)` (the first factor from
-/// `cache` when pass 1 left it there: the same bits).
+/// Pass 2's constants for a row with target `t`, row max `m`, `s = sum_c
+/// exp(x_c - m)` and `lse`: dlogits from `p_c = exp(x_c - m) / s` (the
+/// first factor from `cache` when pass 1 left it there: the same bits).
 #[inline(always)]
 fn pass2_consts<L: Lanes, T: Float>(
     k: &Kern<T>,
     t: usize,
     wt: f32,
-    (m, lse): (f32, f32),
+    (m, s, lse): (f32, f32, f32),
     g: f32,
     cache: Option<Dst<f32>>,
 ) -> Pass2<L> {
     let on = (1.0 - k.ls) * wt;
-    let mut a = on;
+    // What every class's p_c is multiplied by beside `on`.
+    let mut extra = 0.0;
     if k.ls > 0.0 {
-        a += k.lsc * k.w_sum;
+        extra += k.lsc * k.w_sum;
     }
     if k.zs != 0.0 {
-        a += (2.0 * k.zs) * lse;
+        extra += (2.0 * k.zs) * lse;
     }
-    // p_c * a = e_c * (exp(m - lse) * a): one multiply per element.
+    let q = 1.0 / s;
+    // p_c * a = e_c * (q * a): one multiply per element.
     Pass2 {
-        qa: L::splat(lane0(exp(L::splat(m - lse))) * a),
+        qa: L::splat(q * (on + extra)),
         mv: L::splat(m),
         gv: L::splat(g),
         lsc: L::splat(k.lsc),
+        q,
         on,
+        extra,
         t,
         cached: cache.map(|c| Src(c.0 as *const f32)),
     }
@@ -963,8 +984,12 @@ struct Pass2<L> {
     gv: L,
     /// `ls / C`.
     lsc: L,
+    /// `1 / s`, with `s = sum_c exp(x_c - m)`.
+    q: f32,
     /// `(1 - ls) * w_t`, taken at the target.
     on: f32,
+    /// `ls W / C + 2 scale lse`: `a = on + extra`.
+    extra: f32,
     /// The target column.
     t: usize,
     /// Pass 1's exps of the row, when it left them.
@@ -1013,7 +1038,25 @@ unsafe fn grad_group<L: Lanes, T: Float, const CAP: bool>(
         });
     }
     if f.t >= j && f.t < j + len {
-        d = d.sub(one_hot::<L>(f.t - j, f.on));
+        // The target's own form: `(p_t - 1) on + p_t extra`, where `p_t - 1`
+        // is exact near 1 (a single class with z-loss gave `p a - on`'s
+        // cancellation, 1e-4 off). One group per row.
+        let i = f.t - j;
+        let mut lanes = [0f32; GROUP];
+        e.store(&mut lanes);
+        let p = lanes[i] * f.q;
+        let mut dt = (p - 1.0) * f.on + p * f.extra;
+        if k.ls > 0.0 {
+            let wt = match k.w {
+                // SAFETY: the target column of weight.
+                Some(w) => unsafe { w.get(f.t, 1)[0] },
+                None => 1.0,
+            };
+            dt -= lane0(f.lsc) * wt;
+        }
+        d.store(&mut lanes);
+        lanes[i] = dt;
+        d = L::load(&lanes);
     }
     if CAP {
         d = d.mul(one.sub(th.mul(th)));

@@ -20,7 +20,11 @@
 //! label-smoothing term is divided by the same weight sum
 //! (`cross_entropy_loss_label_smoothing` in ATen), and the z-loss term,
 //! added to each row's loss, likewise. N = 0 or every row ignored gives
-//! `Mean` 0/0 = NaN and `Sum` 0, as torch.
+//! `Mean` 0/0 = NaN and `Sum` 0, as torch. The reduction is defined once
+//! (`reduce.rs`): the f32 row losses summed in f64 in row order, over the
+//! f64 denominator, rounded once; `cross_entropy_reduce` and
+//! `cross_entropy_grad_scale` give it to callers that run the rows in
+//! several calls (the fused LM head's chunks).
 //!
 //! The gradient of row `i` with upstream factor `g_i` and `p = softmax(x)`:
 //!
@@ -41,9 +45,13 @@
 //! (exact in any order), then from cache `lse = m + log(s)` with `s = sum_c
 //! exp(x_c - m)` added in `RowSum`'s fixed order (groups of 16 columns from
 //! the row start, segments of 2048 columns merged pairwise, the 16 lanes in
-//! a fixed tree); the gradient's `p_c = exp(x_c - m) * exp(m - lse)`, so the
+//! a fixed tree); the gradient's `p_c = exp(x_c - m) * (1 / s)`, so the
 //! fused form reuses the forward's exps (one exp per logit) and gives the
-//! bits of forward then backward. `lanes::math`'s `exp`, `log` and `tanh`:
+//! bits of forward then backward. The backward alone recomputes `m` and `s`
+//! (a pass from cache more) and does not read the `lse` it is given: an f32
+//! lse has rounded `log s` away once |m| is large (2^24 ln C). The target's
+//! own gradient is `(p_t - 1) a_t + p_t (a - a_t)` (`p_t - 1` exact near 1);
+//! label smoothing's `sum_c w_c (m - x_c)` has no cancellation. `lanes::math`'s `exp`, `log` and `tanh`:
 //! the same bits on every ISA, thread count and tiling. Each output is
 //! rounded once.
 
@@ -51,6 +59,7 @@
 pub(crate) mod capi;
 pub(crate) mod cpu;
 pub(crate) mod plan;
+pub(crate) mod reduce;
 pub(crate) mod reference;
 
 pub(crate) use plan::{plan, prepare};
@@ -439,4 +448,47 @@ pub fn cross_entropy_fused<T: Float, I: Element>(
 /// A flat f32 input descriptor over `s` (only read).
 fn in_f32(s: &[f32]) -> RawTensor {
     RawTensor::flat(s.as_ptr() as *mut c_void, crate::dtype::DType::F32, s.len())
+}
+
+/// The reduced loss of per-row losses `loss` (`N` f32, as the fused form or
+/// `Reduction::None` writes them), exactly as `cross_entropy` reduces
+/// (`opts.reduction` `Sum` or `Mean`; `ignore_index` and the class weight
+/// give the mean's denominator): for callers that compute the rows in
+/// several calls. Targets are checked as `cross_entropy` checks them when a
+/// weight gives the class count (else only their count).
+pub fn cross_entropy_reduce<I: Element>(
+    loss: &[f32],
+    targets: CrossEntropyTargets<'_, I>,
+    opts: &CrossEntropyOptions,
+) -> Result<f32> {
+    let den = reduce_checked(loss.len(), targets, opts)?;
+    Ok(reduce::reduced(
+        reduce::total(loss.len(), |i| loss[i]),
+        opts.reduction,
+        den,
+    ))
+}
+
+/// The gradient factor of every row for an upstream gradient `grad` of the
+/// reduced loss: `grad` for `Sum`, `grad / denominator` (rounded once) for
+/// `Mean` -- what the backward applies, and what the fused form's
+/// `grad_scale` takes to give the backward's bits. Arguments as
+/// `cross_entropy_reduce`'s.
+pub fn cross_entropy_grad_scale<I: Element>(
+    targets: CrossEntropyTargets<'_, I>,
+    grad: f32,
+    opts: &CrossEntropyOptions,
+) -> Result<f32> {
+    let n = targets.target.shape().numel();
+    let den = reduce_checked(n, targets, opts)?;
+    Ok(reduce::grad_factor(grad, opts.reduction, den))
+}
+
+/// Validates a reduction's arguments; the mean's denominator (0 for `Sum`).
+fn reduce_checked<I: Element>(
+    rows: usize,
+    targets: CrossEntropyTargets<'_, I>,
+    opts: &CrossEntropyOptions,
+) -> Result<f64> {
+    plan::check_reduce(rows, &targets.raw(), opts)
 }

@@ -29,17 +29,17 @@ pub(crate) fn cache_stride(cols: usize) -> usize {
     cols.div_ceil(16).saturating_mul(16)
 }
 
-/// Checks the options: label smoothing in [0, 1], a finite z-loss scale,
-/// a finite soft cap >= 0.
+/// Checks the options: label smoothing in [0, 1], a finite z-loss scale
+/// >= 0, a finite soft cap >= 0.
 fn check_options(o: &CrossEntropyOptions) -> Result<()> {
     let ls = o.label_smoothing;
     if !(0.0..=1.0).contains(&ls) {
         return Err(invalid_fmt!("label_smoothing", "{ls} is not in [0, 1]"));
     }
-    if !o.lse_square_scale.is_finite() {
+    if !(o.lse_square_scale.is_finite() && o.lse_square_scale >= 0.0) {
         return Err(invalid_fmt!(
             "lse_square_scale",
-            "{} is not finite",
+            "{} is not finite and >= 0",
             o.lse_square_scale
         ));
     }
@@ -196,6 +196,8 @@ unsafe fn first_bad_target<I: IndexElem>(
             arg: "target",
             position: p as u64,
             value: idx.get(p).map_or(0, |v| v.to_i64()),
+            start: 0,
+            end: i64::try_from(cols).unwrap_or(i64::MAX),
         }),
     }
 }
@@ -349,4 +351,82 @@ pub(crate) fn prepare(
         workspace: core::ptr::null_mut(),
         workspace_bytes: 0,
     })
+}
+
+/// Validates `cross_entropy_reduce` / `cross_entropy_grad_scale`'s
+/// arguments (a `Sum` or `Mean` reduction, `rows` targets of i32/i64, an
+/// optional `[C]` f32 weight, targets in `0..C` or `ignore_index`; without
+/// a weight C is unknown, so only negative ids are refused) and returns the
+/// mean's denominator (0 for a sum).
+pub(crate) fn check_reduce(
+    rows: usize,
+    (target, weight): &(RawTensor, Option<RawTensor>),
+    opts: &CrossEntropyOptions,
+) -> Result<f64> {
+    check_options(opts)?;
+    if opts.reduction == Reduction::None {
+        return Err(invalid(
+            "reduction",
+            "none has nothing to reduce (sum or mean)",
+        ));
+    }
+    let tc = target.check("target")?;
+    if !matches!(target.dtype, DType::I32 | DType::I64) {
+        return Err(dtype_err!(
+            "target",
+            "dtype {} is not i32 or i64",
+            target.dtype
+        ));
+    }
+    if tc.shape.dims() != [rows] {
+        return Err(invalid_fmt!(
+            "target",
+            "shape {} is not [{rows}] (one per row loss)",
+            tc.shape
+        ));
+    }
+    let mut cols = usize::MAX;
+    if let Some(w) = weight {
+        let wc = w.check("weight")?;
+        if w.dtype != DType::F32 || wc.shape.dims().len() != 1 {
+            return Err(dtype_err!(
+                "weight",
+                "must be [C] f32, got {} {}",
+                w.dtype,
+                wc.shape
+            ));
+        }
+        cols = wc.numel;
+    }
+    let ignore = opts.ignore_index;
+    // SAFETY: target was checked to hold `rows` elements of its dtype at a
+    // readable, aligned address; it is only read.
+    unsafe {
+        dispatch_index!(
+            target.dtype,
+            first_bad_target(target.data, rows, cols, ignore)
+        )
+    }?;
+    if opts.reduction != Reduction::Mean {
+        return Ok(0.0);
+    }
+    // SAFETY: weight (when given) holds `cols` f32, checked above.
+    let w = weight.map(|w| unsafe { Src(w.data as *const f32).get(0, cols) });
+    // SAFETY: as above.
+    Ok(unsafe { dispatch_index!(target.dtype, denominator_of(target.data, rows, w, ignore)) })
+}
+
+/// `reduce::denominator` of `n` targets of type `I` at `data`.
+///
+/// # Safety
+/// `data` holds `n` readable `I`.
+unsafe fn denominator_of<I: IndexElem>(
+    data: *mut c_void,
+    n: usize,
+    weight: Option<&[f32]>,
+    ignore: i64,
+) -> f64 {
+    // SAFETY: guaranteed by the caller.
+    let idx = unsafe { Src(data as *const I).get(0, n) };
+    super::reduce::denominator(n, |i| idx[i].to_i64(), weight, ignore)
 }

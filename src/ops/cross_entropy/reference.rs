@@ -71,14 +71,9 @@ unsafe fn reference_ti<T: Float, I: IndexElem>(call: &CrossEntropyCall) {
         let x = |j: usize| capped_f64(unsafe { logits.get(r * c + j, 1)[0] }.to_f64(), cap);
         let ign = ignored(r);
         let t = tgt[r].to_i64() as usize;
-        let lse = if fwd {
-            lse_f64(c, x)
-        } else if ign {
-            0.0
-        } else {
-            // SAFETY: lse_in holds `n` f32.
-            unsafe { Src(call.lse_in.data as *const f32).get(r, 1)[0] as f64 }
-        };
+        // The backward recomputes lse as the kernel does (an f32 lse_in
+        // has lost `log s` once |max| is large).
+        let lse = if fwd || !ign { lse_f64(c, x) } else { 0.0 };
         if fwd {
             if call.has_lse != 0 {
                 // SAFETY: lse holds `n` f32.

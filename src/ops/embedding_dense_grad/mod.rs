@@ -174,6 +174,17 @@ pub(crate) struct RowMap {
 }
 
 impl RowMap {
+    /// The first id of the shard.
+    pub(crate) fn start(&self) -> i64 {
+        self.vocab_start
+    }
+
+    /// One past the shard's last id.
+    pub(crate) fn end(&self) -> i64 {
+        self.vocab_start
+            .saturating_add(i64::try_from(self.rows).unwrap_or(i64::MAX))
+    }
+
     pub(crate) fn of(call: &EmbeddingDenseGradCall) -> RowMap {
         RowMap {
             padding_idx: call.padding_idx,

@@ -145,6 +145,8 @@ unsafe fn first_out_of_range<I: IndexElem>(data: *mut c_void, n: usize, map: Row
             arg: "indices",
             position: p as u64,
             value: idx.get(p).map_or(0, |v| v.to_i64()),
+            start: map.start(),
+            end: map.end(),
         }),
     }
 }

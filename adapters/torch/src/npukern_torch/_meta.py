@@ -146,3 +146,13 @@ def _cross_entropy_fused_(logits, target, weight, grad_scale, ignore_index=-100,
                           lse_square_scale=0.0, softcap=0.0):
     n = logits.shape[0]
     return logits.new_empty((n,), dtype=torch.float32), logits.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("npukern::cross_entropy_reduce")
+def _cross_entropy_reduce(loss_rows, target, weight=None, reduction=2, ignore_index=-100):
+    return loss_rows.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("npukern::cross_entropy_grad_scale")
+def _cross_entropy_grad_scale(target, weight=None, reduction=2, ignore_index=-100, grad=1.0):
+    return target.new_empty((), dtype=torch.float32)

@@ -39,6 +39,30 @@ def _softcap(softcap):
     return float(softcap)
 
 
+_TYPE_NAMES = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+
+
+def _autocast_on(input):
+    """Whether autocast runs ``F.cross_entropy`` on ``input`` in float32 (its
+    fp32 policy: 16-bit and float32 inputs computed and returned in float32)."""
+    return (input.is_floating_point() and input.dtype != torch.float64
+            and torch.is_autocast_enabled(input.device.type))
+
+
+def _check_weight_dtype(input, weight, autocast):
+    """torch's rule: the class weight has the input's dtype (under autocast
+    both are float32 after its casts, which leave a float64 weight alone)."""
+    if weight is None:
+        return
+    want = torch.float32 if autocast else input.dtype
+    got = weight.dtype
+    if autocast and got in (torch.float16, torch.bfloat16):
+        got = torch.float32
+    if got != want:
+        raise RuntimeError(f"expected scalar type {_TYPE_NAMES.get(want, want)} but found "
+                           f"{_TYPE_NAMES.get(got, got)}")
+
+
 def _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
     """The same loss as torch ops (for what the kernel does not take)."""
     x = input.float() if input.dtype in KERNEL_DTYPES else input
@@ -62,7 +86,7 @@ def _composite(input, target, weight, ignore_index, reduction, label_smoothing, 
         elif reduction == "sum":
             z = z.sum()
         loss = loss + z
-    return loss.to(input.dtype)
+    return loss.to(torch.float32 if _autocast_on(input) else input.dtype)
 
 
 _NARROW_INDICES = (torch.uint8, torch.int8, torch.int16)
@@ -83,6 +107,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     cap = _softcap(softcap)
     if not on_kernels(input) or target.dtype.is_floating_point or input.dim() == 0:
         return _composite(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, cap)
+    # Under autocast the result is float32, as F.cross_entropy's (the
+    # kernel reads the 16-bit logits as they are: float32 inside either way).
+    autocast = _autocast_on(input)
+    _check_weight_dtype(input, weight, autocast)
     x, t = input, target
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
         # As torch's nll_loss: the loss is not differentiable in the class weight.
@@ -104,14 +132,78 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                                    float(label_smoothing), float(z_loss), cap)
     if red == 0:
         loss = loss.reshape(target.shape)
-    return loss.to(input.dtype)
+    return loss if autocast else loss.to(input.dtype)
+
+
+def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, softcap, chunk_bytes, want):
+    """The loss (0-dim float32) and its gradients in input, weight and bias
+    (each None unless ``want`` says so), chunk by chunk."""
+    want_input, want_weight, want_bias = want
+    n, vocab = x.shape[0], weight.shape[0]
+    # The crate's own factor and reduction (one definition, loss_ops.cpp).
+    grad_scale = ops.cross_entropy_grad_scale(t, None, red, ignore_index, 1.0)
+    d_input = torch.empty_like(x) if want_input else None
+    acc = torch.float32  # 16-bit weights get float32 gradients, rounded once at the end
+    d_bias = torch.zeros(vocab, dtype=acc) if bias is not None and want_bias else None
+    rows = max(1, min(n, chunk_bytes // max(1, vocab * x.element_size())))
+    # One chunk: the weight gradient is one matmul, stock's bits. Several:
+    # float32 sums per block of vocabulary rows, each chunk's part a
+    # matmul in the weight's dtype (torch's bf16/f16 kernels accumulate in
+    # float32 inside; an f32 addmm of upcast copies is 4-5x slower); the
+    # blocks keep the temporaries small and are freed one by one as the
+    # result is rounded (peak: the float32 sums, not them and the result).
+    blocks = [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
+    sums = [None] * len(blocks)
+    d_weight = None
+    losses = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, rows):
+        xc = x[start:start + rows]
+        logits = xc @ weight.t() if bias is None else torch.addmm(bias, xc, weight.t())
+        loss, _lse = ops.cross_entropy_fused_(logits, t[start:start + rows], None, grad_scale, ignore_index,
+                                              float(label_smoothing), float(z_loss), softcap)
+        losses[start:start + rows] = loss
+        # The logits now hold dloss/dlogits (times grad_scale).
+        if d_input is not None:
+            torch.mm(logits, weight, out=d_input[start:start + rows])
+        if want_weight and rows >= n:
+            d_weight = torch.mm(logits.t(), xc)
+        elif want_weight:
+            for b, (j0, j1) in enumerate(blocks):
+                part = torch.mm(logits[:, j0:j1].t(), xc)
+                if sums[b] is None:
+                    sums[b] = part.to(acc)
+                else:
+                    sums[b] += part
+        if d_bias is not None:
+            d_bias += logits.sum(0, dtype=acc)
+        del logits
+    if want_weight and d_weight is None:
+        # (No rows at all: no chunk ran, and the gradient is zeros, as torch's.)
+        d_weight = torch.empty(weight.shape, dtype=weight.dtype)
+        for b, (j0, j1) in enumerate(blocks):
+            if sums[b] is None:
+                d_weight[j0:j1].zero_()
+            else:
+                d_weight[j0:j1].copy_(sums[b])
+            sums[b] = None
+    total = ops.cross_entropy_reduce(losses, t, None, red, ignore_index)
+    if d_bias is not None:
+        d_bias = d_bias.to(bias.dtype)
+    return total, d_input, d_weight, d_bias
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and every gradient chunk by chunk (the
     logits of a chunk turned into their gradient in place by the kernel);
     backward scales the saved gradients by the upstream one. Reductions
-    "sum" (red 1) and "mean" (red 2) only."""
+    "sum" (red 1) and "mean" (red 2) only.
+
+    ``loss.backward()`` hands the saved gradients out as they are (no second
+    copy of the weight gradient): they become ``.grad``, which the caller may
+    then change (``zero_()``, an optimizer). So any later backward of the
+    same graph (``retain_graph=True``) recomputes them from the saved inputs,
+    as stock autograd's would be computed again. Differentiable once: a
+    second derivative raises."""
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, ignore_index, red, label_smoothing, z_loss, softcap,
@@ -119,76 +211,65 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden = input.shape[-1]
         x = input.reshape(-1, hidden)
         t = target.reshape(-1)
-        n, vocab = x.shape[0], weight.shape[0]
-        if t.shape[0] != n:
-            raise ValueError(f"linear_cross_entropy: target has {t.shape[0]} rows, input {n}")
-        # torch's mean: the sum over rows not ignored, divided by their count.
-        denom = (t != ignore_index).sum().float() if red == 2 else None
-        grad_scale = 1.0 / denom if red == 2 else torch.ones((), dtype=torch.float32)
-        d_input = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        acc = torch.float32  # 16-bit weights get float32 gradients, rounded once at the end
-        want_weight = ctx.needs_input_grad[1]
-        d_bias = torch.zeros(vocab, dtype=acc) if bias is not None and ctx.needs_input_grad[3] else None
-        rows = max(1, min(n, chunk_bytes // max(1, vocab * x.element_size())))
-        # One chunk: the weight gradient is one matmul, stock's bits. Several:
-        # float32 sums per block of vocabulary rows, each chunk's part a
-        # matmul in the weight's dtype (torch's bf16/f16 kernels accumulate in
-        # float32 inside; an f32 addmm of upcast copies is 4-5x slower); the
-        # blocks keep the temporaries small and are freed one by one as the
-        # result is rounded (peak: the float32 sums, not them and the result).
-        blocks = [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
-        sums = [None] * len(blocks)
-        d_weight = None
-        losses = torch.empty(n, dtype=torch.float32)
-        for start in range(0, n, rows):
-            xc = x[start:start + rows]
-            logits = xc @ weight.t() if bias is None else torch.addmm(bias, xc, weight.t())
-            loss, _lse = ops.cross_entropy_fused_(logits, t[start:start + rows], None, grad_scale, ignore_index,
-                                                  float(label_smoothing), float(z_loss), softcap)
-            losses[start:start + rows] = loss
-            # The logits now hold dloss/dlogits (times grad_scale).
-            if d_input is not None:
-                torch.mm(logits, weight, out=d_input[start:start + rows])
-            if want_weight and rows >= n:
-                d_weight = torch.mm(logits.t(), xc)
-            elif want_weight:
-                for b, (j0, j1) in enumerate(blocks):
-                    part = torch.mm(logits[:, j0:j1].t(), xc)
-                    if sums[b] is None:
-                        sums[b] = part.to(acc)
-                    else:
-                        sums[b] += part
-            if d_bias is not None:
-                d_bias += logits.sum(0, dtype=acc)
-            del logits
-        if want_weight and d_weight is None:
-            d_weight = torch.empty(weight.shape, dtype=weight.dtype)
-            for b, (j0, j1) in enumerate(blocks):
-                d_weight[j0:j1].copy_(sums[b])
-                sums[b] = None
-        # cross_entropy's reduction (csrc/loss_ops.cpp, reduce_rows): a
-        # float64 sum, for a mean over the float64 count, rounded once; in
-        # float64 the summation order no longer shows in the float32 result.
-        total = losses.sum(dtype=torch.float64)
-        total = (total if red == 1 else total / denom.double()).float()
+        if t.shape[0] != x.shape[0]:
+            raise ValueError(f"linear_cross_entropy: target has {t.shape[0]} rows, input {x.shape[0]}")
+        ctx.args = (ignore_index, red, label_smoothing, z_loss, softcap, chunk_bytes)
+        ctx.want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        total, d_input, d_weight, d_bias = _lce_grads(x, weight, t, bias, *ctx.args, want=ctx.want)
         ctx.shape = input.shape
-        ctx.save_for_backward(d_input, d_weight,
-                              d_bias.to(bias.dtype) if d_bias is not None else None)
+        # Kept as attributes, not saved tensors: once handed out as .grad they
+        # may be changed, and a later backward recomputes instead.
+        ctx.grads = (d_input, d_weight, d_bias)
+        ctx.save_for_backward(input, weight, target, bias)
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        d_input, d_weight, d_bias = ctx.saved_tensors
+        grads = _LinearCrossEntropy._grads(ctx, grad)
+        return _once_differentiable(grads, "linear_cross_entropy")
+
+    @staticmethod
+    def _grads(ctx, grad):
+        if ctx.grads is None:
+            # A later backward of a retained graph: the first one handed the
+            # gradients out; computed again (torch's own in-place checks on
+            # the saved inputs apply).
+            input, weight, target, bias = ctx.saved_tensors
+            _, d_input, d_weight, d_bias = _lce_grads(input.reshape(-1, input.shape[-1]), weight,
+                                                      target.reshape(-1), bias, *ctx.args, want=ctx.want)
+        else:
+            d_input, d_weight, d_bias = ctx.grads
         g = grad.reshape(())
         # Under torch.compile the scale is always applied (no data-dependent branch).
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and g.item() == 1.0:
-            # loss.backward(): the saved gradients as they are (no second copy of d_weight).
+        if not torch.compiler.is_compiling() and g.item() == 1.0:
+            # loss.backward(): the gradients as they are (no second copy of d_weight).
+            ctx.grads = None
             di = d_input.reshape(ctx.shape) if d_input is not None else None
             return di, d_weight, None, d_bias, None, None, None, None, None, None
         di = (d_input * g.to(d_input.dtype)).reshape(ctx.shape) if d_input is not None else None
         dw = d_weight * g.to(d_weight.dtype) if d_weight is not None else None
         db = d_bias * g.to(d_bias.dtype) if d_bias is not None else None
         return di, dw, None, db, None, None, None, None, None, None
+
+
+def _once_differentiable(grads, op):
+    """``grads`` as ``torch.autograd.function.once_differentiable`` returns a
+    backward's results under ``create_graph=True``: differentiating them
+    again raises instead of seeing zero. (Outside create_graph, and under
+    torch.compile, which traces the plain backward, they pass as they are.)"""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return grads
+    msg = (f"npukern_torch.{op} is differentiable once: its gradient has no derivative "
+           "(use torch.nn.functional.cross_entropy for a second derivative)").encode()
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+            continue
+        alias = g.detach()
+        alias.requires_grad_(True)
+        out.append(torch._C._functions.DelayedError(msg, 1)(alias))
+    return tuple(out)
 
 
 def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",

@@ -91,8 +91,29 @@ def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight=Non
         w = None if weight is None else weight.float()
         loss, lse = torch.ops.npukern.cross_entropy(input.contiguous(), target.contiguous(), w, red, ignore_index,
                                                     float(label_smoothing), float(lse_square_scale_for_zloss), 0.0)
-        log_prob = input.float() - lse.detach().unsqueeze(-1)
+        if input.requires_grad and torch.is_grad_enabled():
+            # log_prob and zloss are differentiable through lse (it was
+            # detached here, so log_prob back-propagated ones).
+            lse = _KernelLse.apply(input, lse)
+        log_prob = input.float() - lse.unsqueeze(-1)
     keep = (target != ignore_index).float()
-    z = lse_square_scale_for_zloss * lse.detach().square() * keep if return_zloss else torch.zeros_like(keep)
+    z = lse_square_scale_for_zloss * lse.square() * keep if return_zloss else torch.zeros_like(keep)
     zloss = {0: z, 1: z.sum(), 2: z.sum() / keep.sum()}[red]
     return loss, log_prob, zloss, lse.detach()
+
+
+class _KernelLse(torch.autograd.Function):
+    """The kernel's per-row lse as a function of the logits ``[N, C]``:
+    ``d lse / d x = softmax(x)``, torch's float32 softmax (exact at any
+    offset of the logits)."""
+
+    @staticmethod
+    def forward(ctx, x, lse):
+        ctx.save_for_backward(x)
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        p = torch.softmax(x.float(), -1)
+        return (g.float().unsqueeze(-1) * p).to(x.dtype), None

@@ -84,8 +84,7 @@ def _validate(where, meta, t, ignore_index, rank, world):
     sizes of every rank's shard)."""
     rows, checks = meta[:, _ROWS], meta[:, _CHECK]
     if not (bool((rows == rows[0]).all()) and bool((checks == checks[0]).all())):
-        raise ValueError(f"{where}: the ranks passed different targets; every rank of the group must pass the "
-                         "same target (the vocab-parallel layout's precondition, as in Megatron-LM)")
+        raise ValueError(_DIFFERENT_TARGETS.format(where=where))
     sizes = [int(v) for v in meta[:, _V_LOCAL].tolist()]
     vocab = sum(sizes)
     expect = [e - s for s, e in (vocab_range(vocab, r, world) for r in range(world))]
@@ -100,6 +99,23 @@ def _validate(where, meta, t, ignore_index, rank, world):
                              f"global vocabulary of {vocab} classes (ignore_index {ignore_index})")
         raise ValueError(f"{where}: another rank's target is out of range for the global vocabulary of {vocab}")
     return vocab, vocab_range(vocab, rank, world)[0], sizes
+
+
+_DIFFERENT_TARGETS = ("{where}: the ranks passed different targets; every rank of the group must pass the same "
+                      "target (the vocab-parallel layout's precondition, as in Megatron-LM)")
+
+
+def _same_targets(where, group, t):
+    """Exactly the same targets on every rank (after ``_validate``: the same
+    count everywhere): rank 0's are broadcast, each rank compares its own
+    with them, and the verdict is all-reduced, so every rank raises together
+    (the checksum alone missed swapped rows and ids 65 521 apart)."""
+    ref = t.contiguous().clone()
+    dist.broadcast(ref, src=dist.get_global_rank(group, 0), group=group)
+    differ = torch.tensor([0.0 if torch.equal(ref, t) else 1.0], dtype=torch.float64)
+    dist.all_reduce(differ, op=dist.ReduceOp.SUM, group=group)
+    if differ.item():
+        raise ValueError(_DIFFERENT_TARGETS.format(where=where))
 
 
 def _partials(x, t, start, ignore_index, out, smoothing):
@@ -215,6 +231,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             error = e
         meta = _agree_on(where, group, world, error, fields)
         vocab, start, sizes = _validate(where, meta, t, ignore_index, rank, world)
+        _same_targets(where, group, t)
         parts = torch.empty((4, x.shape[0]), dtype=acc)
         _partials(x.to(acc), t, start, ignore_index, parts, eps)
         big, log_sum, target_logit, below = _combine(group, world, parts, sizes, eps)
@@ -305,6 +322,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
             error = e
         meta = _agree_on(where, group, world, error, fields)
         vocab, start, sizes = _validate(where, meta, t, ignore_index, rank, world)
+        _same_targets(where, group, t)
         gather_input = bool(meta[:, _WANTS].any())  # every rank joins the d_input gather, or none
 
         n, hidden, v = x.shape[0], x.shape[1], weight.shape[0]
