@@ -87,6 +87,10 @@ void forward_rows(const char *op, const at::Tensor &logits, const at::Tensor &ta
                   const npk_cross_entropy_options &o, at::Tensor &loss, at::Tensor &lse) {
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor losst = describe(loss, op, "loss"), lset = describe(lse, op, "lse");
+  if (loss.dim() == 0) {  // a reduced loss: the C ABI's one element
+    losst.ndim = 1;
+    losst.shape[0] = 1;
+  }
   Call call(op);
   call.tensors({&logits, &target, &weight.t, &loss, &lse});
   call.run(
