@@ -23,6 +23,9 @@ _REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 CHUNK_BYTES = 128 << 20
 # Vocabulary rows per float32 block of the weight gradient (several chunks).
 _VOCAB_BLOCK = 8192
+# Vocabulary rows of a chunk's gradient upcast to float32 at a time (several
+# chunks): the copy is rows x 2048 floats, not the chunk's twice.
+_UPCAST_ROWS = 2048
 
 
 def _reduction(reduction):
@@ -148,10 +151,10 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
     rows = max(1, min(n, chunk_bytes // max(1, vocab * x.element_size())))
     # One chunk: the weight gradient is one matmul, stock's bits. Several:
     # float32 sums per block of vocabulary rows, each chunk's part a
-    # matmul in the weight's dtype (torch's bf16/f16 kernels accumulate in
-    # float32 inside; an f32 addmm of upcast copies is 4-5x slower); the
-    # blocks keep the temporaries small and are freed one by one as the
-    # result is rounded (peak: the float32 sums, not them and the result).
+    # float32 matmul of upcast copies added in (torch has no CPU matmul of
+    # 16-bit inputs with a float32 result; rounding each part to 16 bits
+    # cost accuracy); the blocks are freed one by one as the result is
+    # rounded (peak: the float32 sums, not them and the result).
     blocks = [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
     sums = [None] * len(blocks)
     d_weight = None
@@ -168,12 +171,21 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
         if want_weight and rows >= n:
             d_weight = torch.mm(logits.t(), xc)
         elif want_weight:
+            # Each chunk's part in float32, added into the sums by addmm: a
+            # part rounded to the weight's dtype first (a bf16 mm) added a
+            # rounding per chunk, 1.3-1.7x stock's error against float64.
+            xf = xc.to(acc)
             for b, (j0, j1) in enumerate(blocks):
-                part = torch.mm(logits[:, j0:j1].t(), xc)
-                if sums[b] is None:
-                    sums[b] = part.to(acc)
-                else:
-                    sums[b] += part
+                first = sums[b] is None
+                if first:
+                    sums[b] = torch.empty(j1 - j0, x.shape[1], dtype=acc)
+                for k0 in range(j0, j1, _UPCAST_ROWS):
+                    k1 = min(k0 + _UPCAST_ROWS, j1)
+                    part, into = logits[:, k0:k1].t().to(acc), sums[b][k0 - j0:k1 - j0]
+                    if first:
+                        torch.mm(part, xf, out=into)
+                    else:
+                        into.addmm_(part, xf)
         if d_bias is not None:
             d_bias += logits.sum(0, dtype=acc)
         del logits
