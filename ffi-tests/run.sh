@@ -44,7 +44,22 @@ static_libs=(-lgcc_s -lutil -lrt -lpthread -lm -ldl)
 # points at target/<profile>, where an older libnpukern.so may lie.
 shared_libs=(-L"$libdir" -l:libnpukern.so -Wl,--disable-new-dtags,-rpath,"$libdir" -lpthread -lm)
 
+# The C snippets of the README and docs/c.md (each document's first ```c
+# block), compiled as the documents have them by test_doc_snippet.c.
+snippet_docs=(README.md docs/c.md)
+for doc in "${snippet_docs[@]}"; do
+  dir="$build/snippet/${doc//\//_}"
+  mkdir -p "$dir"
+  awk '/^```c$/ {on = 1; next} on && /^```$/ {exit} on' "$root/$doc" > "$dir/snippet.inc"
+  [[ -s "$dir/snippet.inc" ]] || { echo "run.sh: no C block in $doc" >&2; exit 2; }
+done
+
 set -x
+for doc in "${snippet_docs[@]}"; do
+  "$cc" -std=c11 "${flags[@]}" -I"$build/snippet/${doc//\//_}" "-DNPK_SNIPPET_OF=\"$doc\"" \
+    "$root/ffi-tests/test_doc_snippet.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
+    -o "$build/test_snippet_${doc//[\/.]/_}_static"
+done
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
   -o "$build/test_c_static"
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_c.c" "${shared_libs[@]}" -o "$build/test_c_shared"
@@ -84,7 +99,8 @@ done
 # The pkg-config template, as an installed copy would be used: a staged
 # prefix whose include/ and lib/ point at this tree and its libraries.
 tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static test_elementwise_static test_cross_entropy_static test_regressions_static test_abi_shared
-       test_fuzz_regressions_static)
+       test_fuzz_regressions_static test_snippet_README_md_static
+       test_snippet_docs_c_md_static)
 if command -v pkg-config >/dev/null; then
   stage="$build/stage"
   mkdir -p "$stage/include" "$stage/lib/pkgconfig"
