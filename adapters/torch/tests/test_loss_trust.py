@@ -101,9 +101,11 @@ def test_linear_cross_entropy_with_no_rows(reduction, bias):
         assert torch.equal(b.grad, torch.zeros_like(b))
 
 
-@pytest.mark.parametrize("xd, wd", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32),
-                                    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("xd, wd", [(torch.float32, torch.float64), (torch.float64, torch.float32),
+                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float64)])
 def test_class_weight_of_another_dtype_is_refused_as_torch(xd, wd):
+    """As torch (a float32 weight beside 16-bit logits is the one extension:
+    the kernel reads weights in float32)."""
     x = torch.randn(3, 5).to(xd)
     t = torch.tensor([0, 1, 2])
     w = torch.rand(5).to(wd)

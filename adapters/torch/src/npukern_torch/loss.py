@@ -54,13 +54,17 @@ def _autocast_on(input):
 
 def _check_weight_dtype(input, weight, autocast):
     """torch's rule: the class weight has the input's dtype (under autocast
-    both are float32 after its casts, which leave a float64 weight alone)."""
+    both are float32 after its casts, which leave a float64 weight alone).
+    One extension: 16-bit logits take a float32 weight (the kernel reads
+    weights in float32; nothing is rounded away)."""
     if weight is None:
         return
     want = torch.float32 if autocast else input.dtype
     got = weight.dtype
     if autocast and got in (torch.float16, torch.bfloat16):
         got = torch.float32
+    if got == torch.float32 and want in (torch.float16, torch.bfloat16):
+        return
     if got != want:
         raise RuntimeError(f"expected scalar type {_TYPE_NAMES.get(want, want)} but found "
                            f"{_TYPE_NAMES.get(got, got)}")
