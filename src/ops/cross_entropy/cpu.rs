@@ -167,8 +167,8 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
     let ignore = call.ignore_index;
     let mean = call.reduction == Reduction::Mean;
     let w_sum = match w {
-        // SAFETY: weight holds `cols` f32.
         Some(w) => {
+            // SAFETY: weight holds `cols` f32.
             let sum = || sum_of::<L>(cols, |c| unsafe { w.get(c, 1)[0] });
             // SAFETY: the caller's dispatch_isa! picked L among the ISAs this CPU has.
             unsafe { L::enter(sum) }
@@ -180,7 +180,7 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
         // SAFETY: target holds `rows` elements; weight `cols`.
         let wv = w.map(|w| unsafe { w.get(0, cols) });
         // SAFETY: as above.
-        reduce::denominator(rows, |i| unsafe { tgt.get(i) }, wv.as_deref(), ignore)
+        reduce::denominator(rows, |i| unsafe { tgt.get(i) }, wv, ignore)
     } else {
         0.0
     };
