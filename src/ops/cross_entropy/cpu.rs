@@ -128,10 +128,16 @@ fn lane0<L: Lanes>(v: L) -> f32 {
 /// `v` with lanes `n..16` set to -Inf (they add `exp(-Inf) = 0`).
 #[inline(always)]
 fn pad_neg_inf<L: Lanes>(v: L, n: usize) -> L {
+    fill_past(v, n, f32::NEG_INFINITY)
+}
+
+/// `v` with lanes `n..16` set to `fill`.
+#[inline(always)]
+fn fill_past<L: Lanes>(v: L, n: usize, fill: f32) -> L {
     let mut t = [0f32; GROUP];
     v.store(&mut t);
     for x in t.iter_mut().skip(n) {
-        *x = f32::NEG_INFINITY;
+        *x = fill;
     }
     L::load(&t)
 }
@@ -503,7 +509,7 @@ unsafe fn below_sum_body<L: Lanes, T: Float, const CAP: bool>(
             d = unsafe { load_at::<L, f32>(w, j, len) }.mul(d);
         }
         if len < GROUP {
-            d = zero_past(d, len);
+            d = fill_past(d, len, 0.0);
         }
         s.push(d);
         j += GROUP;
@@ -524,17 +530,6 @@ unsafe fn below_sum<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, base: usiz
             || below_sum_body::<L, T, CAP>(&{ *k }, base, m),
         )
     }
-}
-
-/// `v` with lanes `n..16` set to 0.
-#[inline(always)]
-fn zero_past<L: Lanes>(v: L, n: usize) -> L {
-    let mut t = [0f32; GROUP];
-    v.store(&mut t);
-    for x in t.iter_mut().skip(n) {
-        *x = 0.0;
-    }
-    L::load(&t)
 }
 
 /// `m` raised to the largest lane of `v`, lanes in order (a NaN never wins).

@@ -70,6 +70,27 @@ fn f32_of(t: &RawTensor, name: &'static str, n: usize, what: &str) -> Result<Che
     Ok(c)
 }
 
+/// Checks the target: i32/i64 of shape `[rows]` (`of` names what gives
+/// the rows, in the message).
+fn check_target(target: &RawTensor, rows: usize, of: core::fmt::Arguments<'_>) -> Result<()> {
+    let tc = target.check("target")?;
+    if !matches!(target.dtype, DType::I32 | DType::I64) {
+        return Err(dtype_err!(
+            "target",
+            "dtype {} is not i32 or i64",
+            target.dtype
+        ));
+    }
+    if tc.shape.dims() != [rows] {
+        return Err(invalid_fmt!(
+            "target",
+            "shape {} is not [{rows}] ({of})",
+            tc.shape
+        ));
+    }
+    Ok(())
+}
+
 /// Checks logits (`[N, C]`, float), target (`[N]`, i32/i64), weight
 /// (`[C]` f32) and the options.
 fn dims(t: &CeTensors, opts: &CrossEntropyOptions) -> Result<CeDims> {
@@ -90,22 +111,7 @@ fn dims(t: &CeTensors, opts: &CrossEntropyOptions) -> Result<CeDims> {
     if cols == 0 && rows > 0 {
         return Err(invalid("logits", "has rows but no classes (C = 0)"));
     }
-    let tc = t.target.check("target")?;
-    if !matches!(t.target.dtype, DType::I32 | DType::I64) {
-        return Err(dtype_err!(
-            "target",
-            "dtype {} is not i32 or i64",
-            t.target.dtype
-        ));
-    }
-    if tc.shape.dims() != [rows] {
-        return Err(invalid_fmt!(
-            "target",
-            "shape {} is not [{rows}] (logits {})",
-            tc.shape,
-            lc.shape
-        ));
-    }
+    check_target(&t.target, rows, format_args!("logits {}", lc.shape))?;
     if let Some(w) = &t.weight {
         let wc = w.check("weight")?;
         if w.dtype != DType::F32 {
@@ -370,21 +376,7 @@ pub(crate) fn check_reduce(
             "none has nothing to reduce (sum or mean)",
         ));
     }
-    let tc = target.check("target")?;
-    if !matches!(target.dtype, DType::I32 | DType::I64) {
-        return Err(dtype_err!(
-            "target",
-            "dtype {} is not i32 or i64",
-            target.dtype
-        ));
-    }
-    if tc.shape.dims() != [rows] {
-        return Err(invalid_fmt!(
-            "target",
-            "shape {} is not [{rows}] (one per row loss)",
-            tc.shape
-        ));
-    }
+    check_target(target, rows, format_args!("one per row loss"))?;
     let mut cols = usize::MAX;
     if let Some(w) = weight {
         let wc = w.check("weight")?;
