@@ -19,9 +19,10 @@ cd "$(dirname "$0")/.."
 START=$SECONDS
 step() { # the heading of a step; the previous one's time
     [ -z "${STEP_NAME:-}" ] || echo "== ($STEP_NAME: $((SECONDS - STEP_T0)) s)"
+    join_finished
     STEP_NAME=$1
     STEP_T0=$SECONDS
-    echo "== $1"
+    echo "== $1 (at $((SECONDS - START)) s)"
 }
 
 LOGS=$(mktemp -d)
@@ -44,7 +45,7 @@ background() { # KEY DESCRIPTION COMMAND...
 join() { # KEY: waits for it, prints its output, fails if it failed
     local i status
     for i in "${!BG_NAMES[@]}"; do
-        [ "${BG_NAMES[$i]}" = "$1" ] || continue
+        [ "${BG_NAMES[$i]}" = "$1" ] && [ -n "${BG_PIDS[$i]}" ] || continue
         status=0
         wait "${BG_PIDS[$i]}" || status=$?
         BG_PIDS[i]=
@@ -53,6 +54,14 @@ join() { # KEY: waits for it, prints its output, fails if it failed
         if [ "$status" -ne 0 ]; then
             echo "FAIL: $1 exited with status $status" >&2
             exit "$status"
+        fi
+    done
+}
+join_finished() { # between steps: a job that has ended is joined (a failure stops the command early)
+    local i
+    for i in "${!BG_NAMES[@]}"; do
+        if [ -n "${BG_PIDS[$i]}" ] && ! kill -0 "${BG_PIDS[$i]}" 2>/dev/null; then
+            join "${BG_NAMES[$i]}"
         fi
     done
 }
@@ -70,13 +79,13 @@ trap 'exit 143' TERM
 background torch-setup "the PyTorch environment (scripts/torch_test.sh --setup: the venv, torch, the pinned transformers)" \
     ./scripts/torch_test.sh --setup
 
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
 step "the Debian packages of scripts/cross.sh (apt-get, only what is missing)"
 ./scripts/cross.sh packages
 
 background aarch64 "scripts/cross.sh aarch64 (the suite on aarch64 under qemu-user)" ./scripts/cross.sh aarch64
-
-step "cargo fmt --check"
-cargo fmt --all -- --check
 
 step "cargo clippy --workspace --all-targets --all-features -- -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
@@ -92,7 +101,13 @@ cargo test --release --workspace
 
 step "the PyTorch adapter (scripts/torch_test.sh)"
 join torch-setup
-./scripts/torch_test.sh
+# `cargo test` has just built the C libraries with `cargo build --release`'s
+# flags into <target>/ffi (ffi-tests/tests/ffi.rs): the adapter links those
+# instead of compiling the crate once more into <target>/release (cargo
+# still rebuilds whatever is stale there).
+target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+[ -n "$target_dir" ] || { echo "FAIL: no target directory from cargo metadata" >&2; exit 1; }
+CARGO_TARGET_DIR="$target_dir/ffi" ./scripts/torch_test.sh
 
 step "scripts/fuzz_smoke.sh: every fuzz target ~20 s from its seeds (stable sancov build)"
 ./scripts/fuzz_smoke.sh
