@@ -9,10 +9,10 @@
 # whole when it ends (never interleaved), and each failing the command if it
 # fails: the PyTorch environment's setup (downloads, from the start) and
 # `scripts/cross.sh aarch64` (the suite under qemu-user, after the Debian
-# packages). Both leave cores idle much of the time (the network, qemu's
-# single-threaded stretches), as do the cgu=1 embedded builds, pytest and
-# the fuzz runs beside them. NPK_SERIAL=1 runs everything one step at a
-# time instead.
+# packages). They take up what the other steps leave idle: the downloads
+# wait on the network, and much of the rest runs on one core at a time (the
+# codegen-units=1 embedded builds, qemu-system-arm, pytest, the fuzz runs).
+# NPK_SERIAL=1 runs everything one step at a time instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
