@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # Beyond the host: every step exits non-zero on failure.
 #
+#   packages  (not in the default set) every Debian package the default
+#             steps need, in one apt-get run (scripts/test.sh runs it first)
 #   nostd     the no_std, no-alloc consumer (embedded/host) built and run on the
 #             host, and the symbol check: the no-feature rlib and the consumer
 #             reference no `std` / `alloc` symbol
-#   embedded  the no-feature library for thumbv7em-none-eabihf (Cortex-M4F),
-#             riscv32imac-unknown-none-elf and aarch64-unknown-none (symbol-checked too)
-#   aarch64   `cargo test -p npukern` for aarch64-unknown-linux-gnu under qemu-user,
-#             bit hashes included, twice: with the NEON lanes (automatic
-#             selection: `neonbf16` where qemu's CPU has FEAT_BF16, and every
-#             cross-ISA test compares it with `neon` and `portable`), then the
+#   embedded  the no-feature library for thumbv7em-none-eabihf (Cortex-M4F, as
+#             the firmware's workspace builds it), riscv32imac-unknown-none-elf
+#             and aarch64-unknown-none (symbol-checked too)
+#   aarch64   `cargo test -p npukern` (the library's unit tests and the
+#             integration tests) for aarch64-unknown-linux-gnu under qemu-user,
+#             bit hashes included: with the NEON lanes (automatic selection:
+#             `neonbf16` where qemu's CPU has FEAT_BF16, and every cross-ISA
+#             test compares it with `neon` and `portable`), then the
 #             integration tests with the portable `wide` lanes forced
-#             (NPK_MAX_CPU_ISA=portable)
+#             (NPK_MAX_CPU_ISA=portable), less the cross-ISA tests (under the
+#             ceiling they repeat the first run's portable case)
 #   cortex-m  the consumer on a Cortex-M4F under qemu-system-arm (mps2-an386),
 #             reporting through semihosting, exiting with its status
 #
@@ -32,10 +37,10 @@
 #                     checkouts can pass one checkout's stale build off as
 #                     the other's)
 #   NPK_BLESS=1       rewrite embedded/expected_hashes.txt from the host consumer
-#   NPK_CROSS_SEED_CASES=1  also run tests/seed_cases.rs and the 8 MiB
-#                     streaming-output tests (tests/norm_streaming.rs) on
+#   NPK_CROSS_SEED_CASES=1  also build and run tests/seed_cases.rs and the
+#                     8 MiB streaming-output tests (tests/norm_streaming.rs) on
 #                     aarch64: full-size cases, minutes each under qemu-user, so
-#                     skipped by default
+#                     left out by default
 #
 # Targets other than the host's are built with Debian's Rust (rustc-web,
 # cargo-web, rust-web-src: a compiler with its library source, so
@@ -50,8 +55,8 @@ mkdir -p "$CACHE"
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(nostd embedded aarch64 cortex-m)
 for s in "${STEPS[@]}"; do
-    case $s in nostd | embedded | aarch64 | aarch64-exhaustive | aarch64-insns | cortex-m) ;; *)
-        echo "cross.sh: unknown step '$s' (nostd embedded aarch64 aarch64-exhaustive aarch64-insns cortex-m)" >&2
+    case $s in packages | nostd | embedded | aarch64 | aarch64-exhaustive | aarch64-insns | cortex-m) ;; *)
+        echo "cross.sh: unknown step '$s' (packages nostd embedded aarch64 aarch64-exhaustive aarch64-insns cortex-m)" >&2
         exit 2
         ;;
     esac
@@ -89,6 +94,17 @@ step_start() {
     T0=$SECONDS
 }
 step_end() { echo "== cross: $1 done in $((SECONDS - T0)) s"; }
+
+# Every Debian package of the default steps in one apt-get run: what
+# scripts/test.sh does first, so that the steps it runs side by side never
+# call apt-get (two at once would contend for dpkg's lock).
+if wants packages; then
+    step_start packages
+    ensure rustc-web cargo-web rust-web-src rust-web-llvm gcc-aarch64-linux-gnu libc6-dev-arm64-cross \
+        qemu-user qemu-system-arm
+    debian_rust
+    step_end packages
+fi
 
 # --- the symbol check -------------------------------------------------------
 # Legacy (_ZN3std, _ZN5alloc) and v0 (_R...3std) mangled paths into std or
@@ -170,21 +186,42 @@ if wants nostd; then
     step_end nostd
 fi
 
+# The no-feature library for thumbv7em-none-eabihf as the Cortex-M4F
+# firmware links it: built by the embedded workspace into the cortex-m
+# step's target directory (same profile and features), so that step reuses
+# `core` and the library instead of building them a second time.
+thumbv7em_rlib() {
+    (cd embedded && deb_cargo build --release --locked -p npukern-embedded-checks -Zbuild-std=core \
+        --target thumbv7em-none-eabihf --target-dir "$CACHE/embedded" \
+        --message-format=json-render-diagnostics) | npukern_rlib
+}
+
 if wants embedded; then
     step_start embedded
     debian_rust
-    for t in thumbv7em-none-eabihf riscv32imac-unknown-none-elf aarch64-unknown-none; do
-        rlib=$(deb_cargo build -p npukern --lib --release --locked --no-default-features \
-            -Zbuild-std=core --target "$t" --target-dir "$CACHE/target" \
-            --message-format=json-render-diagnostics | npukern_rlib)
+    # Both targets in one cargo run: their `core` and library builds share
+    # the cores (one rustc front end at a time leaves the other core idle).
+    others=(riscv32imac-unknown-none-elf aarch64-unknown-none)
+    targets=()
+    for t in "${others[@]}"; do targets+=(--target "$t"); done
+    json=$(deb_cargo build -p npukern --lib --release --locked --no-default-features \
+        -Zbuild-std=core "${targets[@]}" --target-dir "$CACHE/target" \
+        --message-format=json-render-diagnostics)
+    for t in "${others[@]}"; do
+        rlib=$({ grep -F "/$t/release/" <<<"$json" || true; } | npukern_rlib)
         [ -n "$rlib" ] || { echo "FAIL: no rlib for $t" >&2; exit 1; }
         no_std_symbols "$rlib"
     done
+    rlib=$(thumbv7em_rlib)
+    [ -n "$rlib" ] || { echo "FAIL: no rlib for thumbv7em-none-eabihf" >&2; exit 1; }
+    no_std_symbols "$rlib"
     step_end embedded
 fi
 
 # `cargo test -p npukern` on aarch64 under qemu-user: cargo's own
-# arguments, then `--` and the test harness's.
+# arguments, then `--` and the test harness's. A target directory of its
+# own: scripts/test.sh runs this step beside the others, and a shared one
+# would make either cargo wait for the other's lock.
 aarch64_test() {
     local cargo_args=()
     while [ $# -gt 0 ] && [ "$1" != -- ]; do
@@ -200,20 +237,42 @@ aarch64_test() {
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
         deb_cargo test -p npukern --release --locked --target aarch64-unknown-linux-gnu \
-        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target" "${cargo_args[@]}" -- "$@"
+        -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target-aarch64" "${cargo_args[@]}" -- "$@"
 }
+
+# The tests that compare every ISA the machine has (each checks the same
+# bits, or the checked-in hashes, for every available ISA, portable
+# included). With NPK_MAX_CPU_ISA=portable only portable is available, so
+# under it they repeat the portable case of the NEON run: skipped there.
+CROSS_ISA_TESTS=(output_bits_match_the_checked_in_hashes bits_are_the_same_everywhere
+    bit_identical_across_threads_blocks_ub_and_isa bit_identical_across_isas
+    bits_identical_across_isas infinite_rstd_gives_the_same_dx_for_every_row_length)
 
 if wants aarch64; then
     step_start aarch64
-    skip=(--skip seed_cases_match_reference --skip streamed_)
-    [ "${NPK_CROSS_SEED_CASES:-0}" = 1 ] && skip=()
+    # The library's unit tests and every integration test file, except
+    # tests/seed_cases.rs and tests/norm_streaming.rs (full-size cases,
+    # minutes each under qemu-user): those two are not built unless
+    # NPK_CROSS_SEED_CASES=1. Examples are not built (no test runs them).
+    tests=()
+    for f in tests/*.rs; do
+        t=$(basename "$f" .rs)
+        if [ "${NPK_CROSS_SEED_CASES:-0}" != 1 ] && { [ "$t" = seed_cases ] || [ "$t" = norm_streaming ]; }; then
+            continue
+        fi
+        tests+=(--test "$t")
+    done
     echo "== aarch64: NEON lanes (automatic selection)"
-    NPK_MAX_CPU_ISA= aarch64_test -- "${skip[@]}"
-    # The integration tests through the dispatch with portable forced. The
-    # library's unit tests (the lanes' math sweeps, two minutes under
-    # qemu-user) run every ISA, portable included, in the run above.
+    NPK_MAX_CPU_ISA= aarch64_test --lib "${tests[@]}" --
+    # The integration tests through the dispatch with portable forced: the
+    # accuracy, error and option tests on the portable lanes as aarch64
+    # compiles them. The library's unit tests (the lanes' math sweeps, two
+    # minutes under qemu-user) run every ISA, portable included, in the run
+    # above, and so do the cross-ISA tests.
+    skip=()
+    for t in "${CROSS_ISA_TESTS[@]}"; do skip+=(--skip "$t"); done
     echo "== aarch64: portable lanes forced (NPK_MAX_CPU_ISA=portable), integration tests"
-    NPK_MAX_CPU_ISA=portable aarch64_test --test '*' -- "${skip[@]}"
+    NPK_MAX_CPU_ISA=portable aarch64_test "${tests[@]}" -- "${skip[@]}"
     step_end aarch64
 fi
 
