@@ -19,6 +19,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <tuple>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,6 +57,19 @@ bool exact_int(PyObject *o, int64_t *out) {
   return true;
 }
 
+// An exact Python float, or an exact int that fits int64 (the schema's float
+// takes an int); false, and no Python error, otherwise.
+bool exact_double(PyObject *o, double *out) {
+  if (PyFloat_CheckExact(o)) {
+    *out = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  int64_t v = 0;
+  if (!exact_int(o, &v)) return false;
+  *out = static_cast<double>(v);
+  return true;
+}
+
 // Pushes `o` as an argument of `kind`; false when the fast path does not take it.
 bool push(torch::jit::Stack &stack, Kind kind, PyObject *o) {
   switch (kind) {
@@ -69,13 +84,9 @@ bool push(torch::jit::Stack &stack, Kind kind, PyObject *o) {
       stack.emplace_back(THPVariable_Unpack(o));
       return true;
     case Kind::Float: {
-      if (PyFloat_CheckExact(o)) {
-        stack.emplace_back(PyFloat_AS_DOUBLE(o));
-        return true;
-      }
-      int64_t v = 0;  // the schema's float takes an int
-      if (!exact_int(o, &v)) return false;
-      stack.emplace_back(static_cast<double>(v));
+      double v = 0;
+      if (!exact_double(o, &v)) return false;
+      stack.emplace_back(v);
       return true;
     }
     case Kind::Int: {
@@ -171,9 +182,118 @@ std::optional<Kind> kind_of(const c10::Argument &a) {
   }
 }
 
+bool kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// The tensor arguments of a norm module's forward that its general path
+// (modules.py) would hand to the op unchanged: plain CPU tensors of the
+// kernels' dtypes, gamma in x's dtype or (unless cast_before_gamma, where
+// float32 promotes y past x's dtype) float32. `xs` are x and, for
+// AddRMSNorm, the residual (same dtype and shape as x).
+bool module_takes(std::initializer_list<PyObject *> xs, PyObject *gamma_obj, bool cast_before_gamma) {
+  const at::Tensor *x0 = nullptr;
+  for (PyObject *o : xs) {
+    if (!plain_tensor(o)) return false;
+    const at::Tensor &x = THPVariable_Unpack(o);
+    if (!kernel_dtype(x.scalar_type()) || !x.device().is_cpu()) return false;
+    if (x0 == nullptr) {
+      x0 = &x;
+    } else if (x.scalar_type() != x0->scalar_type() || !x.sizes().equals(x0->sizes())) {
+      return false;
+    }
+  }
+  if (!plain_tensor(gamma_obj)) return false;
+  const at::ScalarType g = THPVariable_Unpack(gamma_obj).scalar_type();
+  return g == x0->scalar_type() || (!cast_before_gamma && g == at::kFloat);
+}
+
+// (eps, offset, cast_before_gamma) from exact Python values; false otherwise.
+bool norm_scalars(PyObject *const *args, double *eps, double *offset, bool *cast_before_gamma) {
+  if (!exact_double(args[0], eps) || !exact_double(args[1], offset) || !PyBool_Check(args[2])) return false;
+  *cast_before_gamma = args[2] == Py_True;
+  return true;
+}
+
+using T2 = std::tuple<at::Tensor, at::Tensor>;
+using T3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+const c10::TypedOperatorHandle<T2(const at::Tensor &, const at::Tensor &, double, double, bool)> &rms_norm_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("npukern::rms_norm", "")
+                                 .typed<T2(const at::Tensor &, const at::Tensor &, double, double, bool)>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<T3(const at::Tensor &, const at::Tensor &, const at::Tensor &, double, double, bool)>
+    &add_rms_norm_op() {
+  static const auto handle =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("npukern::add_rms_norm", "")
+          .typed<T3(const at::Tensor &, const at::Tensor &, const at::Tensor &, double, double, bool)>();
+  return handle;
+}
+
 }  // namespace
 
 namespace npk_torch {
+
+// _C.rms_norm_module(x, gamma, eps, offset, cast_before_gamma): RMSNorm's
+// eager forward, y of npukern::rms_norm called unboxed through the
+// dispatcher (autograd, modes and fake tensors see the same op), or
+// NotImplemented when the module's general path would do anything but hand
+// these arguments to the op as they are (then it runs that path).
+PyObject *rms_norm_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  double eps = 0, offset = 0;
+  bool cbg = false;
+  if (nargs != 5 || at::impl::torch_function_mode_enabled() || !norm_scalars(args + 2, &eps, &offset, &cbg) ||
+      !module_takes({args[0]}, args[1], cbg))
+    Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor &x = THPVariable_Unpack(args[0]), &gamma = THPVariable_Unpack(args[1]);
+  at::Tensor y;
+  {
+    pybind11::gil_scoped_release no_gil;
+    y = std::get<0>(rms_norm_op().call(x, gamma, eps, offset, cbg));
+  }
+  return THPVariable_Wrap(std::move(y));
+  END_HANDLE_TH_ERRORS
+}
+
+// _C.add_rms_norm_module(x, residual, gamma, eps, offset, cast_before_gamma):
+// AddRMSNorm's eager forward, (y, x_sum) of npukern::add_rms_norm, or
+// NotImplemented as above.
+PyObject *add_rms_norm_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  double eps = 0, offset = 0;
+  bool cbg = false;
+  if (nargs != 6 || at::impl::torch_function_mode_enabled() || !norm_scalars(args + 3, &eps, &offset, &cbg) ||
+      !module_takes({args[0], args[1]}, args[2], cbg))
+    Py_RETURN_NOTIMPLEMENTED;
+  const at::Tensor &x = THPVariable_Unpack(args[0]), &res = THPVariable_Unpack(args[1]);
+  const at::Tensor &gamma = THPVariable_Unpack(args[2]);
+  at::Tensor y, x_sum;
+  {
+    pybind11::gil_scoped_release no_gil;
+    auto out = add_rms_norm_op().call(x, res, gamma, eps, offset, cbg);
+    y = std::move(std::get<0>(out));
+    x_sum = std::move(std::get<2>(out));
+  }
+  PyObject *out = PyTuple_New(2);
+  if (out == nullptr) return nullptr;
+  PyObject *a = THPVariable_Wrap(std::move(y));
+  if (a == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(out, 0, a);
+  PyObject *b = THPVariable_Wrap(std::move(x_sum));
+  if (b == nullptr) {
+    Py_DECREF(out);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(out, 1, b);
+  return out;
+  END_HANDLE_TH_ERRORS
+}
 
 // _C.fast_op(overload, name, overload_name, parameter_type): the builtin
 // calling `overload` (a torch.ops OpOverload of npukern::name) eagerly, or

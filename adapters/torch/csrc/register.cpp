@@ -141,6 +141,12 @@ PyMethodDef methods[] = {
     {"detected_isa", detected_isa, METH_NOARGS, "The SIMD ISA npukern picks on this CPU."},
     {"fast_op", npk_torch::fast_op, METH_VARARGS,
      "fast_op(overload, name, overload_name, parameter_type): the overload's eager caller, or None."},
+    {"rms_norm_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(npk_torch::rms_norm_module)),
+     METH_FASTCALL, "rms_norm_module(x, gamma, eps, offset, cast_before_gamma): RMSNorm's y, or NotImplemented."},
+    {"add_rms_norm_module",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(npk_torch::add_rms_norm_module)), METH_FASTCALL,
+     "add_rms_norm_module(x, residual, gamma, eps, offset, cast_before_gamma): AddRMSNorm's (y, x_sum), or "
+     "NotImplemented."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -168,3 +168,94 @@ def test_modules_read_a_parametrized_weight():
         m.parametrizations.weight.original.data.mul_(2)
         assert not torch.equal((m(*args) if cls is npukern_torch.RMSNorm else m(*args)[0]),
                                plain if cls is npukern_torch.RMSNorm else plain[0])
+
+
+def _general(m, *args):
+    """The module's forward without its eager C call (the path it takes for
+    anything that call does not)."""
+    import npukern_torch.modules as mod
+
+    saved = mod._rms_norm_module, mod._add_rms_norm_module
+    mod._rms_norm_module = mod._add_rms_norm_module = None
+    try:
+        return m(*args)
+    finally:
+        mod._rms_norm_module, mod._add_rms_norm_module = saved
+
+
+@pytest.mark.parametrize("casting", ["torch", "llama", "gemma"])
+@pytest.mark.parametrize("xd,wd", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                   (torch.float16, torch.float32), (torch.float32, torch.float32),
+                                   (torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)])
+def test_module_eager_call_is_the_general_path(casting, xd, wd):
+    """RMSNorm / AddRMSNorm's eager C call (csrc/fast_call.cpp) against the
+    module's general path: the same bits, dtypes and gradients for every
+    dtype pair and casting mode, including those the C call hands back."""
+    import npukern_torch
+    import npukern_torch.modules as mod
+
+    assert mod._rms_norm_module is not None
+    for affine in (True, False):
+        for cls in (npukern_torch.RMSNorm, npukern_torch.AddRMSNorm):
+            m = cls(24, eps=None if affine else 1e-5, elementwise_affine=affine, dtype=wd, casting=casting)
+            if affine:
+                with torch.no_grad():
+                    m.weight.uniform_(0.5, 1.5)
+            x, r = _r(3, 24, dtype=xd), _r(3, 24, dtype=xd)
+            args = (x,) if cls is npukern_torch.RMSNorm else (x, r)
+            try:
+                want = _general(m, *args)
+            except Exception as e:  # then the eager call raises the same
+                with pytest.raises(type(e)) as got:
+                    m(*args)
+                assert str(got.value) == str(e)
+                continue
+            _same(m(*args), want)
+            xa = tuple(a.detach().clone().requires_grad_() for a in args)
+            xb = tuple(a.detach().clone().requires_grad_() for a in args)
+            out_a, out_b = m(*xa), _general(m, *xb)
+            _same(out_a, out_b)
+            ya = out_a if cls is npukern_torch.RMSNorm else out_a[0]
+            yb = out_b if cls is npukern_torch.RMSNorm else out_b[0]
+            ga = torch.autograd.grad(ya.float().square().sum(), xa + ((m.weight,) if affine else ()))
+            gb = torch.autograd.grad(yb.float().square().sum(), xb + ((m.weight,) if affine else ()))
+            for a, b in zip(ga, gb):
+                _same(a, b)
+
+
+def test_module_eager_call_leaves_the_rest_to_the_module():
+    """Subclasses, __torch_function__ modes, hooks, fake tensors, float64 and
+    mismatched residuals still reach the module's own handling."""
+    import npukern_torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    m = npukern_torch.RMSNorm(8, eps=1e-6)
+    x = _r(2, 8)
+    _Logged.seen.clear()
+    m(x.as_subclass(_Logged))
+    assert ops.rms_norm.default in _Logged.seen
+
+    class Mode(TorchFunctionMode):
+        seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Mode.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        m(x)
+    assert ops.rms_norm.default in Mode.seen
+    calls = []
+    h = m.register_forward_hook(lambda mod, a, out: calls.append(out))
+    y = m(x)
+    h.remove()
+    assert len(calls) == 1 and calls[0] is y
+    with FakeTensorMode():
+        assert npukern_torch.RMSNorm(8)(torch.empty(5, 8)).shape == (5, 8)
+    x64 = _r(2, 8).double()
+    assert m.double()(x64).dtype == torch.float64
+    am = npukern_torch.AddRMSNorm(8, eps=1e-6)
+    y, s = am(_r(2, 8), _r(8))  # broadcast residual: torch adds first
+    assert s.shape == (2, 8)
+    with pytest.raises(Exception):
+        m.float()(_r(2, 7))  # a wrong shape is the op's own error

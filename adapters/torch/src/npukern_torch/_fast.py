@@ -16,6 +16,14 @@ from . import _C
 
 _ENABLED = os.environ.get("NPK_TORCH_FAST_CALL", "1") != "0"
 
+# The norm modules' eager forwards (csrc/fast_call.cpp): the op called unboxed
+# with exactly the arguments the module's general path would pass, its y
+# (and x_sum) returned without the rest of the result; NotImplemented for any
+# argument that path would treat otherwise. None with the fast caller off.
+rms_norm_module = _C.rms_norm_module if _ENABLED else None
+add_rms_norm_module = _C.add_rms_norm_module if _ENABLED else None
+is_compiling = torch.compiler.is_compiling
+
 
 def eager(overload):
     """A callable equal to `overload` (an ``OpOverload`` of an npukern:: op)

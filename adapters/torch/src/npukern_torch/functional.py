@@ -29,6 +29,8 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *, casting
     torch's type promotion; "gemma": once, offset 1). rstd (float32) has x's
     shape with those dims set to 1. gamma is x's dtype or float32 (or, with
     "llama", any dtype torch promotes with x)."""
+    if casting == "torch" and offset is None:  # the default numerics: the op itself, one Python frame less
+        return _rms_norm_op(x, gamma, eps, 0.0, False)
     offset, cast_before_gamma = _casting.resolve(casting, offset)
     return _rms_norm(x, gamma, eps, offset, cast_before_gamma)
 
@@ -46,6 +48,8 @@ def add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: f
     """``(y, rstd, x_sum)``: ``x_sum = x1 + x2`` (rounded to x's dtype) and the
     RMSNorm of x_sum in `casting`'s numerics, in one pass (the residual add
     before a LLaMA block's norm)."""
+    if casting == "torch" and offset is None:
+        return _add_rms_norm_op(x1, x2, gamma, eps, 0.0, False)
     offset, cast_before_gamma = _casting.resolve(casting, offset)
     return _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma)
 

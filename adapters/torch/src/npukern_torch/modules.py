@@ -7,6 +7,9 @@ import torch
 from . import _casting
 from . import functional as F
 from ._dtypes import KERNEL_DTYPES, on_kernels
+from ._fast import add_rms_norm_module as _add_rms_norm_module
+from ._fast import is_compiling as _is_compiling
+from ._fast import rms_norm_module as _rms_norm_module
 
 _F32_EPS = torch.finfo(torch.float32).eps
 _embedding_op = F._embedding_op  # the eager caller (_fast.py)
@@ -67,6 +70,15 @@ class RMSNorm(torch.nn.RMSNorm):
         return (normalized * gamma.to(normalized.dtype)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _rms_norm_module is not None and not _is_compiling():
+            # Eager: one C call for the common case (plain CPU tensors, gamma
+            # as it is); NotImplemented sends anything else down the path below.
+            params = self._parameters
+            eps = self.eps
+            y = _rms_norm_module(x, params["weight"] if "weight" in params else self.weight,
+                                 _F32_EPS if eps is None else eps, self.offset, self.cast_before_gamma)
+            if y is not NotImplemented:
+                return y
         if not on_kernels(x):
             if self.casting == "torch" and not self.offset:
                 return super().forward(x)
@@ -97,6 +109,13 @@ class AddRMSNorm(RMSNorm):
         residual have one shape and one dtype the kernels take; any other
         pair is added by torch first, then normalized by the RMSNorm kernel
         (or torch ops for dtypes the kernels do not take)."""
+        if _add_rms_norm_module is not None and not _is_compiling():
+            params = self._parameters
+            eps = self.eps
+            out = _add_rms_norm_module(x, residual, params["weight"] if "weight" in params else self.weight,
+                                       _F32_EPS if eps is None else eps, self.offset, self.cast_before_gamma)
+            if out is not NotImplemented:
+                return out
         if x.dtype == residual.dtype and on_kernels(x, residual) and x.shape == residual.shape:
             eps = self.eps
             y, _rstd, s = F._add_rms_norm(x, residual, self._gamma(x), _F32_EPS if eps is None else eps,
