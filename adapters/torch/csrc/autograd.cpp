@@ -675,7 +675,7 @@ struct Geglu : Function<Geglu> {
       Tensor dgate = at::gelu_backward(dgelu, gate, approximate == 0 ? "none" : "tanh");
       Tensor zero = at::zeros_like(gate);
       Tensor extra = left ? at::cat({dgate, zero}, dim) : at::cat({zero, dgate}, dim);
-      dx = dx.defined() ? dx + extra : extra;
+      dx = dx.defined() ? at::add(dx, extra) : extra;
     }
     return {dx, {}, {}, {}, {}};
   }
