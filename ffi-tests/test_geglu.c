@@ -1,7 +1,7 @@
-/* GeGLU and GeGluGrad through the C ABI (2.4): the two-phase calls against
+/* GeGLU and GeGluGrad through the C ABI (2.5): the two-phase calls against
  * a double-precision model written here (both GELU forms, both halves
  * activated), the gelu output, the CPU against the reference backend, a
- * foreign table with the new entries and one built against ABI 2.3
+ * foreign table with the new entries and one built against ABI 2.4
  * (shorter: GeGLU runs on the CPU), and bad input refused with nothing
  * written. */
 #include <stddef.h>
@@ -158,13 +158,13 @@ static void test_foreign(void) {
   CHECK(npk_geglu_grad(&dyt, &xt, NULL, NULL, &dxt, NULL, NULL, 0, &e) == NPK_ERR_BACKEND && g_detail.value == 9 &&
             g_calls[1] == 1,
         "foreign geglu_grad failure passed on: value %lld", (long long)g_detail.value);
-  /* A backend compiled against ABI 2.3 ends before the GeGLU entries. */
+  /* A backend compiled against ABI 2.4 ends before the GeGLU entries. */
   t.struct_size = offsetof(npk_foreign_backend, geglu);
   memset(y, 0, sizeof y);
-  CHECK(npk_geglu(&xt, NULL, NULL, &yt, NULL, NULL, 0, &e) == NPK_OK && g_calls[0] == 1, "2.3 table: CPU geglu");
-  CHECK(!memcmp(y, y0, sizeof y), "2.3 table: the CPU's bits");
+  CHECK(npk_geglu(&xt, NULL, NULL, &yt, NULL, NULL, 0, &e) == NPK_OK && g_calls[0] == 1, "2.4 table: CPU geglu");
+  CHECK(!memcmp(y, y0, sizeof y), "2.4 table: the CPU's bits");
   CHECK(npk_geglu_grad(&dyt, &xt, NULL, NULL, &dxt, NULL, NULL, 0, &e) == NPK_OK && g_calls[1] == 1,
-        "2.3 table: CPU geglu_grad");
+        "2.4 table: CPU geglu_grad");
 }
 
 static void test_errors(void) {
@@ -203,7 +203,7 @@ static void test_errors(void) {
 int main(void) {
   npk_dtype dts[3] = {NPK_F32, NPK_BF16, NPK_F16};
   int k;
-  CHECK(npk_abi_version() == NPK_ABI_VERSION && NPK_ABI_VERSION_MINOR >= 4, "ABI %#x", npk_abi_version());
+  CHECK(npk_abi_version() == NPK_ABI_VERSION && NPK_ABI_VERSION_MINOR >= 5, "ABI %#x", npk_abi_version());
   for (k = 0; k < 3; ++k) {
     test_geglu(dts[k], 1, 0);
     test_geglu(dts[k], 1, 1);

@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 4
+#define NPK_ABI_VERSION_MINOR 5
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -270,7 +270,7 @@ typedef enum npk_ce_mode {
 } npk_ce_mode;
 
 /**
- * Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.4.
+ * Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.5.
  */
 typedef enum npk_gelu_approximate {
   /**
@@ -1229,12 +1229,12 @@ typedef struct npk_foreign_backend {
   npk_status (*cross_entropy)(void *ctx,
                               const struct npk_cross_entropy_call *call);
   /**
-   * GeGLU (ABI 2.4).
+   * GeGLU (ABI 2.5).
    */
   npk_status (*geglu)(void *ctx,
                       const struct npk_geglu_call *call);
   /**
-   * GeGluGrad (ABI 2.4).
+   * GeGluGrad (ABI 2.5).
    */
   npk_status (*geglu_grad)(void *ctx,
                            const struct npk_geglu_grad_call *call);
@@ -1382,7 +1382,7 @@ typedef struct npk_embedding_grad_options {
 
 /**
  * Options of GeGLU and GeGluGrad. NULL options = `{ -1,
- * NPK_ELEM_ROUNDING_FUSED, NPK_GELU_TANH, 0 }`. ABI 2.4.
+ * NPK_ELEM_ROUNDING_FUSED, NPK_GELU_TANH, 0 }`. ABI 2.5.
  */
 typedef struct npk_geglu_options {
   /**

@@ -69,9 +69,9 @@ pub struct npk_foreign_backend {
     /// CrossEntropy: forward, backward and fused, by `call->mode` (ABI 2.3).
     pub cross_entropy:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const CrossEntropyCall) -> RawStatus>,
-    /// GeGLU (ABI 2.4).
+    /// GeGLU (ABI 2.5).
     pub geglu: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const GegluCall) -> RawStatus>,
-    /// GeGluGrad (ABI 2.4).
+    /// GeGluGrad (ABI 2.5).
     pub geglu_grad:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const GegluGradCall) -> RawStatus>,
 }

@@ -14,7 +14,7 @@ use crate::ops::geglu::{plan, prepare, GegluCall, GegluOptions, GeluApproximate}
 use crate::tensor::RawTensor;
 use crate::tiling::UbConfig;
 
-/// Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.4.
+/// Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.5.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum npk_gelu_approximate {
@@ -33,7 +33,7 @@ const _: () = {
 pub type RawGeluApproximate = u32;
 
 /// Options of GeGLU and GeGluGrad. NULL options = `{ -1,
-/// NPK_ELEM_ROUNDING_FUSED, NPK_GELU_TANH, 0 }`. ABI 2.4.
+/// NPK_ELEM_ROUNDING_FUSED, NPK_GELU_TANH, 0 }`. ABI 2.5.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct npk_geglu_options {
