@@ -337,6 +337,52 @@ fn swiglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usi
     }
 }
 
+/// GeGLU (`gelu_mul`, the two-input form, GELU's tanh form as Gemma's MLP)
+/// forward and backward at a Gemma MLP shape: `tokens x inter` gate and up.
+fn geglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usize) {
+    let sname = format!("{tokens}x{inter}");
+    let dt = format!("{:?}", T::DTYPE).to_lowercase();
+    let want = |op: &str| {
+        o.filter
+            .as_ref()
+            .is_none_or(|f| matches(&format!("{op} {sname} {dt}"), f))
+    };
+    let exec = exec_for(cpu);
+    let len = tokens * inter;
+    let tb = len * core::mem::size_of::<T>();
+    let dims = [tokens, inter];
+    let opts = GegluOptions::default();
+    let inputs = |sets: usize, seed: u32| -> Vec<Aligned<T>> {
+        (0..sets).map(|i| data(len, seed + i as u32)).collect()
+    };
+    if want("geglu") {
+        // Reads gate and up, writes y: the traffic of copying 1.5x one tensor.
+        let sets = sets_for(3 * tb, o.llc);
+        let (gs, us) = (inputs(sets, 300), inputs(sets, 320));
+        let mut ys: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let r = time_pair(o, sets, tb * 3 / 2, |s| {
+            let g = TensorRef::new(&gs[s], &dims).unwrap();
+            let u = TensorRef::new(&us[s], &dims).unwrap();
+            gelu_mul(&exec, g, u, &opts, &mut ys[s], &mut []).unwrap()
+        });
+        row("GeGLU", &sname, &dt, r);
+    }
+    if want("geglu_grad") {
+        // Reads dy, gate, up; writes dgate, dup: 2.5x one tensor copied.
+        let sets = sets_for(5 * tb, o.llc);
+        let (dys, gs, us) = (inputs(sets, 340), inputs(sets, 360), inputs(sets, 380));
+        let mut das: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let mut dbs: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
+        let r = time_pair(o, sets, tb * 5 / 2, |s| {
+            let dy = TensorRef::new(&dys[s], &dims).unwrap();
+            let g = TensorRef::new(&gs[s], &dims).unwrap();
+            let u = TensorRef::new(&us[s], &dims).unwrap();
+            gelu_mul_grad(&exec, dy, g, u, &opts, &mut das[s], &mut dbs[s], &mut []).unwrap()
+        });
+        row("GeGLUGrad", &sname, &dt, r);
+    }
+}
+
 /// RoPE on q and k `[1, heads, seq, 128]` with cos/sin `[1, 1, seq, 128]`
 /// (Hugging Face's layout), forward and backward.
 fn rope_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, heads: usize, seq: usize) {
@@ -567,6 +613,12 @@ fn main() {
         swiglu_rows::<bf16>(&o, &cpu, 4096, inter);
         swiglu_rows::<f16>(&o, &cpu, 4096, inter);
         swiglu_rows::<f32>(&o, &cpu, 4096, inter);
+    }
+    // Gemma 7B's MLP width (Gemma 2 9B: 14336, as LLaMA 3 8B's above).
+    for inter in [14336usize, 24576] {
+        geglu_rows::<bf16>(&o, &cpu, 4096, inter);
+        geglu_rows::<f16>(&o, &cpu, 4096, inter);
+        geglu_rows::<f32>(&o, &cpu, 4096, inter);
     }
     rope_rows::<bf16>(&o, &cpu, 32, 4096);
     rope_rows::<f16>(&o, &cpu, 32, 4096);

@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 4
+#define NPK_ABI_VERSION_MINOR 5
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -268,6 +268,20 @@ typedef enum npk_ce_mode {
    */
   NPK_CE_FUSED = 2,
 } npk_ce_mode;
+
+/**
+ * Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.5.
+ */
+typedef enum npk_gelu_approximate {
+  /**
+   * `x/2 (1 + erf(x / sqrt 2))`.
+   */
+  NPK_GELU_NONE = 0,
+  /**
+   * The tanh form (Gemma's `gelu_pytorch_tanh`).
+   */
+  NPK_GELU_TANH = 1,
+} npk_gelu_approximate;
 
 /**
  * A block task: `task(task_ctx, block)`.
@@ -1045,6 +1059,112 @@ typedef struct npk_cross_entropy_call {
 } npk_cross_entropy_call;
 
 /**
+ * The validated arguments of one GeGLU (`npk_geglu_call`).
+ */
+typedef struct npk_geglu_call {
+  /**
+   * The gate; in the split form, `x` itself (both halves).
+   */
+  struct npk_tensor a;
+  /**
+   * The up projection; empty in the split form.
+   */
+  struct npk_tensor b;
+  /**
+   * Output: the gate's shape (the split form: `x`'s with `dim` halved).
+   */
+  struct npk_tensor y;
+  /**
+   * Optional output `gelu(gate)`, y's shape; when not asked for, an empty
+   * descriptor with NULL `data`.
+   */
+  struct npk_tensor gelu;
+  /**
+   * 1: row `r` of `x` is `x[r * 2L ..][..2L]`, its halves `L` long (L =
+   * `tiling.cols`); 0: gate and up are two tensors, rows `L` apart.
+   */
+  uint32_t split;
+  /**
+   * The split form: 1 when the gate is the first half, 0 the second.
+   */
+  uint32_t activate_left;
+  /**
+   * Which GELU.
+   */
+  npk_gelu_approximate approximate;
+  /**
+   * Where y is rounded.
+   */
+  npk_elem_rounding rounding;
+  /**
+   * The tiling plan: rows x cols of the output.
+   */
+  struct npk_elt_tiling tiling;
+  /**
+   * The caller's workspace (none is needed).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_geglu_call;
+
+/**
+ * The validated arguments of one GeGluGrad (`npk_geglu_grad_call`).
+ */
+typedef struct npk_geglu_grad_call {
+  /**
+   * The output gradient: the forward's `y` shape.
+   */
+  struct npk_tensor dy;
+  /**
+   * The forward's gate (the split form: `x`).
+   */
+  struct npk_tensor a;
+  /**
+   * The forward's up; empty in the split form.
+   */
+  struct npk_tensor b;
+  /**
+   * Gradient of the gate (the split form: of `x`, both halves).
+   */
+  struct npk_tensor da;
+  /**
+   * Gradient of up; empty in the split form.
+   */
+  struct npk_tensor db;
+  /**
+   * As `GegluCall::split` (for the inputs and the outputs alike).
+   */
+  uint32_t split;
+  /**
+   * As `GegluCall::activate_left`.
+   */
+  uint32_t activate_left;
+  /**
+   * Which GELU.
+   */
+  npk_gelu_approximate approximate;
+  /**
+   * Fused, or eager PyTorch's bits.
+   */
+  npk_elem_rounding rounding;
+  /**
+   * The tiling plan: rows x cols of `dy`.
+   */
+  struct npk_elt_tiling tiling;
+  /**
+   * The caller's workspace (none is needed).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_geglu_grad_call;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -1108,6 +1228,16 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*cross_entropy)(void *ctx,
                               const struct npk_cross_entropy_call *call);
+  /**
+   * GeGLU (ABI 2.5).
+   */
+  npk_status (*geglu)(void *ctx,
+                      const struct npk_geglu_call *call);
+  /**
+   * GeGluGrad (ABI 2.5).
+   */
+  npk_status (*geglu_grad)(void *ctx,
+                           const struct npk_geglu_grad_call *call);
 } npk_foreign_backend;
 
 /**
@@ -1249,6 +1379,30 @@ typedef struct npk_embedding_grad_options {
    */
   uint8_t accumulate;
 } npk_embedding_grad_options;
+
+/**
+ * Options of GeGLU and GeGluGrad. NULL options = `{ -1,
+ * NPK_ELEM_ROUNDING_FUSED, NPK_GELU_TANH, 0 }`. ABI 2.5.
+ */
+typedef struct npk_geglu_options {
+  /**
+   * The split dimension when `b` is NULL (negative counts from the end).
+   */
+  int64_t dim;
+  /**
+   * Fused, or eager PyTorch's bits (gelu rounded to the dtype, then the product).
+   */
+  npk_elem_rounding rounding;
+  /**
+   * Which GELU.
+   */
+  npk_gelu_approximate approximate;
+  /**
+   * The split form: 1 activates the first half, 0 (torch_npu's default)
+   * the second; ignored when `b` is given.
+   */
+  uint32_t activate_left;
+} npk_geglu_options;
 
 /**
  * Options of RmsNormGrad. NULL options = `{ 0.0f, 0 }`.
@@ -1594,6 +1748,72 @@ enum npk_status npk_embedding_dense_grad(const struct npk_tensor *grad,
                                          void *workspace,
                                          size_t workspace_bytes,
                                          const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_geglu` needs (0; the same arguments as the run).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_geglu_workspace_size(const struct npk_tensor *a,
+                                         const struct npk_tensor *b,
+                                         const struct npk_geglu_options *opts,
+                                         const struct npk_exec *exec,
+                                         size_t *workspace_bytes);
+
+/**
+ * GeGLU: `y = gelu(gate) * up`. With `b` NULL, `a` is torch_npu's `x`,
+ * split in halves along `opts->dim`: the gate is the second half (the
+ * first with `activate_left`) and `y` has x's shape with that dim halved;
+ * else `a` (gate) and `b` (up) share one shape and dtype, which `y` has.
+ * `gelu` (NULL: not written) receives `gelu(gate)`, y's shape. f32, f16 or
+ * bf16. On error nothing is written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_geglu(const struct npk_tensor *a,
+                          const struct npk_tensor *b,
+                          const struct npk_geglu_options *opts,
+                          const struct npk_tensor *y,
+                          const struct npk_tensor *gelu,
+                          void *workspace,
+                          size_t workspace_bytes,
+                          const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_geglu_grad` needs (0; the same arguments as the run).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_geglu_grad_workspace_size(const struct npk_tensor *dy,
+                                              const struct npk_tensor *a,
+                                              const struct npk_tensor *b,
+                                              const struct npk_geglu_options *opts,
+                                              const struct npk_exec *exec,
+                                              size_t *workspace_bytes);
+
+/**
+ * GeGluGrad: with `b` NULL (the split form), `da` is the gradient of `x`
+ * (x's shape, both halves) and `db` must be NULL; else `da` and `db` are
+ * the gradients of gate and up. `dy` has the forward's `y` shape. Outputs
+ * may not overlap inputs or each other. On error nothing is written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_geglu_grad(const struct npk_tensor *dy,
+                               const struct npk_tensor *a,
+                               const struct npk_tensor *b,
+                               const struct npk_geglu_options *opts,
+                               const struct npk_tensor *da,
+                               const struct npk_tensor *db,
+                               void *workspace,
+                               size_t workspace_bytes,
+                               const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`

@@ -75,6 +75,14 @@ pub use ops::embedding_dense_grad::{
     embedding_dense_grad, embedding_dense_grad_workspace_size, EmbeddingDenseGradCall,
     EmbeddingGradOptions, IndexPolicy,
 };
+pub use ops::geglu::{
+    geglu, geglu_workspace_size, gelu_mul, gelu_mul_workspace_size, GegluCall, GegluOptions,
+    GeluApproximate,
+};
+pub use ops::geglu_grad::{
+    geglu_grad, geglu_grad_workspace_size, gelu_mul_grad, gelu_mul_grad_workspace_size,
+    GegluGradCall,
+};
 pub use ops::grad_stats::{
     clip_coefficient, clip_grad_norm, clip_grad_norm_raw, clip_grad_norm_workspace_size,
     grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw,

@@ -477,6 +477,57 @@ fn swiglu_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
     }
 }
 
+/// GeGLU forward (with its gelu output, split form) and backward
+/// (two-tensor form), both GELU forms, fused and eager rounding, an
+/// odd-length row with specials and rows longer than a line pair.
+fn geglu_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
+    let exec = Exec::new(cpu);
+    for (si, (m, n, specials)) in [(3usize, 77usize, true), (2, 1000, false)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng(seed * 100 + si as u64);
+        let (x, dy): (Vec<T>, Vec<T>) = (
+            data(&mut rng, m * 2 * n, specials),
+            data(&mut rng, m * n, false),
+        );
+        let (g, u): (Vec<T>, Vec<T>) = (x[..m * n].to_vec(), x[m * n..].to_vec());
+        let (d, dx) = ([m, n], [m, 2 * n]);
+        let (xt, gt, ut, dyt) = (
+            TensorRef::new(&x, &dx).unwrap(),
+            TensorRef::new(&g, &d).unwrap(),
+            TensorRef::new(&u, &d).unwrap(),
+            TensorRef::new(&dy, &d).unwrap(),
+        );
+        for (aname, approximate) in [
+            ("tanh", GeluApproximate::Tanh),
+            ("erf", GeluApproximate::None),
+        ] {
+            for (rname, rounding) in [
+                ("fused", ElemRounding::Fused),
+                ("eager", ElemRounding::Eager),
+            ] {
+                let opts = GegluOptions {
+                    rounding,
+                    approximate,
+                    ..GegluOptions::default()
+                };
+                let case = format!("{}.{aname}.{rname}.{m}x{n}", dname::<T>());
+                let (mut y, mut act) =
+                    (vec![T::from_f64(0.0); m * n], vec![T::from_f64(0.0); m * n]);
+                geglu(&exec, xt, &opts, &mut y, Some(&mut act), &mut []).unwrap();
+                run.out(&format!("geglu.{case}.y"), &y);
+                run.out(&format!("geglu.{case}.gelu"), &act);
+                let (mut da, mut db) =
+                    (vec![T::from_f64(0.0); m * n], vec![T::from_f64(0.0); m * n]);
+                gelu_mul_grad(&exec, dyt, gt, ut, &opts, &mut da, &mut db, &mut []).unwrap();
+                run.out(&format!("geglu_grad.{case}.da"), &da);
+                run.out(&format!("geglu_grad.{case}.db"), &db);
+            }
+        }
+    }
+}
+
 fn run_all(isa: Isa) -> Run {
     let cpu = Cpu::new(Serial).with_isa(isa);
     let mut run = Run::default();
@@ -497,6 +548,9 @@ fn run_all(isa: Isa) -> Run {
     swiglu_case::<f32>(&mut run, &cpu, 14);
     swiglu_case::<bf16>(&mut run, &cpu, 15);
     swiglu_case::<f16>(&mut run, &cpu, 16);
+    geglu_case::<f32>(&mut run, &cpu, 17);
+    geglu_case::<bf16>(&mut run, &cpu, 18);
+    geglu_case::<f16>(&mut run, &cpu, 19);
     run
 }
 

@@ -1,4 +1,4 @@
-//! SwiGLU (`silu_mul`) and RoPE, forward and backward, against a memcpy of
+//! SwiGLU (`silu_mul`), GeGLU (`gelu_mul`) and RoPE, forward and backward, against a memcpy of
 //! the same bytes, in one criterion group per (operator, dtype, shape),
 //! single-threaded. The figure that matters is kernel time / copy time
 //! (targets: <= 1.3 forward, <= 1.5 backward).
@@ -42,6 +42,41 @@ fn swiglu<T: Float>(c: &mut Criterion, tokens: usize, inter: usize) {
     copy_baseline(&mut g, tb * 5 / 2);
     g.bench_function("silu_mul_grad", |b| {
         b.iter(|| silu_mul_grad(&exec, dyt, gt, ut, &opts, &mut y, &mut dup, &mut []).unwrap())
+    });
+    g.finish();
+}
+
+/// `gelu_mul(gate, up)` (GELU's tanh form, Gemma's MLP) on `tokens x
+/// inter`, then its backward.
+fn geglu<T: Float>(c: &mut Criterion, tokens: usize, inter: usize) {
+    let len = tokens * inter;
+    let tb = len * core::mem::size_of::<T>();
+    let dims = [tokens, inter];
+    let (gate, up, dy) = (data::<T>(len, 11), data::<T>(len, 12), data::<T>(len, 13));
+    let (gt, ut, dyt) = (
+        TensorRef::new(&gate, &dims).unwrap(),
+        TensorRef::new(&up, &dims).unwrap(),
+        TensorRef::new(&dy, &dims).unwrap(),
+    );
+    let exec = Exec::cpu();
+    let opts = GegluOptions::default();
+    let (mut y, mut dup) = (zeros::<T>(len), zeros::<T>(len));
+
+    // Reads gate and up, writes y: the traffic of copying 1.5 tensors.
+    let mut g = c.benchmark_group(format!("geglu/{:?}/{tokens}x{inter}", T::DTYPE));
+    g.throughput(Throughput::Bytes(3 * tb as u64));
+    copy_baseline(&mut g, tb * 3 / 2);
+    g.bench_function("gelu_mul", |b| {
+        b.iter(|| gelu_mul(&exec, gt, ut, &opts, &mut y, &mut []).unwrap())
+    });
+    g.finish();
+
+    // Reads dy, gate, up; writes dgate, dup: 2.5 tensors copied.
+    let mut g = c.benchmark_group(format!("geglu_grad/{:?}/{tokens}x{inter}", T::DTYPE));
+    g.throughput(Throughput::Bytes(5 * tb as u64));
+    copy_baseline(&mut g, tb * 5 / 2);
+    g.bench_function("gelu_mul_grad", |b| {
+        b.iter(|| gelu_mul_grad(&exec, dyt, gt, ut, &opts, &mut y, &mut dup, &mut []).unwrap())
     });
     g.finish();
 }
@@ -103,6 +138,8 @@ fn benches(c: &mut Criterion) {
         swiglu::<f16>(c, 4096, inter);
         swiglu::<f32>(c, 4096, inter);
     }
+    geglu::<bf16>(c, 4096, 14336);
+    geglu::<f32>(c, 4096, 14336);
     rope_bench::<bf16>(c, 32, 4096);
     rope_bench::<f16>(c, 32, 4096);
     rope_bench::<f32>(c, 32, 4096);

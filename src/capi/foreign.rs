@@ -16,6 +16,8 @@ use crate::error::{invalid_fmt, Error, Result};
 use crate::ops::add_rms_norm::AddRmsNormCall;
 use crate::ops::cross_entropy::CrossEntropyCall;
 use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
+use crate::ops::geglu::GegluCall;
+use crate::ops::geglu_grad::GegluGradCall;
 use crate::ops::rms_norm::RmsNormCall;
 use crate::ops::rms_norm_grad::RmsNormGradCall;
 use crate::ops::rope::RopeCall;
@@ -67,6 +69,11 @@ pub struct npk_foreign_backend {
     /// CrossEntropy: forward, backward and fused, by `call->mode` (ABI 2.3).
     pub cross_entropy:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const CrossEntropyCall) -> RawStatus>,
+    /// GeGLU (ABI 2.5).
+    pub geglu: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const GegluCall) -> RawStatus>,
+    /// GeGluGrad (ABI 2.5).
+    pub geglu_grad:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const GegluGradCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -109,6 +116,8 @@ impl npk_foreign_backend {
             swiglu_grad: None,
             rope: None,
             cross_entropy: None,
+            geglu: None,
+            geglu_grad: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -138,6 +147,8 @@ impl npk_foreign_backend {
                 Op::SwigluGrad(c) => self.swiglu_grad.map(|f| f(ctx, c)),
                 Op::Rope(c) => self.rope.map(|f| f(ctx, c)),
                 Op::CrossEntropy(c) => self.cross_entropy.map(|f| f(ctx, c)),
+                Op::Geglu(c) => self.geglu.map(|f| f(ctx, c)),
+                Op::GegluGrad(c) => self.geglu_grad.map(|f| f(ctx, c)),
             }
         }
     }

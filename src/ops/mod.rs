@@ -98,6 +98,8 @@ macro_rules! operators {
 pub mod add_rms_norm;
 pub mod cross_entropy;
 pub mod embedding_dense_grad;
+pub mod geglu;
+pub mod geglu_grad;
 pub mod rms_norm;
 pub mod rms_norm_grad;
 pub mod rope;
@@ -121,9 +123,14 @@ operators! {
     Rope = 6 => rope::RopeCall, "rope";
     /// CrossEntropy, forward, backward and fused (`CrossEntropyCall`).
     CrossEntropy = 7 => cross_entropy::CrossEntropyCall, "cross_entropy";
+    /// GeGLU (`GegluCall`).
+    Geglu = 8 => geglu::GegluCall, "geglu";
+    /// GeGluGrad (`GegluGradCall`).
+    GegluGrad = 9 => geglu_grad::GegluGradCall, "geglu_grad";
 }
 
 pub mod elementwise;
+pub(crate) mod gated;
 
 pub mod grad_stats;
 pub mod norm;

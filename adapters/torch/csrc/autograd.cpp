@@ -8,7 +8,7 @@
 // beside the Function's outputs, never through it.
 //
 // Double backward: when a backward runs with create_graph=True and any
-// tensor it reads requires grad, the norms, SwiGLU and RoPE (and the cos/sin
+// tensor it reads requires grad, the norms, SwiGLU, GeGLU and RoPE (and the cos/sin
 // gradients, whenever they are wanted) run the differentiable float32 torch
 // composites of npukern_torch/_composite.py instead, called as the
 // npukern::_*_composite ops (schemas in register.cpp, CompositeImplicitAutograd
@@ -30,6 +30,7 @@
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <vector>
 #include <utility>
 
 namespace npk_torch::grad {
@@ -74,6 +75,10 @@ NPK_OP(swiglu_op, "swiglu", Tensor(const Tensor &, int64_t, bool))
 NPK_OP(swiglu_backward_op, "swiglu_backward", Tensor(const Tensor &, const Tensor &, int64_t, bool))
 NPK_OP(silu_mul_op, "silu_mul", Tensor(const Tensor &, const Tensor &, bool))
 NPK_OP(silu_mul_backward_op, "silu_mul_backward", T2(const Tensor &, const Tensor &, const Tensor &, bool))
+NPK_OP(geglu_op, "geglu", T2(const Tensor &, int64_t, int64_t, bool, bool))
+NPK_OP(geglu_backward_op, "geglu_backward", Tensor(const Tensor &, const Tensor &, int64_t, int64_t, bool, bool))
+NPK_OP(gelu_mul_op, "gelu_mul", Tensor(const Tensor &, const Tensor &, int64_t, bool))
+NPK_OP(gelu_mul_backward_op, "gelu_mul_backward", T2(const Tensor &, const Tensor &, const Tensor &, int64_t, bool))
 NPK_OP(rotary_mul_op, "rotary_mul", Tensor(const Tensor &, const Tensor &, const Tensor &, bool, bool))
 NPK_OP(rope_qk_op, "rope_qk", T2(const Tensor &, const Tensor &, const Tensor &, const Tensor &, bool, bool))
 NPK_OP(cross_entropy_train_op, "cross_entropy_train",
@@ -89,6 +94,9 @@ NPK_OP(rms_norm_grads_composite, "_rms_norm_grads_composite",
        T2(const Tensor &, const Tensor &, const Tensor &, double, double, const Opt &))
 NPK_OP(silu_mul_grads_composite, "_silu_mul_grads_composite", T2(const Tensor &, const Tensor &, const Tensor &))
 NPK_OP(swiglu_grad_composite, "_swiglu_grad_composite", Tensor(const Tensor &, const Tensor &, int64_t))
+NPK_OP(gelu_mul_grads_composite, "_gelu_mul_grads_composite",
+       T2(const Tensor &, const Tensor &, const Tensor &, int64_t))
+NPK_OP(geglu_grad_composite, "_geglu_grad_composite", Tensor(const Tensor &, const Tensor &, int64_t, int64_t, bool))
 NPK_OP(rotary_dx_composite, "_rotary_dx_composite",
        Tensor(const Tensor &, const Tensor &, const Tensor &, bool, const Tensor &))
 NPK_OP(rotary_table_grads_composite, "_rotary_table_grads_composite",
@@ -591,6 +599,133 @@ Tensor silu_mul(c10::DispatchKeySet ks, const Tensor &gate, const Tensor &up, bo
 }
 
 // ---------------------------------------------------------------------------
+// GeGLU: SwiGLU's formulas with GELU (tanh or erf form) as the gate's
+// activation. npu_geglu also returns gelu(gate); a gradient reaching it (rare)
+// adds torch's gelu_backward of it to the gate's half.
+
+struct GegluBackward : Function<GegluBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dy, const Tensor &x, int64_t dim,
+                               int64_t approximate, bool activate_left, bool eager) {
+    Below guard;
+    return {geglu_backward_op().call(dy, x, dim, approximate, activate_left, eager)};
+  }
+  static variable_list backward(AutogradContext *, variable_list) { no_derivative("geglu_backward"); }
+};
+
+Tensor geglu_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, int64_t dim, int64_t approximate,
+                      bool activate_left, bool eager) {
+  if (!recording({&dy, &x})) {
+    Below guard;
+    return geglu_backward_op().redispatch(ks & kBelow, dy, x, dim, approximate, activate_left, eager);
+  }
+  no_forward_ad("geglu_backward", {&dy, &x});
+  return GegluBackward::apply(dy, x, dim, approximate, activate_left, eager)[0];
+}
+
+struct GeluMulBackward : Function<GeluMulBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dy, const Tensor &gate, const Tensor &up,
+                               int64_t approximate, bool eager) {
+    Below guard;
+    auto [dgate, dup] = gelu_mul_backward_op().call(dy, gate, up, approximate, eager);
+    return {dgate, dup};
+  }
+  static variable_list backward(AutogradContext *, variable_list) { no_derivative("gelu_mul_backward"); }
+};
+
+T2 gelu_mul_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &gate, const Tensor &up,
+                     int64_t approximate, bool eager) {
+  if (!recording({&dy, &gate, &up})) {
+    Below guard;
+    return gelu_mul_backward_op().redispatch(ks & kBelow, dy, gate, up, approximate, eager);
+  }
+  no_forward_ad("gelu_mul_backward", {&dy, &gate, &up});
+  variable_list out = GeluMulBackward::apply(dy, gate, up, approximate, eager);
+  return {out[0], out[1]};
+}
+
+struct Geglu : Function<Geglu> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &x, int64_t dim, int64_t approximate,
+                               bool activate_left, bool eager) {
+    Below guard;
+    auto [y, gelu] = geglu_op().call(x, dim, approximate, activate_left, eager);
+    ctx->save_for_backward({x});
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["approximate"] = approximate;
+    ctx->saved_data["activate_left"] = activate_left;
+    ctx->saved_data["eager"] = eager;
+    // The gelu output's gradient is usually absent: no zeros for it.
+    ctx->set_materialize_grads(false);
+    return {y, gelu};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const Tensor x = ctx->get_saved_variables()[0];
+    const Tensor &dy = grads[0], &dgelu = grads[1];
+    const int64_t dim = ctx->saved_data["dim"].toInt(), approximate = ctx->saved_data["approximate"].toInt();
+    const bool left = ctx->saved_data["activate_left"].toBool();
+    Tensor dx;
+    if (dy.defined()) {
+      dx = building_graph({&dy, &x}) || (dgelu.defined() && building_graph({&dgelu}))
+               ? geglu_grad_composite().call(dy, x, dim, approximate, left)
+               : geglu_backward_op().call(dy, x, dim, approximate, left, ctx->saved_data["eager"].toBool());
+    }
+    if (dgelu.defined()) {
+      std::vector<Tensor> halves = x.chunk(2, dim);
+      Tensor &gate = halves[left ? 0 : 1];
+      Tensor dgate = at::gelu_backward(dgelu, gate, approximate == 0 ? "none" : "tanh");
+      Tensor zero = at::zeros_like(gate);
+      Tensor extra = left ? at::cat({dgate, zero}, dim) : at::cat({zero, dgate}, dim);
+      dx = dx.defined() ? at::add(dx, extra) : extra;
+    }
+    return {dx, {}, {}, {}, {}};
+  }
+};
+
+T2 geglu(c10::DispatchKeySet ks, const Tensor &x, int64_t dim, int64_t approximate, bool activate_left,
+         bool eager) {
+  if (!recording({&x})) {
+    Below guard;
+    return geglu_op().redispatch(ks & kBelow, x, dim, approximate, activate_left, eager);
+  }
+  no_forward_ad("geglu", {&x});
+  variable_list out = Geglu::apply(x, dim, approximate, activate_left, eager);
+  return {out[0], out[1]};
+}
+
+struct GeluMul : Function<GeluMul> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &gate, const Tensor &up, int64_t approximate,
+                               bool eager) {
+    Below guard;
+    Tensor y = gelu_mul_op().call(gate, up, approximate, eager);
+    ctx->save_for_backward({gate, up});
+    ctx->saved_data["approximate"] = approximate;
+    ctx->saved_data["eager"] = eager;
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &gate = saved[0], &up = saved[1], &grad = grads[0];
+    const int64_t approximate = ctx->saved_data["approximate"].toInt();
+    if (building_graph({&grad, &gate, &up})) {
+      auto [dgate, dup] = gelu_mul_grads_composite().call(grad, gate, up, approximate);
+      return {dgate, dup, {}, {}};
+    }
+    auto [dgate, dup] = gelu_mul_backward_op().call(grad, gate, up, approximate, ctx->saved_data["eager"].toBool());
+    return {dgate, dup, {}, {}};
+  }
+};
+
+Tensor gelu_mul(c10::DispatchKeySet ks, const Tensor &gate, const Tensor &up, int64_t approximate, bool eager) {
+  if (!recording({&gate, &up})) {
+    Below guard;
+    return gelu_mul_op().redispatch(ks & kBelow, gate, up, approximate, eager);
+  }
+  no_forward_ad("gelu_mul", {&gate, &up});
+  return GeluMul::apply(gate, up, approximate, eager)[0];
+}
+
+// ---------------------------------------------------------------------------
 // RoPE. dx per (grad, x) pair and the cos/sin gradients: the kernel rotates
 // the gradients; the tables' gradients (rarely wanted: Hugging Face computes
 // cos/sin without grad) and everything under create_graph=True (double
@@ -799,6 +934,10 @@ TORCH_LIBRARY_IMPL(npukern, Autograd, m) {
   m.impl("swiglu_backward", TORCH_FN(swiglu_backward));
   m.impl("silu_mul", TORCH_FN(silu_mul));
   m.impl("silu_mul_backward", TORCH_FN(silu_mul_backward));
+  m.impl("geglu", TORCH_FN(geglu));
+  m.impl("geglu_backward", TORCH_FN(geglu_backward));
+  m.impl("gelu_mul", TORCH_FN(gelu_mul));
+  m.impl("gelu_mul_backward", TORCH_FN(gelu_mul_backward));
   m.impl("rotary_mul", TORCH_FN(rotary_mul));
   m.impl("rope_qk", TORCH_FN(rope_qk));
   m.impl("cross_entropy", TORCH_FN(cross_entropy));

@@ -1,4 +1,4 @@
-// SwiGLU and RoPE as ATen CPU kernels over the C ABI (two-phase calls; these
+// SwiGLU, GeGLU and RoPE as ATen CPU kernels over the C ABI (two-phase calls; these
 // operators need no workspace, but the size call validates like any other).
 
 #include <tuple>
@@ -14,6 +14,17 @@ npk_swiglu_options swiglu_options(int64_t dim, bool eager) {
   npk_swiglu_options o{};
   o.dim = dim;
   o.rounding = eager ? NPK_ELEM_ROUNDING_EAGER : NPK_ELEM_ROUNDING_FUSED;
+  return o;
+}
+
+npk_geglu_options geglu_options(int64_t dim, int64_t approximate, bool activate_left, bool eager) {
+  npk_geglu_options o{};
+  o.dim = dim;
+  o.rounding = eager ? NPK_ELEM_ROUNDING_EAGER : NPK_ELEM_ROUNDING_FUSED;
+  // Anything but 0 or 1 (which a cast to 32 bits could make so) reaches the
+  // library as 2, which it refuses by name.
+  o.approximate = static_cast<npk_gelu_approximate>(approximate == 0 || approximate == 1 ? approximate : 2);
+  o.activate_left = activate_left ? 1u : 0u;
   return o;
 }
 
@@ -119,6 +130,74 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy_in, co
   call.run(
       [&](size_t *bytes) { return npk_swiglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), bytes); },
       [&](void *ws, size_t bytes) { return npk_swiglu_grad(&dyt, &gt, &ut, &o, &dgt, &dut, ws, bytes, call.exec()); });
+  return {dgate, dup};
+}
+
+std::tuple<at::Tensor, at::Tensor> geglu(const at::Tensor &x_in, int64_t dim, int64_t approximate,
+                                         bool activate_left, bool eager) {
+  const char *op = "npukern::geglu";
+  at::Tensor x = cpu_contiguous(x_in, op, "x");
+  auto shape = half_shape(x, dim, op);
+  at::Tensor y = empty_output(shape, x.scalar_type());
+  at::Tensor gelu = empty_output(shape, x.scalar_type());
+  npk_tensor xt = describe(x, op, "x"), yt = describe(y, op, "y"), gt = describe(gelu, op, "gelu");
+  const npk_geglu_options o = geglu_options(dim, approximate, activate_left, eager);
+  Call call(op);
+  call.tensors({&x, &y, &gelu});
+  call.outputs({&y, &gelu});  // just allocated: the store policy (glue.h)
+  call.run([&](size_t *bytes) { return npk_geglu_workspace_size(&xt, nullptr, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return npk_geglu(&xt, nullptr, &o, &yt, &gt, ws, bytes, call.exec()); });
+  return {y, gelu};
+}
+
+at::Tensor geglu_backward(const at::Tensor &dy_in, const at::Tensor &x_in, int64_t dim, int64_t approximate,
+                          bool activate_left, bool eager) {
+  const char *op = "npukern::geglu_backward";
+  at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), x = cpu_contiguous(x_in, op, "x");
+  at::Tensor dx = empty_output_like(x);
+  npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), dxt = describe(dx, op, "dx");
+  const npk_geglu_options o = geglu_options(dim, approximate, activate_left, eager);
+  Call call(op);
+  call.tensors({&dy, &x, &dx});
+  call.outputs({&dx});  // just allocated: the store policy (glue.h)
+  call.run(
+      [&](size_t *bytes) { return npk_geglu_grad_workspace_size(&dyt, &xt, nullptr, &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) {
+        return npk_geglu_grad(&dyt, &xt, nullptr, &o, &dxt, nullptr, ws, bytes, call.exec());
+      });
+  return dx;
+}
+
+at::Tensor gelu_mul(const at::Tensor &gate_in, const at::Tensor &up_in, int64_t approximate, bool eager) {
+  const char *op = "npukern::gelu_mul";
+  at::Tensor gate = cpu_contiguous(gate_in, op, "gate"), up = cpu_contiguous(up_in, op, "up");
+  at::Tensor y = empty_output_like(gate);
+  npk_tensor gt = describe(gate, op, "gate"), ut = describe(up, op, "up"), yt = describe(y, op, "y");
+  const npk_geglu_options o = geglu_options(-1, approximate, false, eager);
+  Call call(op);
+  call.tensors({&gate, &up, &y});
+  call.outputs({&y});  // just allocated: the store policy (glue.h)
+  call.run([&](size_t *bytes) { return npk_geglu_workspace_size(&gt, &ut, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return npk_geglu(&gt, &ut, &o, &yt, nullptr, ws, bytes, call.exec()); });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor &dy_in, const at::Tensor &gate_in,
+                                                     const at::Tensor &up_in, int64_t approximate, bool eager) {
+  const char *op = "npukern::gelu_mul_backward";
+  at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), gate = cpu_contiguous(gate_in, op, "gate");
+  at::Tensor up = cpu_contiguous(up_in, op, "up");
+  at::Tensor dgate = empty_output_like(gate);
+  at::Tensor dup = empty_output_like(gate);
+  npk_tensor dyt = describe(dy, op, "dy"), gt = describe(gate, op, "gate"), ut = describe(up, op, "up");
+  npk_tensor dgt = describe(dgate, op, "dgate"), dut = describe(dup, op, "dup");
+  const npk_geglu_options o = geglu_options(-1, approximate, false, eager);
+  Call call(op);
+  call.tensors({&dy, &gate, &up, &dgate, &dup});
+  call.outputs({&dgate, &dup});  // just allocated: the store policy (glue.h)
+  call.run(
+      [&](size_t *bytes) { return npk_geglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), bytes); },
+      [&](void *ws, size_t bytes) { return npk_geglu_grad(&dyt, &gt, &ut, &o, &dgt, &dut, ws, bytes, call.exec()); });
   return {dgate, dup};
 }
 

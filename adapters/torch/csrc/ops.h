@@ -38,6 +38,13 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, bool error_if_
 at::Tensor swiglu(const at::Tensor &x, int64_t dim, bool eager);
 at::Tensor swiglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, bool eager);
 at::Tensor silu_mul(const at::Tensor &gate, const at::Tensor &up, bool eager);
+std::tuple<at::Tensor, at::Tensor> geglu(const at::Tensor &x, int64_t dim, int64_t approximate, bool activate_left,
+                                         bool eager);
+at::Tensor geglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, int64_t approximate,
+                          bool activate_left, bool eager);
+at::Tensor gelu_mul(const at::Tensor &gate, const at::Tensor &up, int64_t approximate, bool eager);
+std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor &dy, const at::Tensor &gate,
+                                                     const at::Tensor &up, int64_t approximate, bool eager);
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy, const at::Tensor &gate,
                                                      const at::Tensor &up, bool eager);
 at::Tensor rotary_mul(const at::Tensor &x, const at::Tensor &cos, const at::Tensor &sin, bool eager, bool backward);

@@ -42,6 +42,17 @@ TORCH_LIBRARY(npukern, m) {
   m.def("swiglu_backward(Tensor grad_output, Tensor x, int dim=-1, bool eager=False) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up, bool eager=False) -> Tensor");
   m.def("silu_mul_backward(Tensor grad_output, Tensor gate, Tensor up, bool eager=False) -> (Tensor, Tensor)");
+  // torch_npu's npu_geglu (y and gelu(gate); approximate 0 erf, 1 tanh;
+  // activate_left false: the gate is x's second half) and its backward, with
+  // `eager` (gelu rounded to x's dtype before the product); gelu_mul is the
+  // two-tensor form (Gemma's act_fn(gate) * up).
+  m.def("geglu(Tensor x, int dim=-1, int approximate=1, bool activate_left=False, bool eager=False) -> "
+        "(Tensor, Tensor)");
+  m.def("geglu_backward(Tensor grad_output, Tensor x, int dim=-1, int approximate=1, bool activate_left=False, "
+        "bool eager=False) -> Tensor");
+  m.def("gelu_mul(Tensor gate, Tensor up, int approximate=1, bool eager=False) -> Tensor");
+  m.def("gelu_mul_backward(Tensor grad_output, Tensor gate, Tensor up, int approximate=1, bool eager=False) -> "
+        "(Tensor, Tensor)");
   // torch_npu's npu_rotary_mul(x, r1, r2) (rotate-half), and q and k in one
   // call (Hugging Face's apply_rotary_pos_emb); `backward` runs the
   // transposed rotation (the input gradient).
@@ -84,6 +95,8 @@ TORCH_LIBRARY(npukern, m) {
         "-> (Tensor, Tensor)");
   m.def("_silu_mul_grads_composite(Tensor dy, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   m.def("_swiglu_grad_composite(Tensor dy, Tensor x, int dim) -> Tensor");
+  m.def("_gelu_mul_grads_composite(Tensor dy, Tensor gate, Tensor up, int approximate) -> (Tensor, Tensor)");
+  m.def("_geglu_grad_composite(Tensor dy, Tensor x, int dim, int approximate, bool activate_left) -> Tensor");
   m.def("_rotary_dx_composite(Tensor g, Tensor cos, Tensor sin, bool backward, Tensor like) -> Tensor");
   m.def("_rotary_table_grads_composite(Tensor[] g, Tensor[] x, Tensor cos, Tensor sin, bool backward) -> "
         "(Tensor, Tensor)");
@@ -109,6 +122,10 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("swiglu_backward", &npk_torch::swiglu_backward);
   m.impl("silu_mul", &npk_torch::silu_mul);
   m.impl("silu_mul_backward", &npk_torch::silu_mul_backward);
+  m.impl("geglu", &npk_torch::geglu);
+  m.impl("geglu_backward", &npk_torch::geglu_backward);
+  m.impl("gelu_mul", &npk_torch::gelu_mul);
+  m.impl("gelu_mul_backward", &npk_torch::gelu_mul_backward);
   m.impl("rotary_mul", &npk_torch::rotary_mul);
   m.impl("rope_qk", &npk_torch::rope_qk);
   m.impl("cross_entropy", &npk_torch::cross_entropy);

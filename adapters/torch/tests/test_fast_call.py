@@ -30,6 +30,8 @@ def cases():
         (F._embedding_op, ops.embedding.default, (_r(6, 5), torch.tensor([[0, 3, 3], [5, 1, 3]]), 3, True)),
         (F._swiglu_op, ops.swiglu.default, (_r(3, 2, 10, dtype=torch.float16), 1, True)),
         (F._silu_mul_op, ops.silu_mul.default, (_r(4, 9), _r(4, 9))),
+        (F._geglu_op, ops.geglu.default, (_r(3, 10, dtype=torch.bfloat16), -1, 1, False, True)),
+        (F._gelu_mul_op, ops.gelu_mul.default, (_r(4, 9), _r(4, 9), 0)),
         (F._rotary_mul_op, ops.rotary_mul.default, (q, cos, sin, True)),
         (F._rope_qk_op, ops.rope_qk.default, (q, k, cos, sin, False, True)),
     ]

@@ -25,8 +25,8 @@ from conftest import record
 from hf_models import FAMILIES, NORMS, build, tokens, twin
 from npukern_torch import hf
 
-# SiLU-gated MLPs per model (Gemma's are GELU: left alone); attention layers.
-MLPS = {f: 0 if f.startswith("gemma") else 2 for f in FAMILIES}
+# Gated MLPs per model (SiLU: SwiGLU; Gemma's gelu_pytorch_tanh: GeGLU).
+MLPS = {f: 2 for f in FAMILIES}
 LAYERS = 2
 # Decoder layers whose residual add is fused into the post-attention norm
 # (Gemma2/3's layers have four norms: left alone).
@@ -234,3 +234,47 @@ def test_compile_fullgraph_trains_through_the_loss_route():
     want.backward()
     for (n, a), b in zip(stock.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_gemma_mlp_is_geglu_with_the_stock_bits(family, dtype):
+    """The patched MLP (GeGLU, eager numerics: gelu rounded to the dtype, then
+    the product) against the stock one on the same input, forward and every
+    gradient. Bars: bfloat16 at most 1 ulp anywhere and at most 1e-3 of the
+    elements differing (GELU's tanh is npukern's, not Sleef's: a float32 ulp
+    apart now and then, which moves a bfloat16 rounding rarely); float32
+    within 1e-5 of the largest magnitude (the two tanh's last bits)."""
+    stock = build(family, dtype, seed=5)
+    patched = twin(stock)
+    assert hf.patch(patched)["mlp"] == LAYERS
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(4, 16, 64, generator=g) * 2).to(dtype)
+    worst, differing, total = 0.0, 0, 0
+    for layer in range(LAYERS):
+        mlps = [m.model.layers[layer].mlp for m in (stock, patched)]
+        outs, grads = [], []
+        for mlp in mlps:
+            xi = x.clone().requires_grad_(True)
+            y = mlp(xi)
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(layer)).to(dtype)
+            y.backward(dy)
+            outs.append(y.detach())
+            grads.append([xi.grad] + [p.grad for p in mlp.parameters()])
+        pairs = [(outs[1], outs[0])] + list(zip(grads[1], grads[0]))
+        for got, want in pairs:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            if dtype == torch.bfloat16:
+                worst = max(worst, _ulps(got, want, dtype))
+                differing += int((got != want).sum())
+                total += want.numel()
+            else:
+                scale = want.double().abs().max()
+                worst = max(worst, ((got.double() - want.double()).abs().max() / scale).item())
+    record(f"hf {IDS[dtype]} GeGLU MLP vs stock ({family}): " + ("ulps" if dtype == torch.bfloat16 else "rel"),
+           worst)
+    if dtype == torch.bfloat16:
+        record(f"hf bf16 GeGLU MLP elements differing from stock ({family})", differing / total)
+        assert worst <= 1 and differing <= 1e-3 * total, (worst, differing, total)
+    else:
+        assert worst <= 1e-5, worst

@@ -6,7 +6,7 @@ requiring grad goes straight to the kernel (no graph node, no Python). rstd
 and lse are auxiliary outputs and not differentiable (as in torch_npu).
 
 Double backward: with ``create_graph=True`` the backward of the norms,
-SwiGLU (``swiglu``, ``silu_mul``) and RoPE (``rotary_mul``, ``rope_qk``,
+SwiGLU (``swiglu``, ``silu_mul``), GeGLU (``geglu``, ``gelu_mul``) and RoPE (``rotary_mul``, ``rope_qk``,
 with or without cos/sin gradients) runs a differentiable float32 torch
 composite (``_composite.py``); the embedding's backward op is linear in its
 gradient and has its own derivative (a lookup). The C++ backward reaches
@@ -44,6 +44,16 @@ def _silu_mul_grads(dy, gate, up):
 @_composite_impl("_swiglu_grad_composite")
 def _swiglu_grad(dy, x, dim):
     return _composite.swiglu_grad(dy, x, dim)
+
+
+@_composite_impl("_gelu_mul_grads_composite")
+def _gelu_mul_grads(dy, gate, up, approximate):
+    return _composite.gelu_mul_grads(dy, gate, up, approximate)
+
+
+@_composite_impl("_geglu_grad_composite")
+def _geglu_grad(dy, x, dim, approximate, activate_left):
+    return _composite.geglu_grad(dy, x, dim, approximate, activate_left)
 
 
 @_composite_impl("_rotary_dx_composite")

@@ -68,6 +68,28 @@ def swiglu_grad(dy, x, dim):
     return torch.cat((da, db), dim)
 
 
+def gelu_mul_grads(dy, gate, up, approximate):
+    """``(dgate, dup)`` of ``y = gelu(gate) * up`` (`approximate` 1 the tanh
+    form, 0 the erf form) as differentiable torch ops in float32, rounded to
+    the inputs' dtypes."""
+    g, u, d = gate.float(), up.float(), dy.float()
+    form = "tanh" if approximate else "none"
+    act = torch.nn.functional.gelu(g, approximate=form)
+    dgate = torch.ops.aten.gelu_backward(d * u, g, approximate=form)
+    return dgate.to(gate.dtype), (d * act).to(up.dtype)
+
+
+def geglu_grad(dy, x, dim, approximate, activate_left):
+    """dx of torch_npu's ``npu_geglu`` (the gate is x's second half along
+    `dim`, the first with `activate_left`), differentiable."""
+    a, b = x.chunk(2, dim)
+    if activate_left:
+        da, db = gelu_mul_grads(dy, a, b, approximate)
+        return torch.cat((da, db), dim)
+    db, da = gelu_mul_grads(dy, b, a, approximate)
+    return torch.cat((da, db), dim)
+
+
 def rotate_half(x):
     """Hugging Face's rotate_half: ``cat(-x2, x1)`` over the last dim."""
     h = x.shape[-1] // 2

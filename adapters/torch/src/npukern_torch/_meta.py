@@ -109,6 +109,26 @@ def _silu_mul_backward(grad_output, gate, up, eager=False):
     return _contiguous_like(gate), _contiguous_like(gate)
 
 
+@torch.library.register_fake("npukern::geglu")
+def _geglu(x, dim=-1, approximate=1, activate_left=False, eager=False):
+    return x.new_empty(_half_shape(x, dim)), x.new_empty(_half_shape(x, dim))
+
+
+@torch.library.register_fake("npukern::geglu_backward")
+def _geglu_backward(grad_output, x, dim=-1, approximate=1, activate_left=False, eager=False):
+    return _contiguous_like(x)
+
+
+@torch.library.register_fake("npukern::gelu_mul")
+def _gelu_mul(gate, up, approximate=1, eager=False):
+    return _contiguous_like(gate)
+
+
+@torch.library.register_fake("npukern::gelu_mul_backward")
+def _gelu_mul_backward(grad_output, gate, up, approximate=1, eager=False):
+    return _contiguous_like(gate), _contiguous_like(gate)
+
+
 @torch.library.register_fake("npukern::rotary_mul")
 def _rotary_mul(x, r1, r2, eager=False, backward=False):
     return _contiguous_like(x)

@@ -18,6 +18,8 @@ _add_rms_norm_inplace_op = eager(ops.add_rms_norm_.default)
 _embedding_op = eager(ops.embedding.default)
 _swiglu_op = eager(ops.swiglu.default)
 _silu_mul_op = eager(ops.silu_mul.default)
+_geglu_op = eager(ops.geglu.default)
+_gelu_mul_op = eager(ops.gelu_mul.default)
 _rotary_mul_op = eager(ops.rotary_mul.default)
 _rope_qk_op = eager(ops.rope_qk.default)
 
@@ -104,6 +106,31 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, eager: bool = False) -> to
     """``F.silu(gate) * up`` in one pass (Hugging Face's
     ``act_fn(gate_proj(x)) * up_proj(x)``), differentiable in both."""
     return _silu_mul_op(gate, up, eager)
+
+
+def _approximate(approximate):
+    """PyTorch's ``approximate`` string ("tanh", "none") or torch_npu's integer
+    (1, 0) as the ops' integer; anything else is a ValueError."""
+    value = {"tanh": 1, "none": 0, 1: 1, 0: 0}.get(approximate) if not isinstance(approximate, bool) else None
+    if value is None:
+        raise ValueError(f"approximate must be 'tanh' or 'none' (torch_npu: 1 or 0), not {approximate!r}")
+    return value
+
+
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor, approximate="tanh", *, eager: bool = False) -> torch.Tensor:
+    """``F.gelu(gate, approximate=approximate) * up`` in one pass (Gemma's
+    ``act_fn(gate_proj(x)) * up_proj(x)`` with ``gelu_pytorch_tanh``),
+    differentiable in both. ``eager=True`` rounds gelu(gate) to gate's dtype
+    before the product, as eager PyTorch's composite does."""
+    return _gelu_mul_op(gate, up, _approximate(approximate), eager)
+
+
+def geglu(x: torch.Tensor, dim: int = -1, approximate="tanh", activate_left: bool = False, *,
+          eager: bool = False):
+    """torch_npu's ``npu_geglu``: ``(y, gelu(g))`` with ``y = u * gelu(g)``,
+    ``u, g = x.chunk(2, dim)`` (``g, u`` with `activate_left`);
+    differentiable in x through both outputs."""
+    return _geglu_op(x, dim, _approximate(approximate), activate_left, eager)
 
 
 def rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, eager: bool = False) -> torch.Tensor:

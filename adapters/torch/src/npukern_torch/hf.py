@@ -4,7 +4,8 @@
 the Llama, Mistral, Qwen2, Qwen3 (q/k norms included), Gemma, Gemma2 and
 Gemma3 families and the input embedding (``nn.Embedding``, Gemma's scaled
 embedding with its scale) for npukern's modules, the MLPs'
-``act_fn(gate_proj(x)) * up_proj(x)`` (SiLU families) for npukern's SwiGLU,
+``act_fn(gate_proj(x)) * up_proj(x)`` for npukern's SwiGLU (SiLU families)
+or GeGLU (Gemma's ``gelu_pytorch_tanh``),
 and the attention layers' ``apply_rotary_pos_emb`` for npukern's RoPE (q and
 k in one call, the composite's exact bits; the layer's own forward reads it,
 the transformers module is untouched), each with its family's numerics
@@ -134,15 +135,20 @@ def _swap(parent, name, old, new):
     setattr(parent, name, new)
 
 
-def _swiglu_mlp_forward(module, x):
-    """An MLP's forward with ``act_fn(gate) * up`` as npukern's SwiGLU in eager
-    numerics (silu rounded to the dtype, then the product, as stock). What the
-    kernel does not take (another device, float64, two dtypes that torch
-    would promote) runs the stock composite, with the stock result."""
+def _gated_mlp_forward(module, x):
+    """An MLP's forward with ``act_fn(gate) * up`` as npukern's SwiGLU (SiLU
+    families) or GeGLU (GELU families: Gemma, Gemma2, Gemma3), in eager
+    numerics (the activation rounded to the dtype, then the product, as
+    stock). What the kernel does not take (another device, float64, two
+    dtypes that torch would promote) runs the stock composite, with the
+    stock result."""
     gate, up = module.gate_proj(x), module.up_proj(x)
     if not on_kernels(gate, up) or gate.dtype != up.dtype or gate.shape != up.shape:
         return module.down_proj(module.act_fn(gate) * up)
-    return module.down_proj(_F.silu_mul(gate, up, eager=True))
+    act = module.act_fn
+    if _is_silu(act):
+        return module.down_proj(_F.silu_mul(gate, up, eager=True))
+    return module.down_proj(_F.gelu_mul(gate, up, _gelu_form(act), eager=True))
 
 
 def _is_silu(act):
@@ -150,8 +156,27 @@ def _is_silu(act):
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def _is_swiglu_mlp(m):
-    return all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(m, "act_fn", None))
+def _gelu_form(act):
+    """"tanh" or "none" when `act` is ``F.gelu`` with that approximation
+    (torch's nn.GELU; transformers' GELUTanh, Gemma's ``gelu_pytorch_tanh``,
+    and GELUActivation, unless they run their Python formulas, whose bits
+    differ); else None."""
+    if isinstance(act, torch.nn.GELU):
+        return act.approximate if act.approximate in ("tanh", "none") else None
+    name, fn = type(act).__name__, getattr(act, "act", None)
+    if name == "GELUTanh" and getattr(fn, "func", None) is torch.nn.functional.gelu \
+            and getattr(fn, "keywords", None) == {"approximate": "tanh"} and not getattr(fn, "args", ()):
+        return "tanh"
+    if name == "GELUActivation" and fn is torch.nn.functional.gelu:
+        return "none"
+    return None
+
+
+def _is_gated_mlp(m):
+    if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    act = getattr(m, "act_fn", None)
+    return _is_silu(act) or _gelu_form(act) is not None
 
 
 def _rope(original, q, k, cos, sin, unsqueeze_dim):
@@ -422,7 +447,7 @@ class _Forward:
 
     def __call__(self, *args, **kwargs):
         if self.kind == "mlp":
-            return _swiglu_mlp_forward(self.module, *args, **kwargs)
+            return _gated_mlp_forward(self.module, *args, **kwargs)
         if self.kind == "loss":
             return _causal_lm_forward(self.module, *args, **kwargs)
         return self.fn(self.module, *args, **kwargs)
@@ -538,8 +563,9 @@ def _is_family_decoder(m):
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
           rope: bool = True, loss: bool = True, add_rms_norm: bool = True) -> dict:
     """Swaps, in place and in this model alone, its RMSNorm modules of the
-    supported families and its input embedding for npukern's, its SiLU-gated
-    MLPs' activation for npukern's SwiGLU (``mlp``) and its attention
+    supported families and its input embedding for npukern's, its gated
+    MLPs' activation for npukern's SwiGLU (SiLU) or GeGLU (GELU, Gemma's)
+    (``mlp``) and its attention
     layers' rotary embedding for npukern's RoPE (``rope``: the layer's own
     forward reads npukern's ``apply_rotary_pos_emb``; the transformers
     module and every other model are untouched); returns the counts of what
@@ -565,7 +591,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
         if loss and _is_causal_lm(m):
             m.forward = _Forward(m, "loss")
             counts["loss"] += 1
-        elif mlp and _is_swiglu_mlp(m):
+        elif mlp and _is_gated_mlp(m):
             m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
         elif rope and _is_family_attention(m):

@@ -10,6 +10,10 @@ differentiable in x (x1, x2) and gamma. A gamma whose dtype is neither x's
 nor float32 is used as float32.
 
 - ``npu_swiglu(x, dim=-1) -> silu(a) * b`` with ``a, b = x.chunk(2, dim)``
+- ``npu_geglu(x, dim=-1, approximate=1, activate_left=False) -> (y, gelu)``:
+  ``a, b = x.chunk(2, dim)``, ``y = a * gelu(b)`` (``gelu(a) * b`` with
+  ``activate_left``), ``gelu`` the activated half's GELU; approximate 1 the
+  tanh form, 0 the erf form
 - ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + rotate_half(x) * r2``
 
 fp32 inside, one rounding; differentiable (npu_rotary_mul in r1 and r2 too).
@@ -30,7 +34,7 @@ def _torch_rms_norm(x, gamma, epsilon):
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + epsilon)
     return (xf * rstd * gamma.to(xf.dtype)).to(x.dtype), rstd.float()
 
-__all__ = ["npu_add_rms_norm", "npu_cross_entropy_loss", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
+__all__ = ["npu_add_rms_norm", "npu_cross_entropy_loss", "npu_geglu", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
 
 
 def _gamma(x, gamma):
@@ -58,6 +62,20 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         a, b = x.chunk(2, dim)
         return torch.nn.functional.silu(a) * b
     return _F.swiglu(x, dim)
+
+
+def npu_geglu(self: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False):
+    """torch_npu.npu_geglu: ``(y, gelu)``, the gate the second half of
+    ``self`` along dim (the first with ``activate_left``); ``approximate`` 1
+    the tanh form, 0 the erf form."""
+    if approximate not in (0, 1) or isinstance(approximate, bool):
+        raise ValueError(f"npu_geglu: approximate must be 0 (none) or 1 (tanh), not {approximate!r}")
+    if not on_kernels(self):
+        a, b = self.chunk(2, dim)
+        gate, up = (a, b) if activate_left else (b, a)
+        gelu = torch.nn.functional.gelu(gate, approximate="tanh" if approximate else "none")
+        return gelu * up, gelu
+    return _F.geglu(self, dim, approximate, activate_left)
 
 
 def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half") -> torch.Tensor:
