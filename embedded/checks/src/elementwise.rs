@@ -1,11 +1,16 @@
-//! SwiGLU (split form, forward and backward) and RoPE (q and k, cos/sin
+//! SwiGLU and GeGLU (split form, forward and backward; GeGLU with both
+//! GELU forms) and RoPE (q and k, cos/sin
 //! broadcast, forward and backward) in both numerics modes and every dtype:
 //! the CPU kernels against the library's f64 reference (within 2 ulp plus
 //! 1e-5 of the terms' magnitude, as tests/elementwise.rs) and hashed — the
-//! exp inside SiLU is the library's own, so its bits must match everywhere.
+//! exp inside SiLU and the tanh/erf inside GELU are the library's own, so
+//! their bits must match everywhere.
 
 use npukern::{bf16, f16};
-use npukern::{ElemRounding, Exec, RopeOptions, SwigluOptions, TensorRef, UbConfig};
+use npukern::{
+    ElemRounding, Exec, GegluOptions, GeluApproximate, RopeOptions, SwigluOptions, TensorRef,
+    UbConfig,
+};
 
 use crate::api::El;
 use crate::data::{ulp, Rng};
@@ -71,6 +76,40 @@ fn case<T: El>(c: &mut Checker<'_>, seed: u64) {
         report(c, what.as_str(), &y, &ry, 0.0);
         let what = name!("swiglu_grad.{mode}.{dt}.{M}x{}", 2 * L);
         report(c, what.as_str(), &dx, &rdx, 1e4);
+        for (form, approximate) in [
+            ("tanh", GeluApproximate::Tanh),
+            ("erf", GeluApproximate::None),
+        ] {
+            let o = GegluOptions {
+                rounding,
+                approximate,
+                ..GegluOptions::default()
+            };
+            let run =
+                |e: &Exec<'_>, y: &mut [T], g: &mut [T], dx: &mut [T]| -> npukern::Result<()> {
+                    let xt = TensorRef::new(&x, &[M, 2 * L])?;
+                    let dyt = TensorRef::new(&dy, &[M, L])?;
+                    npukern::geglu(e, xt, &o, y, Some(g), &mut [])?;
+                    npukern::geglu_grad(e, dyt, xt, &o, dx, &mut [])
+                };
+            let (mut y, mut g, mut dx) = (
+                [T::from_f32(0.0); M * L],
+                [T::from_f32(0.0); M * L],
+                [T::from_f32(0.0); M * 2 * L],
+            );
+            let (mut ry, mut rg, mut rdx) = (y, g, dx);
+            let what = name!("geglu.{form}.{mode}.{dt}.{M}x{}", 2 * L);
+            let cpu_run = run(&cpu, &mut y, &mut g, &mut dx);
+            if let Err(e) = cpu_run.and(run(&reference, &mut ry, &mut rg, &mut rdx)) {
+                c.check(what.as_str(), false, format_args!("call failed: {e:?}"));
+                continue;
+            }
+            report(c, what.as_str(), &y, &ry, 1e1);
+            let what = name!("geglu.gelu.{form}.{mode}.{dt}.{M}x{}", 2 * L);
+            report(c, what.as_str(), &g, &rg, 1e1);
+            let what = name!("geglu_grad.{form}.{mode}.{dt}.{M}x{}", 2 * L);
+            report(c, what.as_str(), &dx, &rdx, 1e4);
+        }
     }
     let mut q = [T::from_f32(0.0); Q];
     let mut k = [T::from_f32(0.0); K];
