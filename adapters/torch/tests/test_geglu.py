@@ -11,9 +11,9 @@ Tolerances and why:
   excess over 8 float32 epsilons of ``|gate * up|`` is what is bounded.
   float32: 4 ulps beyond the same term (tanh within 2 ulp, erf within 2).
 - Eager vs eager PyTorch: the float32 GELU is npukern's tanh (erf), not
-  Sleef's: a float32 ulp or two apart now and then, which moves a 16-bit
-  rounding rarely (bar: 1 ulp anywhere, 1e-3 of the elements); float32
-  within 8 epsilons of ``|gate * up|``."""
+  Sleef's. 16-bit: stock's bits wherever the gate is >= -2; below, where
+  float32's 1 + tanh (1 + erf) cancels in both, within 2 ulps beyond that
+  cancellation (1 for the gradients). float32 within 8 epsilons of ``|gate * up|``."""
 
 import pytest
 import torch
@@ -73,10 +73,18 @@ def test_gelu_mul_fused_and_eager(dtype, form):
     if dtype == torch.float32:
         assert excess_ulps(eager, stock, scale, dtype) == 0
     else:
-        worst = ulps(eager, stock, dtype)
-        record(f"gelu_mul {form} {IDS[dtype]} eager vs torch: ulps", worst)
-        # Measured (Zen 3, torch 2.15): f16 tanh 0.67% of the elements differ.
-        assert worst <= 1 and differ <= (1e-2 if dtype == torch.float16 else 1e-3), (worst, differ)
+        # Stock's bits wherever float32's GELU does not cancel (gate >= -2);
+        # below, 1 + tanh (1 + erf) cancels in float32 in npukern's GELU and
+        # torch's (Sleef's) alike, their last float32 bits differ, and the
+        # 16-bit rounding can show it: there, within 2 ulps beyond that
+        # cancellation (a flipped rounding of gelu, then the product's own;
+        # measured on Zen 3, torch 2.15: 0.7-3.2% of all elements differ,
+        # none with gate >= -2; at most 1.9 ulps, the erf form).
+        body = gate.double() >= -2
+        assert torch.equal(eager[body], stock[body])
+        worst = excess_ulps(eager, stock, scale, dtype)
+        record(f"gelu_mul {form} {IDS[dtype]} eager vs torch: ulps beyond cancellation", worst)
+        assert worst <= 2, worst
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -100,10 +108,14 @@ def test_gradients_match_autograd(dtype, form):
     eg, eu = torch.autograd.grad(y, (gate, up), dy)
     sg, su = torch.autograd.grad(torch.nn.functional.gelu(gate, approximate=form) * up, (gate, up), dy)
     if dtype != torch.float32:
-        for got, want in ((eg, sg), (eu, su)):
+        # As the forward: stock's bits where the gate is >= -2, within 1 ulp
+        # beyond float32's cancellation below.
+        body = gate.detach().double() >= -2
+        for got, want, scale in ((eg, sg, 2 * scale_g), (eu, su, scale_u)):
             differ = (got != want).double().mean().item()
             record(f"gelu_mul {form} {IDS[dtype]} eager grads vs torch: fraction differing", differ)
-            assert ulps(got, want, dtype) <= 1 and differ <= 1e-2, differ
+            assert torch.equal(got[body], want[body])
+            assert excess_ulps(got, want, scale, dtype) <= 1
 
 
 @pytest.mark.parametrize("left", [False, True])
@@ -127,7 +139,7 @@ def test_npu_geglu_is_torch_npus(dtype, approximate, left):
     assert excess_ulps(gelu, want_gelu, gate.double().abs(), dtype) <= (4 if dtype == torch.float32 else 1)
     assert torch.equal(y, F.gelu_mul(gate.contiguous(), up.contiguous(), form))
     dy = rand(6, 2, 24, dtype=dtype, seed=5)
-    (dx,) = torch.autograd.grad(y, x, dy)
+    (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
     g, u = gate.contiguous().requires_grad_(True), up.contiguous().requires_grad_(True)
     dg, du = torch.autograd.grad(F.gelu_mul(g, u, form), (g, u), dy)
     assert torch.equal(dx, torch.cat([dg, du] if left else [du, dg], dim=1))
