@@ -7,10 +7,10 @@
 #             host, and the symbol check: the no-feature rlib and the consumer
 #             reference no `std` / `alloc` symbol
 #   embedded  the no-feature library for thumbv7em-none-eabihf (Cortex-M4F, as
-#             the firmware's workspace builds it), riscv32imac-unknown-none-elf
-#             and aarch64-unknown-none (symbol-checked too)
-#   aarch64   `cargo test -p npukern` (the library's unit tests and the
-#             integration tests) for aarch64-unknown-linux-gnu under qemu-user,
+#             the firmware's workspace builds it) and riscv32imac-unknown-none-elf
+#             (symbol-checked too)
+#   aarch64   `cargo test -p npukern` (the integration tests) for
+#             aarch64-unknown-linux-gnu under qemu-user,
 #             bit hashes included: with the NEON lanes (automatic selection:
 #             `neonbf16` where qemu's CPU has FEAT_BF16, and every cross-ISA
 #             test compares it with `neon` and `portable`), then the
@@ -20,6 +20,12 @@
 #   cortex-m  the consumer on a Cortex-M4F under qemu-system-arm (mps2-an386),
 #             reporting through semihosting, exiting with its status
 #
+#   embedded-aarch64  (not in the default set) the no-feature library for
+#             aarch64-unknown-none, symbol-checked (16 min of CPU)
+#   aarch64-lanes  (not in the default set) the library's unit tests on
+#             aarch64 under qemu-user: the lanes (NEON conversions, math
+#             sweeps thinned by NPK_SWEEP_THIN) on every ISA (a second
+#             optimized build of the crate, 16 min of CPU)
 #   aarch64-exhaustive  (not in the default set) the NEON conversions on all
 #             2^32 f32 inputs under qemu-user (the ignored test in lanes/neon.rs)
 #   aarch64-insns  (not in the default set) instructions executed per output
@@ -37,7 +43,7 @@
 #                     checkouts can pass one checkout's stale build off as
 #                     the other's)
 #   NPK_BLESS=1       rewrite embedded/expected_hashes.txt from the host consumer
-#   NPK_SWEEP_THIN=N  aarch64: the math sweeps take every N-th of their inputs
+#   NPK_SWEEP_THIN=N  aarch64-lanes: the math sweeps take every N-th of their inputs
 #                     (default 17; 1 runs them whole, as x86's cargo test does)
 #   NPK_CROSS_SEED_CASES=1  also build and run tests/seed_cases.rs and the
 #                     8 MiB streaming-output tests (tests/norm_streaming.rs) on
@@ -57,8 +63,8 @@ mkdir -p "$CACHE"
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(nostd embedded aarch64 cortex-m)
 for s in "${STEPS[@]}"; do
-    case $s in packages | nostd | embedded | aarch64 | aarch64-exhaustive | aarch64-insns | cortex-m) ;; *)
-        echo "cross.sh: unknown step '$s' (packages nostd embedded aarch64 aarch64-exhaustive aarch64-insns cortex-m)" >&2
+    case $s in packages | nostd | embedded | embedded-aarch64 | aarch64 | aarch64-lanes | aarch64-exhaustive | aarch64-insns | cortex-m) ;; *)
+        echo "cross.sh: unknown step '$s' (packages nostd embedded embedded-aarch64 aarch64 aarch64-lanes aarch64-exhaustive aarch64-insns cortex-m)" >&2
         exit 2
         ;;
     esac
@@ -198,12 +204,16 @@ thumbv7em_rlib() {
         --message-format=json-render-diagnostics) | npukern_rlib
 }
 
-if wants embedded; then
+if wants embedded || wants embedded-aarch64; then
     step_start embedded
     debian_rust
     # Both targets in one cargo run: their `core` and library builds share
     # the cores (one rustc front end at a time leaves the other core idle).
-    others=(riscv32imac-unknown-none-elf aarch64-unknown-none)
+    # aarch64-unknown-none is the opt-in step embedded-aarch64: its build
+    # (three lane sets, Debian's rustc) took 16+ min of CPU, the longest of
+    # CI's cross builds, and its code is the aarch64 step's less `std`.
+    others=(riscv32imac-unknown-none-elf)
+    wants embedded-aarch64 && others+=(aarch64-unknown-none)
     targets=()
     for t in "${others[@]}"; do targets+=(--target "$t"); done
     json=$(deb_cargo build -p npukern --lib --release --locked --no-default-features \
@@ -264,22 +274,30 @@ if wants aarch64; then
         fi
         tests+=(--test "$t")
     done
-    echo "== aarch64: NEON lanes (automatic selection)"
-    # The lanes' math sweeps (exp, log, tanh, erf over the f32 bit patterns)
-    # take every 17th of their inputs here (NPK_SWEEP_THIN): under qemu-user
-    # the whole sweeps took half an hour of CPU; every exponent is still
-    # covered, and x86 runs them whole. NPK_SWEEP_THIN=1 runs them whole here.
-    NPK_SWEEP_THIN=${NPK_SWEEP_THIN:-17} NPK_MAX_CPU_ISA= aarch64_test --lib "${tests[@]}" --
+    echo "== aarch64: NEON lanes (automatic selection), integration tests"
+    # The library's own unit tests are the step aarch64-lanes (not in the
+    # default set): their harness is a second optimized build of the crate,
+    # 16 min of CPU with Debian's rustc, which CI's 30 minutes cannot hold.
+    NPK_MAX_CPU_ISA= aarch64_test "${tests[@]}" --
     # The integration tests through the dispatch with portable forced: the
     # accuracy, error and option tests on the portable lanes as aarch64
-    # compiles them. The library's unit tests (the lanes' math sweeps, two
-    # minutes under qemu-user) run every ISA, portable included, in the run
-    # above, and so do the cross-ISA tests.
+    # compiles them. The cross-ISA tests ran every ISA, portable included,
+    # in the run above.
     skip=()
     for t in "${CROSS_ISA_TESTS[@]}"; do skip+=(--skip "$t"); done
     echo "== aarch64: portable lanes forced (NPK_MAX_CPU_ISA=portable), integration tests"
     NPK_MAX_CPU_ISA=portable aarch64_test "${tests[@]}" -- "${skip[@]}"
     step_end aarch64
+fi
+
+if wants aarch64-lanes; then
+    step_start aarch64-lanes
+    # The lanes' math sweeps (exp, log, tanh, erf over the f32 bit patterns)
+    # take every 17th of their inputs here (NPK_SWEEP_THIN): under qemu-user
+    # the whole sweeps took half an hour of CPU; every exponent is still
+    # covered, and x86 runs them whole. NPK_SWEEP_THIN=1 runs them whole here.
+    NPK_SWEEP_THIN=${NPK_SWEEP_THIN:-17} NPK_MAX_CPU_ISA= aarch64_test --lib --
+    step_end aarch64-lanes
 fi
 
 if wants aarch64-exhaustive; then
