@@ -291,9 +291,21 @@ fn embedding<G: Float, O: Float>(o: &Opts, cpu: &Cpu<Threads>, v: usize, hot: bo
     row("EmbeddingDenseGrad", &name, &dt, r);
 }
 
-/// SwiGLU (`silu_mul`, the two-input form) forward and backward at a LLaMA
-/// MLP shape: `tokens x inter` gate and up.
-fn swiglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usize) {
+/// One gated MLP activation's rows (`name`, `name_grad`): `fwd(exec, gate,
+/// up, y)` and `bwd(exec, dy, gate, up, dgate, dup)` at `tokens x inter`,
+/// inputs from seeds `seed`, `seed + 20`, ... (SwiGLU and GeGLU share the
+/// traffic and the harness; only the kernel and the labels differ).
+#[allow(clippy::too_many_arguments)]
+fn gated_rows<T: Float>(
+    o: &Opts,
+    cpu: &Cpu<Threads>,
+    tokens: usize,
+    inter: usize,
+    (name, label): (&str, &str),
+    seed: u32,
+    fwd: impl Fn(&Exec<'_>, TensorRef<'_, T>, TensorRef<'_, T>, &mut [T]) -> Result<()>,
+    bwd: impl Fn(&Exec<'_>, [TensorRef<'_, T>; 3], &mut [T], &mut [T]) -> Result<()>,
+) {
     let sname = format!("{tokens}x{inter}");
     let dt = format!("{:?}", T::DTYPE).to_lowercase();
     let want = |op: &str| {
@@ -305,82 +317,71 @@ fn swiglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usi
     let len = tokens * inter;
     let tb = len * core::mem::size_of::<T>();
     let dims = [tokens, inter];
-    let opts = SwigluOptions::default();
     let inputs = |sets: usize, seed: u32| -> Vec<Aligned<T>> {
         (0..sets).map(|i| data(len, seed + i as u32)).collect()
     };
-    if want("swiglu") {
+    if want(name) {
         // Reads gate and up, writes y: the traffic of copying 1.5x one tensor.
         let sets = sets_for(3 * tb, o.llc);
-        let (gs, us) = (inputs(sets, 200), inputs(sets, 220));
+        let (gs, us) = (inputs(sets, seed), inputs(sets, seed + 20));
         let mut ys: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
         let r = time_pair(o, sets, tb * 3 / 2, |s| {
             let g = TensorRef::new(&gs[s], &dims).unwrap();
             let u = TensorRef::new(&us[s], &dims).unwrap();
-            silu_mul(&exec, g, u, &opts, &mut ys[s], &mut []).unwrap()
+            fwd(&exec, g, u, &mut ys[s]).unwrap()
         });
-        row("SwiGLU", &sname, &dt, r);
+        row(label, &sname, &dt, r);
     }
-    if want("swiglu_grad") {
+    if want(&format!("{name}_grad")) {
         // Reads dy, gate, up; writes dgate, dup: 2.5x one tensor copied.
         let sets = sets_for(5 * tb, o.llc);
-        let (dys, gs, us) = (inputs(sets, 240), inputs(sets, 260), inputs(sets, 280));
+        let (dys, gs, us) = (
+            inputs(sets, seed + 40),
+            inputs(sets, seed + 60),
+            inputs(sets, seed + 80),
+        );
         let mut das: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
         let mut dbs: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
         let r = time_pair(o, sets, tb * 5 / 2, |s| {
             let dy = TensorRef::new(&dys[s], &dims).unwrap();
             let g = TensorRef::new(&gs[s], &dims).unwrap();
             let u = TensorRef::new(&us[s], &dims).unwrap();
-            silu_mul_grad(&exec, dy, g, u, &opts, &mut das[s], &mut dbs[s], &mut []).unwrap()
+            bwd(&exec, [dy, g, u], &mut das[s], &mut dbs[s]).unwrap()
         });
-        row("SwiGLUGrad", &sname, &dt, r);
+        row(&format!("{label}Grad"), &sname, &dt, r);
     }
+}
+
+/// SwiGLU (`silu_mul`, the two-input form) forward and backward at a LLaMA
+/// MLP shape: `tokens x inter` gate and up.
+fn swiglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usize) {
+    let opts = SwigluOptions::default();
+    gated_rows::<T>(
+        o,
+        cpu,
+        tokens,
+        inter,
+        ("swiglu", "SwiGLU"),
+        200,
+        |e, g, u, y| silu_mul(e, g, u, &opts, y, &mut []),
+        |e, [dy, g, u], da, db| silu_mul_grad(e, dy, g, u, &opts, da, db, &mut []),
+    );
 }
 
 /// GeGLU (`gelu_mul`, the two-input form, GELU's tanh form as Gemma's MLP)
 /// forward and backward at a Gemma MLP shape: `tokens x inter` gate and up.
 fn geglu_rows<T: Float>(o: &Opts, cpu: &Cpu<Threads>, tokens: usize, inter: usize) {
-    let sname = format!("{tokens}x{inter}");
-    let dt = format!("{:?}", T::DTYPE).to_lowercase();
-    let want = |op: &str| {
-        o.filter
-            .as_ref()
-            .is_none_or(|f| matches(&format!("{op} {sname} {dt}"), f))
-    };
-    let exec = exec_for(cpu);
-    let len = tokens * inter;
-    let tb = len * core::mem::size_of::<T>();
-    let dims = [tokens, inter];
     let opts = GegluOptions::default();
-    let inputs = |sets: usize, seed: u32| -> Vec<Aligned<T>> {
-        (0..sets).map(|i| data(len, seed + i as u32)).collect()
-    };
-    if want("geglu") {
-        // Reads gate and up, writes y: the traffic of copying 1.5x one tensor.
-        let sets = sets_for(3 * tb, o.llc);
-        let (gs, us) = (inputs(sets, 300), inputs(sets, 320));
-        let mut ys: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
-        let r = time_pair(o, sets, tb * 3 / 2, |s| {
-            let g = TensorRef::new(&gs[s], &dims).unwrap();
-            let u = TensorRef::new(&us[s], &dims).unwrap();
-            gelu_mul(&exec, g, u, &opts, &mut ys[s], &mut []).unwrap()
-        });
-        row("GeGLU", &sname, &dt, r);
-    }
-    if want("geglu_grad") {
-        // Reads dy, gate, up; writes dgate, dup: 2.5x one tensor copied.
-        let sets = sets_for(5 * tb, o.llc);
-        let (dys, gs, us) = (inputs(sets, 340), inputs(sets, 360), inputs(sets, 380));
-        let mut das: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
-        let mut dbs: Vec<Aligned<T>> = (0..sets).map(|_| zeros::<T>(len)).collect();
-        let r = time_pair(o, sets, tb * 5 / 2, |s| {
-            let dy = TensorRef::new(&dys[s], &dims).unwrap();
-            let g = TensorRef::new(&gs[s], &dims).unwrap();
-            let u = TensorRef::new(&us[s], &dims).unwrap();
-            gelu_mul_grad(&exec, dy, g, u, &opts, &mut das[s], &mut dbs[s], &mut []).unwrap()
-        });
-        row("GeGLUGrad", &sname, &dt, r);
-    }
+    gated_rows::<T>(
+        o,
+        cpu,
+        tokens,
+        inter,
+        ("geglu", "GeGLU"),
+        300,
+        |e, g, u, y| gelu_mul(e, g, u, &opts, y, &mut []),
+        |e, [dy, g, u], da, db| gelu_mul_grad(e, dy, g, u, &opts, da, db, &mut []),
+    );
 }
 
 /// RoPE on q and k `[1, heads, seq, 128]` with cos/sin `[1, 1, seq, 128]`
