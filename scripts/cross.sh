@@ -194,12 +194,15 @@ if wants nostd; then
     step_end nostd
 fi
 
-# The no-feature library for thumbv7em-none-eabihf as the Cortex-M4F
-# firmware links it: built by the embedded workspace into the cortex-m
-# step's target directory (same profile and features), so that step reuses
-# `core` and the library instead of building them a second time.
-thumbv7em_rlib() {
-    (cd embedded && deb_cargo build --release --locked -p npukern-embedded-checks -Zbuild-std=core \
+# The Cortex-M4F firmware (npukern-cortex-m4f), in the cortex-m step's
+# target directory: the embedded step symbol-checks the no-feature library
+# it links, and the cortex-m step runs it, one build between them. (Building
+# only the checks package gave its dependencies other feature sets, hence
+# other hashes: the cortex-m step then compiled `core`, the library and
+# every dependency a second time, 8 min of CPU.) Prints the library's
+# rlib.
+thumbv7em_firmware() {
+    (cd embedded && deb_cargo build --release --locked -p npukern-cortex-m4f -Zbuild-std=core \
         --target thumbv7em-none-eabihf --target-dir "$CACHE/embedded" \
         --message-format=json-render-diagnostics) | npukern_rlib
 }
@@ -224,7 +227,7 @@ if wants embedded || wants embedded-aarch64; then
         [ -n "$rlib" ] || { echo "FAIL: no rlib for $t" >&2; exit 1; }
         no_std_symbols "$rlib"
     done
-    rlib=$(thumbv7em_rlib)
+    rlib=$(thumbv7em_firmware)
     [ -n "$rlib" ] || { echo "FAIL: no rlib for thumbv7em-none-eabihf" >&2; exit 1; }
     no_std_symbols "$rlib"
     step_end embedded
@@ -347,8 +350,7 @@ if wants cortex-m; then
     step_start cortex-m
     debian_rust
     ensure qemu-system-arm
-    (cd embedded && deb_cargo build --release --locked -p npukern-cortex-m4f -Zbuild-std=core \
-        --target thumbv7em-none-eabihf --target-dir "$CACHE/embedded")
+    thumbv7em_firmware >/dev/null
     elf="$CACHE/embedded/thumbv7em-none-eabihf/release/npukern-cortex-m4f"
     # Semihosting output goes to stdout; the program's exit request ends QEMU
     # with its status (the timeout guards against a hang).

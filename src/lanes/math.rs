@@ -5,6 +5,26 @@
 
 use super::{Lanes, GROUP};
 
+/// `$vis fn $name`: `$body` inlined on the SIMD lanes, called out of line on
+/// lanes with `Lanes::OUTLINED` (the portable ones: see there why).
+macro_rules! outlined {
+    ($(#[$m:meta])* $vis:vis fn $name:ident($arg:ident: $t:ty) -> $r:ty = $body:ident;) => {
+        $(#[$m])*
+        #[inline(always)]
+        $vis fn $name<L: Lanes>($arg: $t) -> $r {
+            #[inline(never)]
+            fn called<L: Lanes>($arg: $t) -> $r {
+                $body($arg)
+            }
+            if L::OUTLINED {
+                called::<L>($arg)
+            } else {
+                $body($arg)
+            }
+        }
+    };
+}
+
 /// ln 2 split so that `n * LN2_HI` is exact for |n| <= 2^8 (Cody-Waite).
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
@@ -73,9 +93,13 @@ fn reduce<L: Lanes>(x: L) -> ExpArg<L> {
     ExpArg { r, n }
 }
 
-/// `exp`'s second stage: `2^n e^r`.
+outlined! {
+    /// `exp`'s second stage: `2^n e^r`.
+    pub fn exp_scale(e: ExpArg<L>) -> L = exp_scale_body;
+}
+
 #[inline(always)]
-pub fn exp_scale<L: Lanes>(ExpArg { r, n }: ExpArg<L>) -> L {
+fn exp_scale_body<L: Lanes>(ExpArg { r, n }: ExpArg<L>) -> L {
     // The polynomial in Estrin's order (three independent pairs, joined by
     // r^2 and r^4): 4 dependent steps, not Horner's 10, so more vectors are
     // in flight in the out-of-order window (SwiGLU's loop: 11% faster) for
@@ -124,14 +148,18 @@ const LOGP: [f32; 9] = [
     3.333_333e-1,
 ];
 
-/// Lane-wise natural logarithm: `log(+0) = -Inf`, `log(+Inf) = +Inf`,
-/// negative or NaN in -> NaN, subnormals exact. Each lane is split into
-/// `2^e * (1 + f)` with `1 + f` in [sqrt(1/2), sqrt(2)) through its bits
-/// (stored and reloaded: `Lanes` has no integer operations), then Cephes'
-/// polynomial runs over the lanes with IEEE add, sub and mul alone, so
-/// every ISA gives the same bits. Within 1 ulp of f64 (`log_sweep` below).
+outlined! {
+    /// Lane-wise natural logarithm: `log(+0) = -Inf`, `log(+Inf) = +Inf`,
+    /// negative or NaN in -> NaN, subnormals exact. Each lane is split into
+    /// `2^e * (1 + f)` with `1 + f` in [sqrt(1/2), sqrt(2)) through its bits
+    /// (stored and reloaded: `Lanes` has no integer operations), then Cephes'
+    /// polynomial runs over the lanes with IEEE add, sub and mul alone, so
+    /// every ISA gives the same bits. Within 1 ulp of f64 (`log_sweep` below).
+    pub fn log(x: L) -> L = log_body;
+}
+
 #[inline(always)]
-pub fn log<L: Lanes>(x: L) -> L {
+fn log_body<L: Lanes>(x: L) -> L {
     let mut a = [0f32; GROUP];
     x.store(&mut a);
     let mut f = [0f32; GROUP];
@@ -201,13 +229,17 @@ const TANHP: [f32; 5] = [
     -3.333_328e-1,
 ];
 
-/// Lane-wise hyperbolic tangent (Gemma 2's logit soft-capping): on |x| <
-/// 0.625 `x + x^3 P(x^2)` (Cephes), above `1 - 2 / (e^{2|x|} + 1)` with
-/// `exp` above (1 exactly from |x| > 44.4), the sign put back last; NaN in
-/// -> NaN out, -0 -> +0. IEEE add, sub, mul and div alone: the same bits
-/// on every ISA. Within 2 ulp of f64 (`tanh_sweep` below).
+outlined! {
+    /// Lane-wise hyperbolic tangent (Gemma 2's logit soft-capping): on |x| <
+    /// 0.625 `x + x^3 P(x^2)` (Cephes), above `1 - 2 / (e^{2|x|} + 1)` with
+    /// `exp` above (1 exactly from |x| > 44.4), the sign put back last; NaN in
+    /// -> NaN out, -0 -> +0. IEEE add, sub, mul and div alone: the same bits
+    /// on every ISA. Within 2 ulp of f64 (`tanh_sweep` below).
+    pub fn tanh(x: L) -> L = tanh_body;
+}
+
 #[inline(always)]
-pub fn tanh<L: Lanes>(x: L) -> L {
+fn tanh_body<L: Lanes>(x: L) -> L {
     let (zero, one) = (L::splat(0.0), L::splat(1.0));
     let a = x.select_lt(zero, zero.sub(x), x);
     let big = one.sub(L::splat(2.0).div(exp(a.add(a)).add(one)));
@@ -252,13 +284,17 @@ const ERF_BIG: [f32; 12] = [
     2.108_063_5e-1,
 ];
 
-/// Lane-wise error function (GELU's exact form, `approximate="none"`): on
-/// |x| < 1 `x + x P(x^2)`, above `1 - e^{-x^2} Q(x)` with `exp` above and
-/// |x| clamped to 4 (erf rounds to 1 in f32 from 3.92), the sign put back
-/// last; NaN in -> NaN out, -0 -> +0. IEEE add, sub, mul and div alone:
-/// the same bits on every ISA. Within 2 ulp of f64 (`erf_sweep` below).
+outlined! {
+    /// Lane-wise error function (GELU's exact form, `approximate="none"`): on
+    /// |x| < 1 `x + x P(x^2)`, above `1 - e^{-x^2} Q(x)` with `exp` above and
+    /// |x| clamped to 4 (erf rounds to 1 in f32 from 3.92), the sign put back
+    /// last; NaN in -> NaN out, -0 -> +0. IEEE add, sub, mul and div alone:
+    /// the same bits on every ISA. Within 2 ulp of f64 (`erf_sweep` below).
+    pub fn erf(x: L) -> L = erf_body;
+}
+
 #[inline(always)]
-pub fn erf<L: Lanes>(x: L) -> L {
+fn erf_body<L: Lanes>(x: L) -> L {
     let (zero, one) = (L::splat(0.0), L::splat(1.0));
     let a = x.select_lt(zero, zero.sub(x), x);
     let z = a.mul(a);

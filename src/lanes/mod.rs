@@ -201,6 +201,16 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// and checking: one loop form there. The same operations either way:
     /// the same bits.
     const PIPELINED: bool = true;
+    /// Whether the heavy lane functions (`math`'s `exp_scale`, `tanh`,
+    /// `erf`, `log`) and the 16-bit conversions are called, not inlined
+    /// into every loop body. Inlined, they are a few vector instructions on
+    /// the SIMD lanes; on the portable lanes every lane is scalar code on
+    /// targets without SIMD, and inlining them everywhere made the library
+    /// 4.4 MB of code on thumbv7em (the Cortex-M4F checks no longer fit
+    /// in its 4 MiB of code memory) and its optimized build CI's longest. A
+    /// call per 16 lanes costs little beside 16 scalar `erf`s; the same
+    /// operations either way: the same bits.
+    const OUTLINED: bool = false;
     /// One line of 32 bf16 widened exactly into two vectors in this ISA's
     /// *line order* (`BF16_LINE_IN_ORDER`). AVX-512's even/odd order widens
     /// a whole line with one shift and one mask, where in-order lanes take a

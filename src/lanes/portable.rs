@@ -43,6 +43,7 @@ fn narrow8(v: f32x8) -> [u16; 8] {
 impl Lanes for Portable {
     const ISA: Isa = Isa::Portable;
     const PIPELINED: bool = false;
+    const OUTLINED: bool = true;
 
     fn detect() -> bool {
         true
@@ -73,14 +74,16 @@ impl Lanes for Portable {
         let (l, h) = bits.split_at(8);
         Portable(widen8(l), widen8(h))
     }
-    #[inline(always)]
+    // Called, not inlined: see `Lanes::OUTLINED`.
+    #[inline(never)]
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
         let out: &mut [u16; GROUP] = bytemuck::cast_mut(dst);
         let (l, h) = out.split_at_mut(8);
         l.copy_from_slice(&narrow8(self.0));
         h.copy_from_slice(&narrow8(self.1));
     }
-    #[inline(always)]
+    // Called, not inlined: see `Lanes::OUTLINED`.
+    #[inline(never)]
     fn load_f16(src: &[f16; GROUP]) -> Self {
         let mut a = [0f32; GROUP];
         for (o, v) in a.iter_mut().zip(src.iter()) {
@@ -88,7 +91,8 @@ impl Lanes for Portable {
         }
         Self::load(&a)
     }
-    #[inline(always)]
+    // Called, not inlined: see `Lanes::OUTLINED`.
+    #[inline(never)]
     fn store_f16(self, dst: &mut [f16; GROUP]) {
         let mut a = [0f32; GROUP];
         self.store(&mut a);
