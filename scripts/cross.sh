@@ -4,8 +4,9 @@
 #   packages  (not in the default set) every Debian package the default
 #             steps need, in one apt-get run (scripts/test.sh runs it first)
 #   nostd     the no_std, no-alloc consumer (embedded/host) built and run on the
-#             host, and the symbol check: the no-feature rlib and the consumer
-#             reference no `std` / `alloc` symbol
+#             host, and the symbol check: the no-feature library (as the
+#             consumer builds it) and the consumer reference no `std` /
+#             `alloc` symbol
 #   embedded  the no-feature library for thumbv7em-none-eabihf (Cortex-M4F, as
 #             the firmware's workspace builds it) and riscv32imac-unknown-none-elf
 #             (symbol-checked too)
@@ -165,15 +166,16 @@ npukern_rlib() {
 if wants nostd; then
     step_start nostd
     symbol_check_control
-    rlib=$(cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib \
-        --message-format=json-render-diagnostics | npukern_rlib)
-    [ -n "$rlib" ] || { echo "FAIL: no rlib path from cargo" >&2; exit 1; }
-    no_std_symbols "$rlib"
     host_dir="$CACHE/host"
     (cd embedded && cargo fmt --all -- --check &&
         cargo clippy --release --locked -p npukern-embedded-checks -p npukern-nostd-host \
             --target-dir "$host_dir" -- -D warnings)
-    (cd embedded && cargo build --release --locked -p npukern-nostd-host --target-dir "$host_dir")
+    # The library without default features (no std, no alloc), as the
+    # consumer links it: one build of it serves both symbol checks.
+    rlib=$( (cd embedded && cargo build --release --locked -p npukern-nostd-host --target-dir "$host_dir" \
+        --message-format=json-render-diagnostics) | npukern_rlib)
+    [ -n "$rlib" ] || { echo "FAIL: no rlib path from cargo" >&2; exit 1; }
+    no_std_symbols "$rlib"
     host_bin="$host_dir/release/npukern-nostd-host"
     no_std_symbols "$host_bin"
     if [ "${NPK_BLESS:-0}" = 1 ]; then

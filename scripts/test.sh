@@ -90,24 +90,22 @@ background aarch64 "scripts/cross.sh aarch64 (the suite on aarch64 under qemu-us
 step "cargo clippy --workspace --all-targets --all-features -- -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
 
-step "no_std, no alloc: the rlib without default features"
-cargo rustc -p npukern --lib --release --no-default-features --crate-type rlib
-
-step "scripts/cross.sh nostd embedded cortex-m: no_std consumer + symbol check, embedded targets, Cortex-M4F"
+step "scripts/cross.sh nostd embedded cortex-m: the no_std, no-alloc library and its consumer (symbol check), embedded targets, Cortex-M4F"
 ./scripts/cross.sh nostd embedded cortex-m
 
+step "cargo build --release (the C libraries)"
+cargo build --release
+
 step "cargo test --release --workspace"
-cargo test --release --workspace
+# The C/C++ programs (ffi-tests/tests/ffi.rs) link the libraries just built
+# instead of building them once more into <target>/ffi.
+target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+[ -n "$target_dir" ] || { echo "FAIL: no target directory from cargo metadata" >&2; exit 1; }
+NPK_FFI_LIB_DIR="$target_dir/release" cargo test --release --workspace
 
 step "the PyTorch adapter (scripts/torch_test.sh)"
 join torch-setup
-# `cargo test` has just built the C libraries with `cargo build --release`'s
-# flags into <target>/ffi (ffi-tests/tests/ffi.rs): the adapter links those
-# instead of compiling the crate once more into <target>/release (cargo
-# still rebuilds whatever is stale there).
-target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
-[ -n "$target_dir" ] || { echo "FAIL: no target directory from cargo metadata" >&2; exit 1; }
-CARGO_TARGET_DIR="$target_dir/ffi" ./scripts/torch_test.sh
+./scripts/torch_test.sh
 
 step "scripts/fuzz_smoke.sh: every fuzz target ~20 s from its seeds (stable sancov build)"
 ./scripts/fuzz_smoke.sh

@@ -13,6 +13,11 @@
 //!    statically and once dynamically, and runs them; then once more with
 //!    `NPK_SANITIZE=1` (built with `-fsanitize=address,undefined`).
 //!
+//! With `NPK_FFI_LIB_DIR` set, step 2 is skipped and the libraries are taken
+//! from that directory: `scripts/test.sh` sets it to `target/release` after
+//! its own `cargo build --release` (the same library, so CI compiles it once
+//! instead of twice; a directory built from other sources tests those).
+//!
 //! Needs bash, gcc and g++ (`CC`/`CXX` override) with the address and
 //! undefined-behaviour sanitizer runtimes (libasan, libubsan: gcc's own
 //! dependencies on Debian) for the second run. Set `NPK_SKIP_FFI=1` to skip
@@ -78,7 +83,10 @@ fn run_programs(sanitize: bool) {
         eprintln!("NPK_SKIP_FFI=1: the C/C++ FFI tests were skipped");
         return;
     }
-    let dir = build_library(&profile_dir());
+    let dir = match std::env::var_os("NPK_FFI_LIB_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => build_library(&profile_dir()),
+    };
     let script = repo_root().join("ffi-tests/run.sh");
     let out = Command::new("bash")
         .arg(&script)
