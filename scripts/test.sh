@@ -5,13 +5,14 @@
 # shared libraries, again under ASan/UBSan), then a short run of every fuzz
 # target.
 #
-# Two jobs run beside the others, each with its output in a log printed
+# Three jobs run beside the others, each with its output in a log printed
 # whole when it ends (never interleaved), and each failing the command if it
-# fails: the PyTorch environment's setup (downloads, from the start) and
+# fails: the PyTorch environment's setup (downloads, from the start),
 # `scripts/cross.sh aarch64` (the suite under qemu-user, after the Debian
-# packages). They take up what the other steps leave idle: the downloads
-# wait on the network, and much of the rest runs on one core at a time (the
-# codegen-units=1 embedded builds, qemu-system-arm, pytest, the fuzz runs).
+# packages) and the fuzz smoke run (beside the adapter's tests). They take
+# up what the other steps leave idle: the downloads wait on the network,
+# and much of the rest runs on one core at a time (the codegen-units=1
+# embedded builds, qemu-system-arm, pytest, the fuzz runs).
 # NPK_SERIAL=1 runs everything one step at a time instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -103,12 +104,17 @@ target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_d
 [ -n "$target_dir" ] || { echo "FAIL: no target directory from cargo metadata" >&2; exit 1; }
 NPK_FFI_LIB_DIR="$target_dir/release" cargo test --release --workspace
 
+# Beside the adapter: pytest runs on one core, which the fuzz runs (one
+# process each) can have.
+background fuzz "scripts/fuzz_smoke.sh (every fuzz target ~20 s from its seeds, stable sancov build)" \
+    ./scripts/fuzz_smoke.sh
+
 step "the PyTorch adapter (scripts/torch_test.sh)"
 join torch-setup
 ./scripts/torch_test.sh
 
-step "scripts/fuzz_smoke.sh: every fuzz target ~20 s from its seeds (stable sancov build)"
-./scripts/fuzz_smoke.sh
+step "waiting for scripts/fuzz_smoke.sh"
+join fuzz
 
 step "waiting for scripts/cross.sh aarch64"
 join aarch64
