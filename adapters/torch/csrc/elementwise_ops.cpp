@@ -67,138 +67,150 @@ void rope_call(const char *op, const at::Tensor &q, const at::Tensor *k, const a
 
 }  // namespace
 
-at::Tensor swiglu(const at::Tensor &x_in, int64_t dim, bool eager) {
-  const char *op = "npukern::swiglu";
-  at::Tensor x = cpu_contiguous(x_in, op, "x");
-  at::Tensor y = empty_output(half_shape(x, dim, op), x.scalar_type());
-  npk_tensor xt = describe(x, op, "x"), yt = describe(y, op, "y");
-  const npk_swiglu_options o = swiglu_options(dim, eager);
-  Call call(op);
-  call.tensors({&x, &y});
-  call.outputs({&y});  // just allocated: the store policy (glue.h)
-  call.run(
-      [&](size_t *bytes) { return npk_swiglu_workspace_size(&xt, nullptr, &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) { return npk_swiglu(&xt, nullptr, &o, &yt, ws, bytes, call.exec()); });
-  return y;
+namespace {
+
+// SwiGLU's and GeGLU's C entry points, overloaded on the options type, so
+// that each wrapper below is written once for both operators (their calls
+// differ only in the options and GeGLU's optional gelu output).
+npk_status fwd_size(const npk_tensor *a, const npk_tensor *b, const npk_swiglu_options *o, const npk_exec *e,
+                    size_t *n) {
+  return npk_swiglu_workspace_size(a, b, o, e, n);
+}
+npk_status fwd_size(const npk_tensor *a, const npk_tensor *b, const npk_geglu_options *o, const npk_exec *e,
+                    size_t *n) {
+  return npk_geglu_workspace_size(a, b, o, e, n);
+}
+// `act` is the activation's output: GeGLU's gelu (may be NULL); SwiGLU has none.
+npk_status fwd(const npk_tensor *a, const npk_tensor *b, const npk_swiglu_options *o, const npk_tensor *y,
+               const npk_tensor * /*act*/, void *ws, size_t n, const npk_exec *e) {
+  return npk_swiglu(a, b, o, y, ws, n, e);
+}
+npk_status fwd(const npk_tensor *a, const npk_tensor *b, const npk_geglu_options *o, const npk_tensor *y,
+               const npk_tensor *act, void *ws, size_t n, const npk_exec *e) {
+  return npk_geglu(a, b, o, y, act, ws, n, e);
+}
+npk_status grad_size(const npk_tensor *dy, const npk_tensor *a, const npk_tensor *b, const npk_swiglu_options *o,
+                     const npk_exec *e, size_t *n) {
+  return npk_swiglu_grad_workspace_size(dy, a, b, o, e, n);
+}
+npk_status grad_size(const npk_tensor *dy, const npk_tensor *a, const npk_tensor *b, const npk_geglu_options *o,
+                     const npk_exec *e, size_t *n) {
+  return npk_geglu_grad_workspace_size(dy, a, b, o, e, n);
+}
+npk_status grad(const npk_tensor *dy, const npk_tensor *a, const npk_tensor *b, const npk_swiglu_options *o,
+                const npk_tensor *da, const npk_tensor *db, void *ws, size_t n, const npk_exec *e) {
+  return npk_swiglu_grad(dy, a, b, o, da, db, ws, n, e);
+}
+npk_status grad(const npk_tensor *dy, const npk_tensor *a, const npk_tensor *b, const npk_geglu_options *o,
+                const npk_tensor *da, const npk_tensor *db, void *ws, size_t n, const npk_exec *e) {
+  return npk_geglu_grad(dy, a, b, o, da, db, ws, n, e);
 }
 
-at::Tensor swiglu_backward(const at::Tensor &dy_in, const at::Tensor &x_in, int64_t dim, bool eager) {
-  const char *op = "npukern::swiglu_backward";
-  at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), x = cpu_contiguous(x_in, op, "x");
-  at::Tensor dx = empty_output_like(x);
-  npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), dxt = describe(dx, op, "dx");
-  const npk_swiglu_options o = swiglu_options(dim, eager);
-  Call call(op);
-  call.tensors({&dy, &x, &dx});
-  call.outputs({&dx});  // just allocated: the store policy (glue.h)
-  call.run(
-      [&](size_t *bytes) { return npk_swiglu_grad_workspace_size(&dyt, &xt, nullptr, &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) {
-        return npk_swiglu_grad(&dyt, &xt, nullptr, &o, &dxt, nullptr, ws, bytes, call.exec());
-      });
-  return dx;
-}
-
-at::Tensor silu_mul(const at::Tensor &gate_in, const at::Tensor &up_in, bool eager) {
-  const char *op = "npukern::silu_mul";
-  at::Tensor gate = cpu_contiguous(gate_in, op, "gate"), up = cpu_contiguous(up_in, op, "up");
-  at::Tensor y = empty_output_like(gate);
-  npk_tensor gt = describe(gate, op, "gate"), ut = describe(up, op, "up"), yt = describe(y, op, "y");
-  const npk_swiglu_options o = swiglu_options(-1, eager);
-  Call call(op);
-  call.tensors({&gate, &up, &y});
-  call.outputs({&y});  // just allocated: the store policy (glue.h)
-  call.run(
-      [&](size_t *bytes) { return npk_swiglu_workspace_size(&gt, &ut, &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) { return npk_swiglu(&gt, &ut, &o, &yt, ws, bytes, call.exec()); });
-  return y;
-}
-
-std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy_in, const at::Tensor &gate_in,
-                                                     const at::Tensor &up_in, bool eager) {
-  const char *op = "npukern::silu_mul_backward";
-  at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), gate = cpu_contiguous(gate_in, op, "gate");
-  at::Tensor up = cpu_contiguous(up_in, op, "up");
-  at::Tensor dgate = empty_output_like(gate);
-  at::Tensor dup = empty_output_like(gate);
-  npk_tensor dyt = describe(dy, op, "dy"), gt = describe(gate, op, "gate"), ut = describe(up, op, "up");
-  npk_tensor dgt = describe(dgate, op, "dgate"), dut = describe(dup, op, "dup");
-  const npk_swiglu_options o = swiglu_options(-1, eager);
-  Call call(op);
-  call.tensors({&dy, &gate, &up, &dgate, &dup});
-  call.outputs({&dgate, &dup});  // just allocated: the store policy (glue.h)
-  call.run(
-      [&](size_t *bytes) { return npk_swiglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) { return npk_swiglu_grad(&dyt, &gt, &ut, &o, &dgt, &dut, ws, bytes, call.exec()); });
-  return {dgate, dup};
-}
-
-std::tuple<at::Tensor, at::Tensor> geglu(const at::Tensor &x_in, int64_t dim, int64_t approximate,
-                                         bool activate_left, bool eager) {
-  const char *op = "npukern::geglu";
+// The split form's forward: y (half of x along `dim`) and, when `with_act`,
+// the activation's output laid out as y (GeGLU's gelu).
+template <class Options>
+std::tuple<at::Tensor, at::Tensor> gated_split(const char *op, const at::Tensor &x_in, int64_t dim,
+                                               const Options &o, bool with_act) {
   at::Tensor x = cpu_contiguous(x_in, op, "x");
   auto shape = half_shape(x, dim, op);
   at::Tensor y = empty_output(shape, x.scalar_type());
-  at::Tensor gelu = empty_output(shape, x.scalar_type());
-  npk_tensor xt = describe(x, op, "x"), yt = describe(y, op, "y"), gt = describe(gelu, op, "gelu");
-  const npk_geglu_options o = geglu_options(dim, approximate, activate_left, eager);
+  at::Tensor act = with_act ? empty_output(shape, x.scalar_type()) : at::Tensor();
+  npk_tensor xt = describe(x, op, "x"), yt = describe(y, op, "y");
+  npk_tensor at_ = with_act ? describe(act, op, "gelu") : npk_tensor{};
+  const npk_tensor *act_t = with_act ? &at_ : nullptr;
   Call call(op);
-  call.tensors({&x, &y, &gelu});
-  call.outputs({&y, &gelu});  // just allocated: the store policy (glue.h)
-  call.run([&](size_t *bytes) { return npk_geglu_workspace_size(&xt, nullptr, &o, call.exec(), bytes); },
-           [&](void *ws, size_t bytes) { return npk_geglu(&xt, nullptr, &o, &yt, &gt, ws, bytes, call.exec()); });
-  return {y, gelu};
+  call.tensors({&x, &y, with_act ? &act : nullptr});
+  call.outputs({&y, with_act ? &act : nullptr});  // just allocated: the store policy (glue.h)
+  call.run([&](size_t *bytes) { return fwd_size(&xt, nullptr, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return fwd(&xt, nullptr, &o, &yt, act_t, ws, bytes, call.exec()); });
+  return {y, act};
 }
 
-at::Tensor geglu_backward(const at::Tensor &dy_in, const at::Tensor &x_in, int64_t dim, int64_t approximate,
-                          bool activate_left, bool eager) {
-  const char *op = "npukern::geglu_backward";
+// The split form's backward: dx, laid out as x.
+template <class Options>
+at::Tensor gated_split_backward(const char *op, const at::Tensor &dy_in, const at::Tensor &x_in, const Options &o) {
   at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), x = cpu_contiguous(x_in, op, "x");
   at::Tensor dx = empty_output_like(x);
   npk_tensor dyt = describe(dy, op, "dy"), xt = describe(x, op, "x"), dxt = describe(dx, op, "dx");
-  const npk_geglu_options o = geglu_options(dim, approximate, activate_left, eager);
   Call call(op);
   call.tensors({&dy, &x, &dx});
   call.outputs({&dx});  // just allocated: the store policy (glue.h)
-  call.run(
-      [&](size_t *bytes) { return npk_geglu_grad_workspace_size(&dyt, &xt, nullptr, &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) {
-        return npk_geglu_grad(&dyt, &xt, nullptr, &o, &dxt, nullptr, ws, bytes, call.exec());
-      });
+  call.run([&](size_t *bytes) { return grad_size(&dyt, &xt, nullptr, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return grad(&dyt, &xt, nullptr, &o, &dxt, nullptr, ws, bytes, call.exec()); });
   return dx;
 }
 
-at::Tensor gelu_mul(const at::Tensor &gate_in, const at::Tensor &up_in, int64_t approximate, bool eager) {
-  const char *op = "npukern::gelu_mul";
+// The two-tensor form's forward: `act(gate) * up`.
+template <class Options>
+at::Tensor gated_mul(const char *op, const at::Tensor &gate_in, const at::Tensor &up_in, const Options &o) {
   at::Tensor gate = cpu_contiguous(gate_in, op, "gate"), up = cpu_contiguous(up_in, op, "up");
   at::Tensor y = empty_output_like(gate);
   npk_tensor gt = describe(gate, op, "gate"), ut = describe(up, op, "up"), yt = describe(y, op, "y");
-  const npk_geglu_options o = geglu_options(-1, approximate, false, eager);
   Call call(op);
   call.tensors({&gate, &up, &y});
   call.outputs({&y});  // just allocated: the store policy (glue.h)
-  call.run([&](size_t *bytes) { return npk_geglu_workspace_size(&gt, &ut, &o, call.exec(), bytes); },
-           [&](void *ws, size_t bytes) { return npk_geglu(&gt, &ut, &o, &yt, nullptr, ws, bytes, call.exec()); });
+  call.run([&](size_t *bytes) { return fwd_size(&gt, &ut, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return fwd(&gt, &ut, &o, &yt, nullptr, ws, bytes, call.exec()); });
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor &dy_in, const at::Tensor &gate_in,
-                                                     const at::Tensor &up_in, int64_t approximate, bool eager) {
-  const char *op = "npukern::gelu_mul_backward";
+// The two-tensor form's backward: (dgate, dup).
+template <class Options>
+std::tuple<at::Tensor, at::Tensor> gated_mul_backward(const char *op, const at::Tensor &dy_in,
+                                                      const at::Tensor &gate_in, const at::Tensor &up_in,
+                                                      const Options &o) {
   at::Tensor dy = cpu_contiguous(dy_in, op, "dy"), gate = cpu_contiguous(gate_in, op, "gate");
   at::Tensor up = cpu_contiguous(up_in, op, "up");
   at::Tensor dgate = empty_output_like(gate);
   at::Tensor dup = empty_output_like(gate);
   npk_tensor dyt = describe(dy, op, "dy"), gt = describe(gate, op, "gate"), ut = describe(up, op, "up");
   npk_tensor dgt = describe(dgate, op, "dgate"), dut = describe(dup, op, "dup");
-  const npk_geglu_options o = geglu_options(-1, approximate, false, eager);
   Call call(op);
   call.tensors({&dy, &gate, &up, &dgate, &dup});
   call.outputs({&dgate, &dup});  // just allocated: the store policy (glue.h)
-  call.run(
-      [&](size_t *bytes) { return npk_geglu_grad_workspace_size(&dyt, &gt, &ut, &o, call.exec(), bytes); },
-      [&](void *ws, size_t bytes) { return npk_geglu_grad(&dyt, &gt, &ut, &o, &dgt, &dut, ws, bytes, call.exec()); });
+  call.run([&](size_t *bytes) { return grad_size(&dyt, &gt, &ut, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return grad(&dyt, &gt, &ut, &o, &dgt, &dut, ws, bytes, call.exec()); });
   return {dgate, dup};
+}
+
+}  // namespace
+
+at::Tensor swiglu(const at::Tensor &x, int64_t dim, bool eager) {
+  return std::get<0>(gated_split("npukern::swiglu", x, dim, swiglu_options(dim, eager), /*with_act=*/false));
+}
+
+at::Tensor swiglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, bool eager) {
+  return gated_split_backward("npukern::swiglu_backward", dy, x, swiglu_options(dim, eager));
+}
+
+at::Tensor silu_mul(const at::Tensor &gate, const at::Tensor &up, bool eager) {
+  return gated_mul("npukern::silu_mul", gate, up, swiglu_options(-1, eager));
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor &dy, const at::Tensor &gate,
+                                                     const at::Tensor &up, bool eager) {
+  return gated_mul_backward("npukern::silu_mul_backward", dy, gate, up, swiglu_options(-1, eager));
+}
+
+std::tuple<at::Tensor, at::Tensor> geglu(const at::Tensor &x, int64_t dim, int64_t approximate, bool activate_left,
+                                         bool eager) {
+  return gated_split("npukern::geglu", x, dim, geglu_options(dim, approximate, activate_left, eager),
+                     /*with_act=*/true);
+}
+
+at::Tensor geglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, int64_t approximate,
+                          bool activate_left, bool eager) {
+  return gated_split_backward("npukern::geglu_backward", dy, x,
+                              geglu_options(dim, approximate, activate_left, eager));
+}
+
+at::Tensor gelu_mul(const at::Tensor &gate, const at::Tensor &up, int64_t approximate, bool eager) {
+  return gated_mul("npukern::gelu_mul", gate, up, geglu_options(-1, approximate, false, eager));
+}
+
+std::tuple<at::Tensor, at::Tensor> gelu_mul_backward(const at::Tensor &dy, const at::Tensor &gate,
+                                                     const at::Tensor &up, int64_t approximate, bool eager) {
+  return gated_mul_backward("npukern::gelu_mul_backward", dy, gate, up, geglu_options(-1, approximate, false, eager));
 }
 
 at::Tensor rotary_mul(const at::Tensor &x_in, const at::Tensor &cos_in, const at::Tensor &sin_in, bool eager,
