@@ -118,11 +118,10 @@ bool thp_usable() {
 // Zen 3: 114 ms with huge pages at hand, 437 ms without; 4 KiB pages and
 // ordinary stores about 190). Reading the file costs tens of us, beside
 // milliseconds of writing an output of 8 MiB or more.
-bool huge_pages_free(size_t want) {
-  const long ps = sysconf(_SC_PAGESIZE);
-  if (ps <= 0) return false;
+// `page` is the base page size (a huge page is 2^order of them).
+bool huge_pages_free(size_t want, uintptr_t page) {
   int order = 0;
-  while ((static_cast<uintptr_t>(ps) << order) < kHugePage) ++order;
+  while ((page << order) < kHugePage) ++order;
   std::ifstream f("/proc/buddyinfo");
   std::string line;
   size_t have = 0;
@@ -164,7 +163,7 @@ Pages prepare_output(const at::Tensor &t) {
     return Pages::Resident;
   if (thp_usable()) {
     const uintptr_t a = (lo + kHugePage - 1) & ~(kHugePage - 1), b = hi & ~(kHugePage - 1);
-    if (b > a && huge_pages_free((b - a) / kHugePage) &&
+    if (b > a && huge_pages_free((b - a) / kHugePage, page) &&
         madvise(reinterpret_cast<void *>(a), b - a, MADV_HUGEPAGE) == 0)
       return Pages::FreshHuge;
   }
