@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 5
+#define NPK_ABI_VERSION_MINOR 6
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -50,6 +50,20 @@
  * pages. */
 #define NPK_OUTPUTS_FRESH 0x100u
 #define NPK_OUTPUTS_RESIDENT 0x200u
+
+/** npk_adamw_options.flags (ABI 2.6; the same bits as the Rust ADAMW_*). */
+/** Keep the running max of exp_avg_sq (amsgrad): max_exp_avg_sqs required. */
+#define NPK_ADAMW_AMSGRAD 0x1u
+/** Step along the gradient (maximize the objective). */
+#define NPK_ADAMW_MAXIMIZE 0x2u
+/** Adam's L2 weight decay (g += weight_decay * p) instead of AdamW's. */
+#define NPK_ADAMW_L2 0x4u
+/** Clip by the global gradient norm first (max_grad_norm), inside the step. */
+#define NPK_ADAMW_CLIP 0x8u
+/** Divide each gradient by grad_scale (AMP). */
+#define NPK_ADAMW_GRAD_SCALE 0x10u
+/** Skip the step when found_inf != 0 (AMP). */
+#define NPK_ADAMW_FOUND_INF 0x20u
 
 /**
  * Which SIMD implementation the CPU backend uses.
@@ -313,23 +327,98 @@ typedef struct npk_tensor {
 } npk_tensor;
 
 /**
- * Options of RmsNorm and AddRmsNorm. NULL options = `{ 1e-6, 0.0f,
- * NPK_ROUNDING_FUSED }`.
+ * A tensor list: `count` descriptors at `tensors` (NULL only when
+ * `count == 0`).
  */
-typedef struct npk_rms_norm_options {
+typedef struct npk_tensor_array {
   /**
-   * Added to the mean square; finite and >= 0.
+   * The first descriptor.
+   */
+  const struct npk_tensor *tensors;
+  /**
+   * How many.
+   */
+  size_t count;
+} npk_tensor_array;
+
+/**
+ * The lists of one AdamW step, tensor `i` of each having the same element
+ * count (see `npk_adamw`).
+ */
+typedef struct npk_adamw_tensors {
+  /**
+   * Parameters (updated in place).
+   */
+  struct npk_tensor_array params;
+  /**
+   * Gradients (read only).
+   */
+  struct npk_tensor_array grads;
+  /**
+   * First moments (updated in place).
+   */
+  struct npk_tensor_array exp_avgs;
+  /**
+   * Second moments (updated in place).
+   */
+  struct npk_tensor_array exp_avg_sqs;
+  /**
+   * amsgrad's running maxima (`NPK_ADAMW_AMSGRAD`), else empty.
+   */
+  struct npk_tensor_array max_exp_avg_sqs;
+  /**
+   * f32 master weights, or empty.
+   */
+  struct npk_tensor_array masters;
+} npk_adamw_tensors;
+
+/**
+ * The scalar arguments of one step (`npk_adamw_options`).
+ */
+typedef struct npk_adamw_options {
+  /**
+   * Learning rate, >= 0.
+   */
+  double lr;
+  /**
+   * First-moment decay, in [0, 1).
+   */
+  double beta1;
+  /**
+   * Second-moment decay, in [0, 1).
+   */
+  double beta2;
+  /**
+   * Added to the denominator, >= 0.
    */
   double eps;
   /**
-   * Added to gamma (1.0 for Gemma's zero-centred weights).
+   * Weight decay, >= 0 (decoupled unless `ADAMW_L2`).
    */
-  float gamma_offset;
+  double weight_decay;
   /**
-   * Where y is rounded.
+   * The step number after this step's increment (torch's `state["step"]`
+   * as the update sees it): 1 on the first step, at most 2^53.
    */
-  npk_rounding rounding;
-} npk_rms_norm_options;
+  uint64_t step;
+  /**
+   * With `ADAMW_CLIP`: the largest global gradient norm left unscaled,
+   * >= 0 and not NaN (+Inf: measure the norm, never clip).
+   */
+  double max_grad_norm;
+  /**
+   * With `ADAMW_GRAD_SCALE`: each gradient is divided by it.
+   */
+  float grad_scale;
+  /**
+   * With `ADAMW_FOUND_INF`: a nonzero value skips the step.
+   */
+  float found_inf;
+  /**
+   * `ADAMW_*` bits.
+   */
+  uint32_t flags;
+} npk_adamw_options;
 
 /**
  * A host runner. Must call `task(task_ctx, b)` exactly once for every `b` in
@@ -1165,6 +1254,229 @@ typedef struct npk_geglu_grad_call {
 } npk_geglu_grad_call;
 
 /**
+ * One row of a segment table (`npk_list_seg`): a non-empty tensor and where
+ * it starts in its list's flat element sequence.
+ */
+typedef struct npk_list_seg {
+  /**
+   * The tensor's first element.
+   */
+  void *data;
+  /**
+   * Its first element's index in the flat sequence.
+   */
+  size_t start;
+  /**
+   * Its element count (> 0).
+   */
+  size_t numel;
+  /**
+   * Its element type.
+   */
+  npk_dtype dtype;
+} npk_list_seg;
+
+/**
+ * A lowered tensor list as a call struct carries it (`npk_tensor_list`):
+ * its segment table (in the call's workspace) and the dtype every tensor
+ * of it has. An absent optional list has `count == 0` and NULL `segs`.
+ */
+typedef struct npk_tensor_list {
+  /**
+   * `count` rows, in list order (empty tensors are left out).
+   */
+  const struct npk_list_seg *segs;
+  /**
+   * Rows in the table.
+   */
+  size_t count;
+  /**
+   * Element type of every tensor in the list.
+   */
+  npk_dtype dtype;
+} npk_tensor_list;
+
+/**
+ * The options' f32 constants, formed once in f64 and rounded once.
+ */
+typedef struct npk_adamw_consts {
+  /**
+   * `lr / (1 - beta1^step)`.
+   */
+  float step_size;
+  /**
+   * `sqrt(1 - beta2^step)`.
+   */
+  float bias_correction2_sqrt;
+  /**
+   * `beta1`.
+   */
+  float beta1;
+  /**
+   * `1 - beta1`.
+   */
+  float one_minus_beta1;
+  /**
+   * `beta2`.
+   */
+  float beta2;
+  /**
+   * `1 - beta2`.
+   */
+  float one_minus_beta2;
+  /**
+   * `eps`.
+   */
+  float eps;
+  /**
+   * Decoupled: `1 - lr * weight_decay`; L2 mode: 1.
+   */
+  float decay;
+  /**
+   * L2 mode: `weight_decay`; decoupled: 0.
+   */
+  float l2;
+  /**
+   * `grad_scale` with `ADAMW_GRAD_SCALE`, else 1.
+   */
+  float grad_scale;
+  /**
+   * -1 with `ADAMW_MAXIMIZE`, else 1.
+   */
+  float sign;
+  /**
+   * The clip coefficient (1 until the norm is known; the backend
+   * computes it under `ADAMW_CLIP`).
+   */
+  float clip_coef;
+} npk_adamw_consts;
+
+/**
+ * What a step did (`npk_adamw_result`).
+ */
+typedef struct npk_adamw_result {
+  /**
+   * With `ADAMW_CLIP`: the global gradient norm before clipping (after
+   * unscaling); NaN otherwise.
+   */
+  double grad_norm;
+  /**
+   * 1 when params and moments were updated; 0 when the step was skipped
+   * (`found_inf`, or a non-finite norm under `ADAMW_CLIP`).
+   */
+  uint32_t stepped;
+} npk_adamw_result;
+
+/**
+ * Tiling of one AdamW step (the TilingData an NPU kernel would receive).
+ *
+ * Workspace layout, from the 64-byte aligned start: six segment tables of
+ * `tensors` rows each (params, grads, exp_avgs, exp_avg_sqs,
+ * max_exp_avg_sqs, masters; an absent list's table is left unwritten),
+ * `table_stride` bytes apart; then the host's overlap scratch (16 bytes per
+ * tensor, plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
+ * partial per block for the norm.
+ */
+typedef struct npk_adamw_tiling {
+  /**
+   * Non-empty tensors per list (rows of each table).
+   */
+  uint64_t tensors;
+  /**
+   * Elements per list.
+   */
+  uint64_t elements;
+  /**
+   * Blocks the flat element range is cut into (0 when there are none).
+   */
+  uint32_t blocks;
+  /**
+   * Reserved, zero.
+   */
+  uint32_t reserved;
+  /**
+   * Elements per block, a multiple of 16; the last block may have fewer.
+   */
+  uint64_t elems_per_block;
+  /**
+   * Offset of the first table from the aligned workspace start.
+   */
+  uint64_t table_offset;
+  /**
+   * Bytes from one table to the next.
+   */
+  uint64_t table_stride;
+  /**
+   * Offset of the overlap scratch.
+   */
+  uint64_t scratch_offset;
+  /**
+   * Offset of the clip's per-block partials (`ADAMW_CLIP` only).
+   */
+  uint64_t partials_offset;
+  /**
+   * Total workspace bytes, alignment slack included (0 when there are no
+   * elements).
+   */
+  uint64_t workspace_bytes;
+} npk_adamw_tiling;
+
+/**
+ * The validated arguments of one step (`npk_adamw_call`): the lowered
+ * lists, the options and their f32 constants, the plan and the workspace.
+ */
+typedef struct npk_adamw_call {
+  /**
+   * Parameters (written; read too unless `masters` is given).
+   */
+  struct npk_tensor_list params;
+  /**
+   * Gradients (read only).
+   */
+  struct npk_tensor_list grads;
+  /**
+   * First moments (read and written).
+   */
+  struct npk_tensor_list exp_avgs;
+  /**
+   * Second moments (read and written).
+   */
+  struct npk_tensor_list exp_avg_sqs;
+  /**
+   * amsgrad's maxima (read and written), or empty.
+   */
+  struct npk_tensor_list max_exp_avg_sqs;
+  /**
+   * f32 masters (read and written), or empty.
+   */
+  struct npk_tensor_list masters;
+  /**
+   * The caller's options.
+   */
+  struct npk_adamw_options options;
+  /**
+   * The options' f32 constants every backend uses.
+   */
+  struct npk_adamw_consts consts;
+  /**
+   * Output: what the step did.
+   */
+  struct npk_adamw_result *report;
+  /**
+   * The tiling plan.
+   */
+  struct npk_adamw_tiling tiling;
+  /**
+   * The caller's workspace (the segment tables, the clip's partials).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_adamw_call;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -1238,6 +1550,13 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*geglu_grad)(void *ctx,
                            const struct npk_geglu_grad_call *call);
+  /**
+   * AdamW / Adam over tensor lists (ABI 2.6). The entry runs the whole
+   * step: under `ADAMW_CLIP` it takes the grads' norm, and it writes
+   * `call->report`.
+   */
+  npk_status (*adamw)(void *ctx,
+                      const struct npk_adamw_call *call);
 } npk_foreign_backend;
 
 /**
@@ -1324,6 +1643,25 @@ typedef struct npk_exec {
    */
   struct npk_error_detail *detail;
 } npk_exec;
+
+/**
+ * Options of RmsNorm and AddRmsNorm. NULL options = `{ 1e-6, 0.0f,
+ * NPK_ROUNDING_FUSED }`.
+ */
+typedef struct npk_rms_norm_options {
+  /**
+   * Added to the mean square; finite and >= 0.
+   */
+  double eps;
+  /**
+   * Added to gamma (1.0 for Gemma's zero-centred weights).
+   */
+  float gamma_offset;
+  /**
+   * Where y is rounded.
+   */
+  npk_rounding rounding;
+} npk_rms_norm_options;
 
 /**
  * Options of CrossEntropy, its gradient and the fused form. NULL options =
@@ -1530,6 +1868,40 @@ void npk_threads_parallel_for(void *runner_ctx,
                               size_t n_blocks,
                               npk_task_fn task,
                               void *task_ctx);
+
+/**
+ * Workspace bytes `npk_adamw` needs for these lists and options (the same
+ * `exec` must be passed to both calls: the plan depends on its `blocks`).
+ *
+ * # Safety
+ * `tensors` and `options` are NULL or readable, each array of descriptors
+ * readable for its count; the other pointers NULL or valid. Data is not
+ * read.
+ */
+enum npk_status npk_adamw_workspace_size(const struct npk_adamw_tensors *tensors,
+                                         const struct npk_adamw_options *options,
+                                         const struct npk_exec *exec,
+                                         size_t *workspace_bytes);
+
+/**
+ * One AdamW / Adam step over the lists (docs/operators.md, "AdamW"): params,
+ * moments, maxima and masters updated in place, gradients read only. Params
+ * and grads: f32 | f16 | bf16, one dtype per list; moments f32 or the
+ * params' dtype; masters f32. No two tensors, the workspace and `*result`
+ * may overlap. `result` (NULL: not wanted) receives the clip's norm and
+ * whether the step ran. On error nothing is written.
+ *
+ * # Safety
+ * As for the size call, and every tensor's `data` is valid for reads (and,
+ * but for grads, writes) of its shape and dtype, live for the call;
+ * `result` is NULL or writable.
+ */
+enum npk_status npk_adamw(const struct npk_adamw_tensors *tensors,
+                          const struct npk_adamw_options *options,
+                          struct npk_adamw_result *result,
+                          void *workspace,
+                          size_t workspace_bytes,
+                          const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_add_rms_norm` needs for these arguments.

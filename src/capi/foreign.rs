@@ -13,6 +13,7 @@ use core::mem::{offset_of, size_of};
 use super::types::RawStatus;
 use crate::backend::Backend;
 use crate::error::{invalid_fmt, Error, Result};
+use crate::ops::adamw::AdamWCall;
 use crate::ops::add_rms_norm::AddRmsNormCall;
 use crate::ops::cross_entropy::CrossEntropyCall;
 use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
@@ -74,6 +75,10 @@ pub struct npk_foreign_backend {
     /// GeGluGrad (ABI 2.5).
     pub geglu_grad:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const GegluGradCall) -> RawStatus>,
+    /// AdamW / Adam over tensor lists (ABI 2.6). The entry runs the whole
+    /// step: under `ADAMW_CLIP` it takes the grads' norm, and it writes
+    /// `call->report`.
+    pub adamw: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const AdamWCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -118,6 +123,7 @@ impl npk_foreign_backend {
             cross_entropy: None,
             geglu: None,
             geglu_grad: None,
+            adamw: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -149,6 +155,7 @@ impl npk_foreign_backend {
                 Op::CrossEntropy(c) => self.cross_entropy.map(|f| f(ctx, c)),
                 Op::Geglu(c) => self.geglu.map(|f| f(ctx, c)),
                 Op::GegluGrad(c) => self.geglu_grad.map(|f| f(ctx, c)),
+                Op::AdamW(c) => self.adamw.map(|f| f(ctx, c)),
             }
         }
     }

@@ -95,6 +95,7 @@ macro_rules! operators {
 
 // Each operator's folder, declared here rather than by `operators!` so that
 // cbindgen (which does not expand macros) finds the C entry points.
+pub mod adamw;
 pub mod add_rms_norm;
 pub mod cross_entropy;
 pub mod embedding_dense_grad;
@@ -127,12 +128,15 @@ operators! {
     Geglu = 8 => geglu::GegluCall, "geglu";
     /// GeGluGrad (`GegluGradCall`).
     GegluGrad = 9 => geglu_grad::GegluGradCall, "geglu_grad";
+    /// AdamW / Adam over tensor lists (`AdamWCall`).
+    AdamW = 10 => adamw::AdamWCall, "adamw";
 }
 
 pub mod elementwise;
 pub(crate) mod gated;
 
 pub mod grad_stats;
+pub mod list;
 pub mod norm;
 
 use crate::lanes::detect::Available;

@@ -17,12 +17,12 @@ use core::mem::size_of;
 
 use crate::capi::exec::run;
 use crate::capi::skin::{self, CapiOp};
-use crate::capi::types::{npk_error_detail, npk_exec, npk_status, read_tensor};
-use crate::error::{invalid, Error, Result};
+use crate::capi::types::{npk_exec, npk_status};
+use crate::error::{Error, Result};
 use crate::ops::grad_stats::{
-    clip_with, first_bad, plan_of, stats_with, ClipGradNormOptions, GradSource, GradSummary,
-    OutRange, ARG,
+    clip_with, plan_of, stats_with, ClipGradNormOptions, GradSummary, OutRange, ARG,
 };
+use crate::ops::list::{mark_first_bad, CList};
 use crate::ops::Exec;
 use crate::tensor::RawTensor;
 use crate::tiling::UbConfig;
@@ -58,52 +58,6 @@ impl From<GradSummary> for npk_grad_summary {
     }
 }
 
-/// The caller's `const npk_tensor* tensors, size_t count`.
-#[derive(Clone, Copy)]
-struct CList {
-    p: *const RawTensor,
-    n: usize,
-}
-
-impl CList {
-    fn new(p: *const RawTensor, n: usize) -> Result<CList> {
-        if n == 0 {
-            return Ok(CList { p, n });
-        }
-        if p.is_null() {
-            return Err(Error::NullPointer { arg: ARG });
-        }
-        n.checked_mul(size_of::<RawTensor>())
-            .filter(|&b| b <= isize::MAX as usize)
-            .and_then(|b| (p as usize).checked_add(b))
-            .ok_or(Error::SizeOverflow { arg: ARG })?;
-        Ok(CList { p, n })
-    }
-}
-
-impl GradSource for CList {
-    fn count(&self) -> usize {
-        self.n
-    }
-    fn get(&mut self, i: usize) -> Result<(*mut c_void, crate::dtype::DType, usize)> {
-        if i >= self.n {
-            return Err(invalid(ARG, "index past the list"));
-        }
-        // SAFETY: `CList::new` checked the array's extent; the caller of the
-        // exported function promises `count` readable descriptors.
-        let t = unsafe { read_tensor(self.p.add(i), ARG)? };
-        let c = t.check(ARG)?;
-        if !t.dtype.is_float() {
-            return Err(crate::error::dtype_err!(
-                ARG,
-                "tensor {i} has dtype {}, not f32, f16 or bf16",
-                t.dtype
-            ));
-        }
-        Ok((t.data, t.dtype, c.numel))
-    }
-}
-
 /// The size call's skin: the list is all it reads (the runs have no
 /// `OpCall`: they run the engine themselves).
 impl CapiOp for CList {
@@ -111,7 +65,7 @@ impl CapiOp for CList {
     type Inputs = CList;
 
     unsafe fn read((p, n): Self::Args) -> Result<CList> {
-        CList::new(p, n)
+        CList::new(p, n, ARG)
     }
 
     fn plan(list: &CList, ub: &UbConfig) -> Result<u64> {
@@ -157,7 +111,7 @@ unsafe fn run_list<R>(
             if out.is_null() {
                 return Err(Error::NullPointer { arg: name });
             }
-            let mut l = CList::new(tensors, count)?;
+            let mut l = CList::new(tensors, count, ARG)?;
             let o = OutRange {
                 name,
                 addr: out as usize,
@@ -180,31 +134,9 @@ unsafe fn run_list<R>(
 /// `exec` is NULL or readable with a NULL or writable `detail`; `list` as
 /// for the exported functions.
 unsafe fn mark_bad_tensor(exec: *const npk_exec, list: *const RawTensor, count: usize) {
-    if exec.is_null() {
-        return;
-    }
-    // SAFETY: readable (caller).
-    let detail: *mut npk_error_detail =
-        unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() };
-    if detail.is_null() {
-        return;
-    }
-    // SAFETY: readable (caller); plain bytes.
-    let arg = unsafe { core::ptr::addr_of!((*detail).argument).read_unaligned() };
-    let named = ARG
-        .bytes()
-        .chain([0])
-        .zip(arg)
-        .all(|(a, b)| a as core::ffi::c_char == b);
-    if !named {
-        return;
-    }
-    let Ok(mut l) = CList::new(list, count) else {
-        return;
-    };
-    if let Some(i) = first_bad(&mut l) {
-        // SAFETY: writable (caller); a plain integer field.
-        unsafe { core::ptr::addr_of_mut!((*detail).position).write_unaligned(i as i64) };
+    if let Ok(l) = CList::new(list, count, ARG) {
+        // SAFETY: forwarded from the caller.
+        unsafe { mark_first_bad(exec, &mut [l]) }
     }
 }
 

@@ -70,7 +70,7 @@ pub(crate) mod capi;
 mod cpu;
 mod minmax;
 mod plan;
-mod reference;
+pub(crate) mod reference;
 mod types;
 
 use crate::lanes::detect::Available;
@@ -80,8 +80,9 @@ pub use plan::{GradTiling, GRAD_MIN_BLOCK_ELEMS};
 pub use types::{ClipGradNormOptions, GradSummary, GradTensor, GradTensorMut};
 
 #[cfg_attr(not(feature = "capi"), allow(unused_imports))] // for the C ABI
-pub(crate) use plan::{first_bad, plan_of, GradSource, ARG};
-use plan::{Partial, RawList, RoList, RwList, Seg};
+pub(crate) use plan::{plan_of, GradSource, ARG};
+pub(crate) use plan::{Partial, Seg};
+use plan::{RawList, RoList, RwList};
 
 use super::{dispatch_isa, Exec};
 use crate::backend::GradEngine;
@@ -103,7 +104,7 @@ pub fn clip_coefficient(total_norm: f64, max_norm: f64) -> f32 {
 /// Workspace bytes `grad_stats` needs for these tensors under `exec.ub`
 /// (depends on the number of non-empty tensors and the element count only).
 pub fn grad_stats_workspace_size(exec: &Exec<'_>, tensors: &[GradTensor<'_>]) -> Result<usize> {
-    bytes_of(plan_of(&mut RoList(tensors), &exec.ub)?)
+    bytes_of(plan_of(&mut RoList(tensors, ARG), &exec.ub)?)
 }
 
 /// Workspace bytes `clip_grad_norm` needs: the same as `grad_stats` for the
@@ -120,7 +121,7 @@ pub fn clip_grad_norm_workspace_size(
 /// `grad_stats_workspace_size` for C-style descriptors (validates them; the
 /// data pointers are not dereferenced).
 pub fn grad_stats_workspace_size_raw(exec: &Exec<'_>, tensors: &[RawTensor]) -> Result<usize> {
-    bytes_of(plan_of(&mut RawList(tensors), &exec.ub)?)
+    bytes_of(plan_of(&mut RawList(tensors, ARG), &exec.ub)?)
 }
 
 /// Sum of squares, NaN/Inf counts, min, max and absmax over every element of
@@ -132,7 +133,7 @@ pub fn grad_stats(
     workspace: &mut [u8],
 ) -> Result<GradSummary> {
     let ws = workspace.as_mut_ptr() as *mut c_void;
-    stats_with(exec, &mut RoList(tensors), ws, workspace.len(), None)
+    stats_with(exec, &mut RoList(tensors, ARG), ws, workspace.len(), None)
 }
 
 /// `torch.nn.utils.clip_grad_norm_` (L2): returns the total norm of all
@@ -149,7 +150,7 @@ pub fn clip_grad_norm(
 ) -> Result<f64> {
     let ws = workspace.as_mut_ptr() as *mut c_void;
     let n = workspace.len();
-    clip_with(exec, &mut RwList(tensors), opts, ws, n, None)
+    clip_with(exec, &mut RwList(tensors, ARG), opts, ws, n, None)
 }
 
 /// `grad_stats` over C-style descriptors (what `npk_grad_stats` runs).
@@ -168,7 +169,7 @@ pub unsafe fn grad_stats_raw(
 ) -> Result<GradSummary> {
     stats_with(
         exec,
-        &mut RawList(tensors),
+        &mut RawList(tensors, ARG),
         workspace,
         workspace_bytes,
         None,
@@ -187,7 +188,7 @@ pub unsafe fn clip_grad_norm_raw(
     workspace: *mut c_void,
     workspace_bytes: usize,
 ) -> Result<f64> {
-    let mut l = RawList(tensors);
+    let mut l = RawList(tensors, ARG);
     clip_with(exec, &mut l, opts, workspace, workspace_bytes, None)
 }
 
@@ -396,16 +397,38 @@ unsafe fn run_stats(p: &Prepared, isa: Available, runner: &dyn Runner) -> GradSu
     if p.t.blocks == 0 {
         return cpu::combine(&[], 0);
     }
+    // SAFETY: `prepare` wrote `t.tensors` rows at `segs`.
+    let segs = unsafe { core::slice::from_raw_parts(p.segs, p.t.tensors as usize) };
     // SAFETY: forwarded.
-    unsafe { dispatch_isa!(isa, L => stats_blocks::<L>(p, runner)) }
+    unsafe { stats_table(segs, &p.t, p.parts, isa, runner) }
 }
 
-unsafe fn stats_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner) -> GradSummary {
-    let t = p.t;
+/// The statistics of the tensors of a segment table cut by `t` (at least
+/// one block), with the blocks' partials in `parts`: what `grad_stats` runs,
+/// and AdamW's clip on its grads' table.
+///
+/// # Safety
+/// `segs` is the validated table of `t`'s tensors; `parts` is writable for
+/// `t.blocks` partials that nothing else uses; `isa` is available.
+pub(crate) unsafe fn stats_table(
+    segs: &[Seg],
+    t: &GradTiling,
+    parts: *mut Partial,
+    isa: Available,
+    runner: &dyn Runner,
+) -> GradSummary {
+    // SAFETY: forwarded.
+    unsafe { dispatch_isa!(isa, L => stats_blocks::<L>(segs, t, parts, runner)) }
+}
+
+unsafe fn stats_blocks<L: Lanes>(
+    segs: &[Seg],
+    t: &GradTiling,
+    parts: *mut Partial,
+    runner: &dyn Runner,
+) -> GradSummary {
     let nb = t.blocks as usize;
-    // SAFETY: `prepare` wrote `t.tensors` rows at `segs`.
-    let segs = unsafe { core::slice::from_raw_parts(p.segs, t.tensors as usize) };
-    let parts = Dst(p.parts);
+    let dst = Dst(parts);
     runner.parallel_for(nb, &|b| {
         if b < nb {
             // SAFETY: the table describes validated tensors; `isa` was
@@ -413,16 +436,16 @@ unsafe fn stats_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner) -> GradSumma
             let r = unsafe {
                 L::enter(
                     #[inline(always)]
-                    || cpu::block_stats::<L>(segs, &t, b),
+                    || cpu::block_stats::<L>(segs, t, b),
                 )
             };
             // SAFETY: partial b is block b's alone; b < blocks.
-            unsafe { parts.get(b, 1)[0] = r };
+            unsafe { dst.get(b, 1)[0] = r };
         }
     });
     // SAFETY: every block wrote its partial (the runner contract) and the
     // runner has returned.
-    let parts = unsafe { core::slice::from_raw_parts(p.parts, nb) };
+    let parts = unsafe { core::slice::from_raw_parts(parts, nb) };
     cpu::combine(parts, t.elements)
 }
 

@@ -4,15 +4,15 @@
 //! `UbConfig::blocks` alone, so the same tensors always give the same blocks
 //! (and the same bits), whatever runs them.
 
-use core::ffi::c_void;
 use core::mem::size_of;
 
-use super::types::{GradTensor, GradTensorMut};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::lanes::GROUP;
-use crate::tensor::RawTensor;
 use crate::tiling::{UbConfig, WORKSPACE_ALIGN};
+
+pub(crate) use crate::ops::list::{
+    ListSeg as Seg, ListSource as GradSource, RawList, RoList, RwList, ARG,
+};
 
 /// Smallest block the plan cuts (elements): below it, a block's bookkeeping
 /// would cost more than its data.
@@ -56,6 +56,9 @@ fn round_up(n: usize, m: usize) -> Option<usize> {
 }
 
 impl GradTiling {
+    /// Elements per window of the stats kernel (`window_elems`).
+    pub const WINDOW_ELEMS: u64 = (super::cpu::WINDOW_GROUPS * GROUP) as u64;
+
     /// Plans `elements` elements held by `tensors` non-empty tensors.
     pub fn new(tensors: usize, elements: usize, cfg: &UbConfig) -> Result<GradTiling> {
         cfg.validate()?;
@@ -63,7 +66,7 @@ impl GradTiling {
         let mut t = GradTiling {
             tensors: tensors as u64,
             elements: elements as u64,
-            window_elems: (super::cpu::WINDOW_GROUPS * GROUP) as u64,
+            window_elems: Self::WINDOW_ELEMS,
             ..Default::default()
         };
         if elements == 0 {
@@ -102,30 +105,6 @@ impl GradTiling {
     }
 }
 
-/// One row of the segment table: a non-empty tensor and where it starts in
-/// the flat element sequence.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Seg {
-    pub data: *mut c_void,
-    pub start: usize,
-    pub numel: usize,
-    pub dtype: DType,
-}
-
-// SAFETY: a Seg is a descriptor of validated memory; the kernels read the
-// tensors from any block and write (clip only) disjoint flat ranges of
-// tensors validated not to overlap.
-unsafe impl Sync for Seg {}
-// SAFETY: as above.
-unsafe impl Send for Seg {}
-
-impl Seg {
-    pub fn end(&self) -> usize {
-        self.start + self.numel
-    }
-}
-
 /// One block's result, on its own cache line.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug)]
@@ -137,81 +116,6 @@ pub(crate) struct Partial {
     pub min: f32,
     /// -Inf when the block has no finite element.
     pub max: f32,
-}
-
-/// A list of gradient tensors the front end lowers to the segment table.
-/// `get` validates tensor `i` and returns its data pointer (with the
-/// provenance the kernels may use: mutable for `GradTensorMut`), dtype and
-/// element count.
-pub(crate) trait GradSource {
-    fn count(&self) -> usize;
-    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)>;
-}
-
-/// The argument name every list error carries.
-pub(crate) const ARG: &str = "tensors";
-
-pub(crate) struct RoList<'l, 'a>(pub &'l [GradTensor<'a>]);
-pub(crate) struct RwList<'l, 'a>(pub &'l mut [GradTensorMut<'a>]);
-pub(crate) struct RawList<'l>(pub &'l [RawTensor]);
-
-impl GradSource for RoList<'_, '_> {
-    fn count(&self) -> usize {
-        self.0.len()
-    }
-    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        let t = self
-            .0
-            .get(i)
-            .ok_or(crate::error::invalid(ARG, "index past the list"))?;
-        // Read-only pointers: the stats kernel never writes through them.
-        let p = match t {
-            GradTensor::F32(s) => s.as_ptr() as *mut c_void,
-            GradTensor::F16(s) => s.as_ptr() as *mut c_void,
-            GradTensor::BF16(s) => s.as_ptr() as *mut c_void,
-        };
-        Ok((p, t.dtype(), t.len()))
-    }
-}
-
-impl GradSource for RwList<'_, '_> {
-    fn count(&self) -> usize {
-        self.0.len()
-    }
-    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        let t = self
-            .0
-            .get_mut(i)
-            .ok_or(crate::error::invalid(ARG, "index past the list"))?;
-        let (dt, n) = (t.dtype(), t.len());
-        let p = match t {
-            GradTensorMut::F32(s) => s.as_mut_ptr() as *mut c_void,
-            GradTensorMut::F16(s) => s.as_mut_ptr() as *mut c_void,
-            GradTensorMut::BF16(s) => s.as_mut_ptr() as *mut c_void,
-        };
-        Ok((p, dt, n))
-    }
-}
-
-impl GradSource for RawList<'_> {
-    fn count(&self) -> usize {
-        self.0.len()
-    }
-    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        let t = self
-            .0
-            .get(i)
-            .ok_or(crate::error::invalid(ARG, "index past the list"))?;
-        let c = t.check(ARG)?;
-        if !t.dtype.is_float() {
-            return Err(crate::error::dtype_err!(
-                ARG,
-                "tensor {i} has dtype {}, not f32, f16 or bf16",
-                t.dtype
-            ));
-        }
-        Ok((t.data, t.dtype, c.numel))
-    }
 }
 
 /// Validates every tensor and cuts the plan.
@@ -228,12 +132,6 @@ pub(crate) fn plan_of<S: GradSource>(src: &mut S, ub: &UbConfig) -> Result<GradT
         }
     }
     GradTiling::new(segs, total, ub)
-}
-
-/// Index of the first tensor `get` rejects (for the C ABI's error detail).
-#[cfg_attr(not(feature = "capi"), allow(dead_code))] // used by the C ABI
-pub(crate) fn first_bad<S: GradSource>(src: &mut S) -> Option<usize> {
-    (0..src.count()).find(|&i| src.get(i).is_err())
 }
 
 #[cfg(test)]

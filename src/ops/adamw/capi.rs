@@ -1,0 +1,166 @@
+//! `npk_adamw_workspace_size` / `npk_adamw`: a skin over `ops::adamw` (the
+//! same validation, plan and kernels as the Rust API). Lists are
+//! `npk_tensor_array`s, aclnn's foreach calls' `aclTensorList`s; on a list
+//! error the detail's `position` is the index of the first bad tensor of
+//! the list it names.
+
+use core::ffi::c_void;
+use core::mem::size_of;
+
+use super::{plan, AdamWOptions, AdamWReport, Lists};
+use crate::capi::exec::{run, run_size};
+use crate::capi::types::{npk_exec, npk_status};
+use crate::error::{Error, Result};
+use crate::ops::list::{mark_first_bad, CList};
+use crate::tensor::RawTensor;
+
+/// A tensor list: `count` descriptors at `tensors` (NULL only when
+/// `count == 0`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct npk_tensor_array {
+    /// The first descriptor.
+    pub tensors: *const RawTensor,
+    /// How many.
+    pub count: usize,
+}
+
+/// The lists of one AdamW step, tensor `i` of each having the same element
+/// count (see `npk_adamw`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct npk_adamw_tensors {
+    /// Parameters (updated in place).
+    pub params: npk_tensor_array,
+    /// Gradients (read only).
+    pub grads: npk_tensor_array,
+    /// First moments (updated in place).
+    pub exp_avgs: npk_tensor_array,
+    /// Second moments (updated in place).
+    pub exp_avg_sqs: npk_tensor_array,
+    /// amsgrad's running maxima (`NPK_ADAMW_AMSGRAD`), else empty.
+    pub max_exp_avg_sqs: npk_tensor_array,
+    /// f32 master weights, or empty.
+    pub masters: npk_tensor_array,
+}
+
+/// The six lists, read.
+struct CLists([CList; 6]);
+
+impl CLists {
+    /// # Safety
+    /// `t` is NULL or readable.
+    unsafe fn read(t: *const npk_adamw_tensors) -> Result<CLists> {
+        if t.is_null() {
+            return Err(Error::NullPointer { arg: "tensors" });
+        }
+        // SAFETY: non-NULL and readable (caller); plain pointers and sizes.
+        let t = unsafe { t.read_unaligned() };
+        let l = |a: npk_tensor_array, name| CList::new(a.tensors, a.count, name);
+        Ok(CLists([
+            l(t.params, "params")?,
+            l(t.grads, "grads")?,
+            l(t.exp_avgs, "exp_avgs")?,
+            l(t.exp_avg_sqs, "exp_avg_sqs")?,
+            l(t.max_exp_avg_sqs, "max_exp_avg_sqs")?,
+            l(t.masters, "masters")?,
+        ]))
+    }
+
+    fn with<R>(&mut self, f: impl FnOnce(&mut Lists<'_>) -> R) -> R {
+        let [p, g, m, v, x, w] = &mut self.0;
+        f(&mut Lists {
+            params: p,
+            grads: g,
+            exp_avgs: m,
+            exp_avg_sqs: v,
+            max_exp_avg_sqs: x,
+            masters: w,
+        })
+    }
+}
+
+/// # Safety
+/// `o` is NULL or readable.
+unsafe fn read_options(o: *const AdamWOptions) -> Result<AdamWOptions> {
+    if o.is_null() {
+        return Err(Error::NullPointer { arg: "options" });
+    }
+    // SAFETY: non-NULL and readable (caller); every field is a plain number.
+    Ok(unsafe { o.read_unaligned() })
+}
+
+/// On failure, marks the first bad tensor of the list the error names.
+///
+/// # Safety
+/// As for the exported functions.
+unsafe fn marked(s: npk_status, exec: *const npk_exec, t: *const npk_adamw_tensors) -> npk_status {
+    if s != npk_status::NPK_OK {
+        // SAFETY: forwarded.
+        if let Ok(mut l) = unsafe { CLists::read(t) } {
+            // SAFETY: forwarded.
+            unsafe { mark_first_bad(exec, &mut l.0) };
+        }
+    }
+    s
+}
+
+/// Workspace bytes `npk_adamw` needs for these lists and options (the same
+/// `exec` must be passed to both calls: the plan depends on its `blocks`).
+///
+/// # Safety
+/// `tensors` and `options` are NULL or readable, each array of descriptors
+/// readable for its count; the other pointers NULL or valid. Data is not
+/// read.
+#[no_mangle]
+pub unsafe extern "C" fn npk_adamw_workspace_size(
+    tensors: *const npk_adamw_tensors,
+    options: *const AdamWOptions,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        let s = run_size(exec, workspace_bytes, |e| {
+            let o = read_options(options)?;
+            CLists::read(tensors)?.with(|l| Ok(plan::plan_lists(l, &o, &e.ub)?.workspace_bytes))
+        });
+        marked(s, exec, tensors)
+    }
+}
+
+/// One AdamW / Adam step over the lists (docs/operators.md, "AdamW"): params,
+/// moments, maxima and masters updated in place, gradients read only. Params
+/// and grads: f32 | f16 | bf16, one dtype per list; moments f32 or the
+/// params' dtype; masters f32. No two tensors, the workspace and `*result`
+/// may overlap. `result` (NULL: not wanted) receives the clip's norm and
+/// whether the step ran. On error nothing is written.
+///
+/// # Safety
+/// As for the size call, and every tensor's `data` is valid for reads (and,
+/// but for grads, writes) of its shape and dtype, live for the call;
+/// `result` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn npk_adamw(
+    tensors: *const npk_adamw_tensors,
+    options: *const AdamWOptions,
+    result: *mut AdamWReport,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe {
+        let s = run(exec, |e| {
+            let o = read_options(options)?;
+            let out = (!result.is_null()).then_some((result as usize, size_of::<AdamWReport>()));
+            let r = CLists::read(tensors)?
+                .with(|l| plan::launch(e, l, &o, workspace, workspace_bytes, out))?;
+            if !result.is_null() {
+                result.write_unaligned(r);
+            }
+            Ok(())
+        });
+        marked(s, exec, tensors)
+    }
+}

@@ -1,0 +1,342 @@
+//! AdamW on the CPU: the clip's norm (gradient health's blocks on the grads'
+//! table), then one pass over the flat element range, block by block, 16
+//! lanes at a time (a tensor's last partial group goes through the same
+//! lanes from a zero-padded copy, so tails round like the rest).
+
+use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
+use crate::dtype::{DType, Float};
+use crate::lanes::detect::Available;
+use crate::lanes::{dispatch_isa, Lanes, GROUP};
+use crate::ops::grad_stats::{clip_coefficient, stats_table, Partial};
+use crate::ops::list::ListSeg;
+use crate::runner::Runner;
+use half::{bf16, f16};
+
+/// The step's decision before the pass (shared with the reference model):
+/// the clip coefficient, or None when the step is skipped. Writes the norm
+/// to the report.
+///
+/// # Safety
+/// `call` comes from the front end; `norm` is the grads' global norm when
+/// `ADAMW_CLIP` is set (else ignored).
+pub(crate) unsafe fn decide(call: &AdamWCall, norm: impl FnOnce() -> f64) -> Option<f32> {
+    let o = &call.options;
+    let mut coef = 1.0f32;
+    let mut go = !(o.has(ADAMW_FOUND_INF) && o.found_inf != 0.0);
+    let mut reported = f64::NAN;
+    if o.has(ADAMW_CLIP) {
+        // The unscaled gradients' norm: AMP's scale divides it out.
+        let n = norm() / (call.consts.grad_scale as f64).abs();
+        reported = n;
+        if n.is_finite() {
+            coef = clip_coefficient(n, o.max_grad_norm);
+        } else {
+            go = false;
+        }
+    }
+    // SAFETY: the front end points `report` at its own result.
+    unsafe {
+        call.report.write(super::AdamWReport {
+            grad_norm: reported,
+            stepped: go as u32,
+        })
+    };
+    go.then_some(coef)
+}
+
+/// Runs the step on the CPU.
+///
+/// # Safety
+/// `call` was built by the front end (lists lowered, workspace checked).
+pub(crate) unsafe fn cpu(call: &AdamWCall, isa: Available, runner: &dyn Runner) {
+    let t = call.tiling;
+    // SAFETY: the front end lowered the lists and checked the workspace.
+    let coef = unsafe {
+        decide(call, || {
+            let g = t.grad_tiling();
+            let parts = (call.workspace as *mut u8)
+                .add(crate::tiling::align_offset(call.workspace as *mut u8))
+                .add(t.partials_offset as usize)
+                .cast::<Partial>();
+            stats_table(call.grads.rows(), &g, parts, isa, runner).norm()
+        })
+    };
+    let Some(coef) = coef else { return };
+    let mut k = call.consts;
+    k.clip_coef = coef;
+    let ams = call.options.has(ADAMW_AMSGRAD);
+    // SAFETY: forwarded.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_pgm!(
+            call.params.dtype, call.grads.dtype, call.exp_avgs.dtype,
+            run::<L>(call, &k, ams, runner)
+        ))
+    }
+}
+
+/// Calls `$f::<L, P, G, M>` for the validated (param, grad, moment) dtypes:
+/// moments are f32 or the params' dtype.
+macro_rules! dispatch_pgm {
+    ($p:expr, $g:expr, $m:expr, $f:ident :: <$L:ty> ($($a:expr),*)) => {
+        match ($p, $m) {
+            (DType::BF16, DType::BF16) => dispatch_pgm!(@g $g, $f::<$L, bf16, bf16>($($a),*)),
+            (DType::BF16, _) => dispatch_pgm!(@g $g, $f::<$L, bf16, f32>($($a),*)),
+            (DType::F16, DType::F16) => dispatch_pgm!(@g $g, $f::<$L, f16, f16>($($a),*)),
+            (DType::F16, _) => dispatch_pgm!(@g $g, $f::<$L, f16, f32>($($a),*)),
+            _ => dispatch_pgm!(@g $g, $f::<$L, f32, f32>($($a),*)),
+        }
+    };
+    (@g $g:expr, $f:ident :: <$L:ty, $P:ty, $M:ty> ($($a:expr),*)) => {
+        match $g {
+            DType::BF16 => $f::<$L, $P, bf16, $M>($($a),*),
+            DType::F16 => $f::<$L, $P, f16, $M>($($a),*),
+            _ => $f::<$L, $P, f32, $M>($($a),*),
+        }
+    };
+}
+use dispatch_pgm;
+
+/// Pointers of one piece: `n` elements of row `r` of each table, from
+/// element `lo` of the tensor.
+struct Piece<P, G, M> {
+    p: *mut P,
+    g: *const G,
+    m: *mut M,
+    v: *mut M,
+    vmax: *mut M,
+    master: *mut f32,
+}
+
+unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
+    call: &AdamWCall,
+    k: &AdamWConsts,
+    ams: bool,
+    runner: &dyn Runner,
+) {
+    let t = call.tiling;
+    let nb = t.blocks as usize;
+    // SAFETY: the front end wrote each present list's table.
+    let (ps, gs, ms, vs, xs, ws) = unsafe {
+        (
+            call.params.rows(),
+            call.grads.rows(),
+            call.exp_avgs.rows(),
+            call.exp_avg_sqs.rows(),
+            call.max_exp_avg_sqs.rows(),
+            call.masters.rows(),
+        )
+    };
+    runner.parallel_for(nb, &|b| {
+        if b >= nb {
+            return;
+        }
+        let (s, e) = t.block_range(b);
+        let first = ps.partition_point(|g| g.end() <= s);
+        for r in first..ps.len() {
+            let row = &ps[r];
+            if row.start >= e {
+                break;
+            }
+            let lo = s.max(row.start) - row.start;
+            let n = e.min(row.end()) - row.start - lo;
+            let at = |l: &[ListSeg], size: usize| -> *mut u8 {
+                l.get(r).map_or(core::ptr::null_mut(), |x| {
+                    (x.data as *mut u8).wrapping_add(lo * size)
+                })
+            };
+            let piece = Piece::<P, G, M> {
+                p: at(ps, size_of::<P>()).cast(),
+                g: at(gs, size_of::<G>()).cast(),
+                m: at(ms, size_of::<M>()).cast(),
+                v: at(vs, size_of::<M>()).cast(),
+                vmax: if ams {
+                    at(xs, size_of::<M>()).cast()
+                } else {
+                    core::ptr::null_mut()
+                },
+                master: at(ws, 4).cast(),
+            };
+            // SAFETY: the rows describe validated, pairwise disjoint
+            // tensors; this block's flat range is its own; `L` is available.
+            unsafe {
+                L::enter(
+                    #[inline(always)]
+                    || piece_step::<L, P, G, M>(&piece, n, k),
+                )
+            };
+        }
+    });
+}
+
+use core::mem::size_of;
+
+/// The lane constants.
+struct K<L> {
+    step_size: L,
+    bc2: L,
+    b1: L,
+    omb1: L,
+    b2: L,
+    omb2: L,
+    eps: L,
+    decay: L,
+    l2: L,
+    scale: L,
+    sign: L,
+    coef: L,
+}
+
+#[inline(always)]
+unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
+    x: &Piece<P, G, M>,
+    n: usize,
+    k: &AdamWConsts,
+) {
+    let c = K {
+        step_size: L::splat(k.step_size),
+        bc2: L::splat(k.bias_correction2_sqrt),
+        b1: L::splat(k.beta1),
+        omb1: L::splat(k.one_minus_beta1),
+        b2: L::splat(k.beta2),
+        omb2: L::splat(k.one_minus_beta2),
+        eps: L::splat(k.eps),
+        decay: L::splat(k.decay),
+        l2: L::splat(k.l2),
+        scale: L::splat(k.grad_scale),
+        sign: L::splat(k.sign),
+        coef: L::splat(k.clip_coef),
+    };
+    let full = n / GROUP * GROUP;
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + GROUP <= n elements of each present tensor are this
+        // piece's; absent lists are NULL and never dereferenced.
+        unsafe {
+            group::<L, P, G, M>(
+                &c,
+                &mut *x.p.add(i).cast::<[P; GROUP]>(),
+                &*x.g.add(i).cast::<[G; GROUP]>(),
+                &mut *x.m.add(i).cast::<[M; GROUP]>(),
+                &mut *x.v.add(i).cast::<[M; GROUP]>(),
+                opt(x.vmax, i),
+                opt(x.master, i),
+            )
+        };
+        i += GROUP;
+    }
+    let rest = n - full;
+    if rest == 0 {
+        return;
+    }
+    // The tail through the same lanes, from zero-padded copies.
+    let z = |_| P::from_f32(0.0);
+    let mut p: [P; GROUP] = core::array::from_fn(z);
+    let mut g: [G; GROUP] = core::array::from_fn(|_| G::from_f32(0.0));
+    let mut m: [M; GROUP] = core::array::from_fn(|_| M::from_f32(0.0));
+    let mut v = m;
+    let mut vmax = m;
+    let mut w = [0f32; GROUP];
+    // SAFETY: `rest` elements from `full` are this piece's.
+    unsafe {
+        copy_in(&mut p, x.p.add(full), rest);
+        copy_in(&mut g, x.g.add(full), rest);
+        copy_in(&mut m, x.m.add(full), rest);
+        copy_in(&mut v, x.v.add(full), rest);
+        if !x.vmax.is_null() {
+            copy_in(&mut vmax, x.vmax.add(full), rest);
+        }
+        if !x.master.is_null() {
+            copy_in(&mut w, x.master.add(full), rest);
+        }
+    }
+    group::<L, P, G, M>(
+        &c,
+        &mut p,
+        &g,
+        &mut m,
+        &mut v,
+        (!x.vmax.is_null()).then_some(&mut vmax),
+        (!x.master.is_null()).then_some(&mut w),
+    );
+    // SAFETY: as above.
+    unsafe {
+        copy_out(&p, x.p.add(full), rest);
+        copy_out(&m, x.m.add(full), rest);
+        copy_out(&v, x.v.add(full), rest);
+        if !x.vmax.is_null() {
+            copy_out(&vmax, x.vmax.add(full), rest);
+        }
+        if !x.master.is_null() {
+            copy_out(&w, x.master.add(full), rest);
+        }
+    }
+}
+
+/// `Some(&mut group at i)` of an optional tensor.
+///
+/// # Safety
+/// Non-NULL `p` is valid for `i + GROUP` elements, this piece's alone.
+#[inline(always)]
+unsafe fn opt<'a, T>(p: *mut T, i: usize) -> Option<&'a mut [T; GROUP]> {
+    if p.is_null() {
+        None
+    } else {
+        // SAFETY: the caller's contract.
+        Some(unsafe { &mut *p.add(i).cast::<[T; GROUP]>() })
+    }
+}
+
+#[inline(always)]
+unsafe fn copy_in<T: Copy>(dst: &mut [T; GROUP], src: *const T, n: usize) {
+    // SAFETY: `n` readable elements at `src` (caller); n < GROUP.
+    unsafe { core::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), n) }
+}
+
+#[inline(always)]
+unsafe fn copy_out<T: Copy>(src: &[T; GROUP], dst: *mut T, n: usize) {
+    // SAFETY: `n` writable elements at `dst` (caller); n < GROUP.
+    unsafe { core::ptr::copy_nonoverlapping(src.as_ptr(), dst, n) }
+}
+
+/// One group of 16 elements: the formula of the module docs, in its order.
+#[inline(always)]
+fn group<L: Lanes, P: Float, G: Float, M: Float>(
+    c: &K<L>,
+    p: &mut [P; GROUP],
+    g: &[G; GROUP],
+    m: &mut [M; GROUP],
+    v: &mut [M; GROUP],
+    vmax: Option<&mut [M; GROUP]>,
+    master: Option<&mut [f32; GROUP]>,
+) {
+    let gv = G::load::<L>(g).div(c.scale).mul(c.coef).mul(c.sign);
+    let mut pv = match &master {
+        Some(w) => L::load(w),
+        None => P::load::<L>(p),
+    };
+    let gv = gv.add(pv.mul(c.l2));
+    pv = pv.mul(c.decay);
+    let mv = M::load::<L>(m).mul(c.b1).add(gv.mul(c.omb1));
+    let vv = M::load::<L>(v).mul(c.b2).add(gv.mul(gv).mul(c.omb2));
+    M::store::<L>(mv, m);
+    M::store::<L>(vv, v);
+    let den_in = match vmax {
+        Some(x) => {
+            let old = M::load::<L>(x);
+            // v < old ? old : v — a NaN v propagates.
+            let mx = vv.select_lt(old, old, vv);
+            M::store::<L>(mx, x);
+            mx
+        }
+        None => vv,
+    };
+    let den = den_in.sqrt().div(c.bc2).add(c.eps);
+    pv = pv.sub(c.step_size.mul(mv).div(den));
+    match master {
+        Some(w) => {
+            pv.store(w);
+            P::store::<L>(pv, p);
+        }
+        None => P::store::<L>(pv, p),
+    }
+}

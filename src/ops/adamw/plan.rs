@@ -1,0 +1,469 @@
+//! Host side of AdamW: validation of the lists and options, the tiling plan
+//! (the flat element sequence cut like gradient health's, so the clip's
+//! norm is `grad_stats`'s to the bit), the f32 constants, and the launch
+//! that lowers the lists into the workspace.
+
+use core::ffi::c_void;
+use core::mem::size_of;
+
+use super::{AdamWCall, AdamWOptions, AdamWReport};
+use super::{ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_GRAD_SCALE, ADAMW_L2};
+use crate::dtype::DType;
+use crate::error::{dtype_err, invalid, invalid_fmt, Error, Result};
+use crate::ops::grad_stats::GradTiling;
+use crate::ops::list::{disjoint, overlaps, ListSeg, ListSource, TensorList};
+use crate::ops::{Exec, Op};
+use crate::tiling::{UbConfig, WORKSPACE_ALIGN};
+use crate::workspace::Workspace;
+
+/// The lists of one step, as sources (Rust slices or C descriptors).
+pub(crate) struct Lists<'s> {
+    pub params: &'s mut dyn ListSource,
+    pub grads: &'s mut dyn ListSource,
+    pub exp_avgs: &'s mut dyn ListSource,
+    pub exp_avg_sqs: &'s mut dyn ListSource,
+    pub max_exp_avg_sqs: &'s mut dyn ListSource,
+    pub masters: &'s mut dyn ListSource,
+}
+
+/// Slots of the segment tables in the workspace, in this order.
+pub(crate) const LISTS: usize = 6;
+
+impl Lists<'_> {
+    fn all(&mut self) -> [&mut dyn ListSource; LISTS] {
+        [
+            &mut *self.params,
+            &mut *self.grads,
+            &mut *self.exp_avgs,
+            &mut *self.exp_avg_sqs,
+            &mut *self.max_exp_avg_sqs,
+            &mut *self.masters,
+        ]
+    }
+}
+
+/// Tiling of one AdamW step (the TilingData an NPU kernel would receive).
+///
+/// Workspace layout, from the 64-byte aligned start: six segment tables of
+/// `tensors` rows each (params, grads, exp_avgs, exp_avg_sqs,
+/// max_exp_avg_sqs, masters; an absent list's table is left unwritten),
+/// `table_stride` bytes apart; then the host's overlap scratch (16 bytes per
+/// tensor, plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
+/// partial per block for the norm.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AdamWTiling {
+    /// Non-empty tensors per list (rows of each table).
+    pub tensors: u64,
+    /// Elements per list.
+    pub elements: u64,
+    /// Blocks the flat element range is cut into (0 when there are none).
+    pub blocks: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// Elements per block, a multiple of 16; the last block may have fewer.
+    pub elems_per_block: u64,
+    /// Offset of the first table from the aligned workspace start.
+    pub table_offset: u64,
+    /// Bytes from one table to the next.
+    pub table_stride: u64,
+    /// Offset of the overlap scratch.
+    pub scratch_offset: u64,
+    /// Offset of the clip's per-block partials (`ADAMW_CLIP` only).
+    pub partials_offset: u64,
+    /// Total workspace bytes, alignment slack included (0 when there are no
+    /// elements).
+    pub workspace_bytes: u64,
+}
+
+impl AdamWTiling {
+    /// The gradient-health plan of the same cut, over the grads' table: the
+    /// clip's norm runs `grad_stats`'s blocks on it.
+    pub fn grad_tiling(&self) -> GradTiling {
+        GradTiling {
+            tensors: self.tensors,
+            elements: self.elements,
+            blocks: self.blocks,
+            reserved: 0,
+            elems_per_block: self.elems_per_block,
+            window_elems: GradTiling::WINDOW_ELEMS,
+            table_offset: self.table_offset + self.table_stride,
+            partials_offset: self.partials_offset,
+            workspace_bytes: self.workspace_bytes,
+        }
+    }
+
+    /// The flat element range `[start, end)` of block `b`.
+    pub fn block_range(&self, b: usize) -> (usize, usize) {
+        self.grad_tiling().block_range(b)
+    }
+}
+
+/// The options' f32 constants, formed once in f64 and rounded once.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AdamWConsts {
+    /// `lr / (1 - beta1^step)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^step)`.
+    pub bias_correction2_sqrt: f32,
+    /// `beta1`.
+    pub beta1: f32,
+    /// `1 - beta1`.
+    pub one_minus_beta1: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub one_minus_beta2: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// Decoupled: `1 - lr * weight_decay`; L2 mode: 1.
+    pub decay: f32,
+    /// L2 mode: `weight_decay`; decoupled: 0.
+    pub l2: f32,
+    /// `grad_scale` with `ADAMW_GRAD_SCALE`, else 1.
+    pub grad_scale: f32,
+    /// -1 with `ADAMW_MAXIMIZE`, else 1.
+    pub sign: f32,
+    /// The clip coefficient (1 until the norm is known; the backend
+    /// computes it under `ADAMW_CLIP`).
+    pub clip_coef: f32,
+}
+
+/// `x^n` in f64 by squaring (deterministic on every target; within a few
+/// f64 ulp of the exact power for any n <= 2^53).
+pub(crate) fn powi(x: f64, mut n: u64) -> f64 {
+    let (mut r, mut b) = (1.0f64, x);
+    while n > 0 {
+        if n & 1 == 1 {
+            r *= b;
+        }
+        b *= b;
+        n >>= 1;
+    }
+    r
+}
+
+impl AdamWConsts {
+    /// The constants of validated options.
+    pub fn new(o: &AdamWOptions) -> AdamWConsts {
+        let bc1 = 1.0 - powi(o.beta1, o.step);
+        let bc2 = 1.0 - powi(o.beta2, o.step);
+        let l2 = o.has(ADAMW_L2);
+        AdamWConsts {
+            step_size: (o.lr / bc1) as f32,
+            bias_correction2_sqrt: crate::lanes::sqrt_f64(bc2) as f32,
+            beta1: o.beta1 as f32,
+            one_minus_beta1: (1.0 - o.beta1) as f32,
+            beta2: o.beta2 as f32,
+            one_minus_beta2: (1.0 - o.beta2) as f32,
+            eps: o.eps as f32,
+            decay: if l2 {
+                1.0
+            } else {
+                (1.0 - o.lr * o.weight_decay) as f32
+            },
+            l2: if l2 { o.weight_decay as f32 } else { 0.0 },
+            grad_scale: if o.has(ADAMW_GRAD_SCALE) {
+                o.grad_scale
+            } else {
+                1.0
+            },
+            sign: if o.has(super::ADAMW_MAXIMIZE) {
+                -1.0
+            } else {
+                1.0
+            },
+            clip_coef: 1.0,
+        }
+    }
+}
+
+fn round_up(n: usize, m: usize) -> Option<usize> {
+    n.checked_add(m - 1).map(|v| v / m * m)
+}
+
+/// What validation found: the plan and each list's dtype.
+struct Checked {
+    t: AdamWTiling,
+    dtypes: [DType; LISTS],
+}
+
+/// Validates the options and every tensor of every list (counts, dtypes,
+/// element counts), then cuts the plan.
+fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> {
+    o.check()?;
+    let ams = o.has(ADAMW_AMSGRAD);
+    let n = l.params.count();
+    let masters = l.masters.count();
+    if masters != 0 && masters != n {
+        return Err(invalid_fmt!(
+            "masters",
+            "{masters} tensors for {n} params (want 0 or {n})"
+        ));
+    }
+    let want = [n, n, n, n, if ams { n } else { 0 }, masters];
+    let mut dtypes = [DType::F32; LISTS];
+    for (k, s) in l.all().into_iter().enumerate() {
+        if s.count() != want[k] {
+            return Err(if k == 4 && !ams {
+                invalid_fmt!(
+                    s.name(),
+                    "{} tensors without amsgrad (want none)",
+                    s.count()
+                )
+            } else {
+                invalid_fmt!(s.name(), "{} tensors for {n} params", s.count())
+            });
+        }
+    }
+    let (mut rows, mut total) = (0usize, 0usize);
+    for i in 0..n {
+        let mut numel = 0;
+        for (k, s) in l.all().into_iter().enumerate() {
+            if want[k] == 0 {
+                continue;
+            }
+            let (_, dt, e) = s.get(i)?;
+            if k == 0 {
+                numel = e;
+            } else if e != numel {
+                return Err(invalid_fmt!(
+                    s.name(),
+                    "tensor {i} has {e} elements, params[{i}] {numel}"
+                ));
+            }
+            if i == 0 {
+                dtypes[k] = dt;
+            } else if dt != dtypes[k] {
+                return Err(dtype_err!(
+                    s.name(),
+                    "tensor {i} has dtype {dt}, tensor 0 {}",
+                    dtypes[k]
+                ));
+            }
+        }
+        if numel > 0 {
+            rows += 1;
+            total = total
+                .checked_add(numel)
+                .filter(|&t| t <= i64::MAX as usize)
+                .ok_or(Error::SizeOverflow { arg: "params" })?;
+        }
+    }
+    if n > 0 {
+        let (p, m) = (dtypes[0], dtypes[2]);
+        if m != DType::F32 && m != p {
+            return Err(dtype_err!(
+                "exp_avgs",
+                "dtype {m}: want f32 or the params' {p}"
+            ));
+        }
+        if dtypes[3] != m {
+            return Err(dtype_err!(
+                "exp_avg_sqs",
+                "dtype {}: want exp_avgs' {m}",
+                dtypes[3]
+            ));
+        }
+        if ams && dtypes[4] != m {
+            return Err(dtype_err!(
+                "max_exp_avg_sqs",
+                "dtype {}: want exp_avgs' {m}",
+                dtypes[4]
+            ));
+        }
+        if masters != 0 && dtypes[5] != DType::F32 {
+            return Err(dtype_err!("masters", "dtype {}: want f32", dtypes[5]));
+        }
+    }
+    let t = tiling(rows, total, o.has(ADAMW_CLIP), ub)?;
+    Ok(Checked { t, dtypes })
+}
+
+fn tiling(rows: usize, elements: usize, clip: bool, ub: &UbConfig) -> Result<AdamWTiling> {
+    let g = GradTiling::new(rows, elements, ub)?;
+    let mut t = AdamWTiling {
+        tensors: rows as u64,
+        elements: elements as u64,
+        blocks: g.blocks,
+        elems_per_block: g.elems_per_block,
+        ..Default::default()
+    };
+    if elements == 0 {
+        return Ok(t);
+    }
+    let ovf = Error::SizeOverflow { arg: "workspace" };
+    let stride = rows
+        .checked_mul(size_of::<ListSeg>())
+        .and_then(|b| round_up(b, WORKSPACE_ALIGN))
+        .ok_or(ovf)?;
+    let scratch = stride.checked_mul(LISTS).ok_or(ovf)?;
+    let scratch_bytes = rows
+        .checked_mul(LISTS)
+        .and_then(|r| r.checked_add(1))
+        .and_then(|r| r.checked_mul(16))
+        .and_then(|b| round_up(b, WORKSPACE_ALIGN))
+        .ok_or(ovf)?;
+    let partials = scratch.checked_add(scratch_bytes).ok_or(ovf)?;
+    let partial_bytes = if clip { g.blocks as usize * 64 } else { 0 };
+    let total = partials
+        .checked_add(partial_bytes)
+        .and_then(|b| b.checked_add(WORKSPACE_ALIGN))
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or(ovf)?;
+    t.table_offset = 0;
+    t.table_stride = stride as u64;
+    t.scratch_offset = scratch as u64;
+    t.partials_offset = partials as u64;
+    t.workspace_bytes = total as u64;
+    Ok(t)
+}
+
+/// Validates and plans (what the size calls run).
+pub(crate) fn plan_lists(
+    l: &mut Lists<'_>,
+    o: &AdamWOptions,
+    ub: &UbConfig,
+) -> Result<AdamWTiling> {
+    Ok(check(l, o, ub)?.t)
+}
+
+/// Validates, checks the workspace and every overlap, lowers the lists into
+/// the workspace and runs the step on `exec`'s backend.
+pub(crate) fn launch(
+    exec: &Exec<'_>,
+    l: &mut Lists<'_>,
+    o: &AdamWOptions,
+    ws: *mut c_void,
+    bytes: usize,
+    out: Option<(usize, usize)>,
+) -> Result<AdamWReport> {
+    let Checked { t, dtypes } = check(l, o, &exec.ub)?;
+    let w = Workspace::new(ws, bytes, t.workspace_bytes)?;
+    let used = bytes.min(crate::ops::workspace_len(t.workspace_bytes)?);
+    if let Some((a, n)) = out {
+        if overlaps(a, n, ws as usize, used) {
+            return Err(invalid("result", "overlaps the workspace"));
+        }
+    }
+    let mut report = AdamWReport {
+        grad_norm: f64::NAN,
+        stepped: 1,
+    };
+    // Nothing may be written before every check: the workspace against each
+    // tensor first (the tables are written into it).
+    for s in l.all() {
+        for i in 0..s.count() {
+            let (p, dt, e) = s.get(i)?;
+            if overlaps(p as usize, e * dt.size_bytes(), ws as usize, used) {
+                return Err(invalid_fmt!("workspace", "overlaps {}[{i}]", s.name()));
+            }
+        }
+    }
+    if t.blocks == 0 {
+        if o.has(ADAMW_CLIP) {
+            report.grad_norm = 0.0;
+        }
+        if o.has(super::ADAMW_FOUND_INF) && o.found_inf != 0.0 {
+            report.stepped = 0;
+        }
+        return Ok(report);
+    }
+    let rows = t.tensors as usize;
+    let mut lists = [TensorList::NONE; LISTS];
+    // The plan's regions lie inside the checked workspace, which overlaps
+    // no tensor; nothing else uses it during the call.
+    let scratch_ptr = unsafe_region(
+        &w,
+        t.scratch_offset as usize,
+        (t.partials_offset - t.scratch_offset) as usize,
+    );
+    let mut ranges = 0usize;
+    for (k, s) in l.all().into_iter().enumerate() {
+        if s.count() == 0 {
+            continue;
+        }
+        let table = unsafe_region(
+            &w,
+            (t.table_offset + k as u64 * t.table_stride) as usize,
+            t.table_stride as usize,
+        )
+        .cast::<ListSeg>();
+        let (mut row, mut start) = (0usize, 0usize);
+        for i in 0..s.count() {
+            let (data, dtype, numel) = s.get(i)?;
+            if numel == 0 {
+                continue;
+            }
+            if row >= rows {
+                return Err(invalid(s.name(), "the list changed while it was read"));
+            }
+            // SAFETY: row < rows fit in this table's region (aligned).
+            unsafe {
+                table.add(row).write(ListSeg {
+                    data,
+                    start,
+                    numel,
+                    dtype,
+                })
+            };
+            // SAFETY: ranges < rows * LISTS + 1 pairs fit in the scratch.
+            unsafe {
+                scratch_ptr
+                    .cast::<(usize, usize)>()
+                    .add(ranges)
+                    .write((data as usize, numel * dtype.size_bytes()))
+            };
+            ranges += 1;
+            row += 1;
+            start += numel;
+        }
+        if row != rows {
+            return Err(invalid(s.name(), "the list changed while it was read"));
+        }
+        lists[k] = TensorList {
+            segs: table,
+            count: rows,
+            dtype: dtypes[k],
+        };
+    }
+    if let Some(r) = out {
+        // SAFETY: the scratch holds rows * LISTS + 1 pairs.
+        unsafe { scratch_ptr.cast::<(usize, usize)>().add(ranges).write(r) };
+        ranges += 1;
+    }
+    // SAFETY: `ranges` pairs were just written.
+    let pairs =
+        unsafe { core::slice::from_raw_parts_mut(scratch_ptr.cast::<(usize, usize)>(), ranges) };
+    if !disjoint(pairs) {
+        return Err(invalid(
+            "params",
+            "two tensors of the lists (or the result) overlap",
+        ));
+    }
+    let call = AdamWCall {
+        params: lists[0],
+        grads: lists[1],
+        exp_avgs: lists[2],
+        exp_avg_sqs: lists[3],
+        max_exp_avg_sqs: lists[4],
+        masters: lists[5],
+        options: *o,
+        consts: AdamWConsts::new(o),
+        report: &mut report as *mut AdamWReport,
+        tiling: t,
+        workspace: ws,
+        workspace_bytes: bytes,
+    };
+    // SAFETY: every list was validated and lowered, the tensors are pairwise
+    // disjoint and apart from the workspace, which holds the plan.
+    unsafe { exec.backend.launch(Op::AdamW(&call))? };
+    Ok(report)
+}
+
+/// The raw address of `bytes` bytes at `offset` of a checked workspace.
+fn unsafe_region(w: &Workspace, offset: usize, bytes: usize) -> *mut u8 {
+    // SAFETY: callers pass regions of the plan, inside the checked workspace.
+    unsafe { w.region(offset, bytes / 4).as_mut_ptr().cast::<u8>() }
+}

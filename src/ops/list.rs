@@ -1,0 +1,307 @@
+//! Tensor lists, first-class: what the multi-tensor operators (gradient
+//! health, AdamW) take, as aclnn's foreach calls take an `aclTensorList`.
+//!
+//! A list is validated element by element through a `ListSource` (Rust
+//! slices, C descriptor arrays), then lowered into the caller's workspace as
+//! a segment table: one `ListSeg` row per non-empty tensor, with its place
+//! in the flat element sequence (list order, then row-major order). The plan
+//! cuts that flat sequence into equal blocks, so a kernel's block walks the
+//! table's rows it covers — the address list an NPU kernel's TensorList
+//! argument carries. A call struct holds its lists as `TensorList`s (table
+//! address, row count, dtype), so a foreign backend receives them like any
+//! other tensor.
+//!
+//! Parallel lists (AdamW's params, grads, moments) have one table each, row
+//! for row: row `k` of every table is the same flat range.
+
+use core::ffi::c_void;
+
+use crate::dtype::DType;
+use crate::error::{invalid, Error, Result};
+use crate::ops::grad_stats::{GradTensor, GradTensorMut};
+use crate::tensor::RawTensor;
+
+/// One row of a segment table (`npk_list_seg`): a non-empty tensor and where
+/// it starts in its list's flat element sequence.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ListSeg {
+    /// The tensor's first element.
+    pub data: *mut c_void,
+    /// Its first element's index in the flat sequence.
+    pub start: usize,
+    /// Its element count (> 0).
+    pub numel: usize,
+    /// Its element type.
+    pub dtype: DType,
+}
+
+// SAFETY: a ListSeg is a descriptor of validated memory; kernels read the
+// tensors from any block and write disjoint flat ranges of tensors validated
+// not to overlap.
+unsafe impl Sync for ListSeg {}
+// SAFETY: as above.
+unsafe impl Send for ListSeg {}
+
+impl ListSeg {
+    /// One past its last element's flat index.
+    pub fn end(&self) -> usize {
+        self.start + self.numel
+    }
+}
+
+/// A lowered tensor list as a call struct carries it (`npk_tensor_list`):
+/// its segment table (in the call's workspace) and the dtype every tensor
+/// of it has. An absent optional list has `count == 0` and NULL `segs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorList {
+    /// `count` rows, in list order (empty tensors are left out).
+    pub segs: *const ListSeg,
+    /// Rows in the table.
+    pub count: usize,
+    /// Element type of every tensor in the list.
+    pub dtype: DType,
+}
+
+impl TensorList {
+    /// No list (an optional list left out).
+    pub const NONE: TensorList = TensorList {
+        segs: core::ptr::null(),
+        count: 0,
+        dtype: DType::F32,
+    };
+
+    /// True when the list is absent or has no non-empty tensor.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The table's rows.
+    ///
+    /// # Safety
+    /// `segs` holds `count` rows (the front end wrote them), live for `'a`.
+    pub(crate) unsafe fn rows<'a>(&self) -> &'a [ListSeg] {
+        if self.count == 0 {
+            return &[];
+        }
+        // SAFETY: the caller's contract.
+        unsafe { core::slice::from_raw_parts(self.segs, self.count) }
+    }
+}
+
+/// A list of tensors the front end lowers to a segment table. `get`
+/// validates tensor `i` and returns its data pointer (with the provenance
+/// the kernels may use: mutable for writable lists), dtype and element
+/// count; `name` is the argument every error names.
+pub(crate) trait ListSource {
+    fn count(&self) -> usize;
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)>;
+    fn name(&self) -> &'static str {
+        ARG
+    }
+}
+
+/// The argument name gradient health's list errors carry.
+pub(crate) const ARG: &str = "tensors";
+
+/// A read-only Rust list.
+pub(crate) struct RoList<'l, 'a>(pub &'l [GradTensor<'a>], pub &'static str);
+/// A writable Rust list.
+pub(crate) struct RwList<'l, 'a>(pub &'l mut [GradTensorMut<'a>], pub &'static str);
+/// A Rust slice of C-style descriptors.
+pub(crate) struct RawList<'l>(pub &'l [RawTensor], pub &'static str);
+
+fn past(name: &'static str) -> Error {
+    invalid(name, "index past the list")
+}
+
+impl ListSource for RoList<'_, '_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
+        let t = self.0.get(i).ok_or(past(self.1))?;
+        // Read-only pointers: no kernel writes through a read-only list.
+        let p = match t {
+            GradTensor::F32(s) => s.as_ptr() as *mut c_void,
+            GradTensor::F16(s) => s.as_ptr() as *mut c_void,
+            GradTensor::BF16(s) => s.as_ptr() as *mut c_void,
+        };
+        Ok((p, t.dtype(), t.len()))
+    }
+    fn name(&self) -> &'static str {
+        self.1
+    }
+}
+
+impl ListSource for RwList<'_, '_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
+        let name = self.1;
+        let t = self.0.get_mut(i).ok_or(past(name))?;
+        let (dt, n) = (t.dtype(), t.len());
+        let p = match t {
+            GradTensorMut::F32(s) => s.as_mut_ptr() as *mut c_void,
+            GradTensorMut::F16(s) => s.as_mut_ptr() as *mut c_void,
+            GradTensorMut::BF16(s) => s.as_mut_ptr() as *mut c_void,
+        };
+        Ok((p, dt, n))
+    }
+    fn name(&self) -> &'static str {
+        self.1
+    }
+}
+
+/// Validates one C-style descriptor of list `name` at index `i`.
+pub(crate) fn check_raw(
+    t: &RawTensor,
+    name: &'static str,
+    i: usize,
+) -> Result<(*mut c_void, DType, usize)> {
+    let c = t.check(name)?;
+    if !t.dtype.is_float() {
+        return Err(crate::error::dtype_err!(
+            name,
+            "tensor {i} has dtype {}, not f32, f16 or bf16",
+            t.dtype
+        ));
+    }
+    Ok((t.data, t.dtype, c.numel))
+}
+
+impl ListSource for RawList<'_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
+        let t = self.0.get(i).ok_or(past(self.1))?;
+        check_raw(t, self.1, i)
+    }
+    fn name(&self) -> &'static str {
+        self.1
+    }
+}
+
+/// Index of the first tensor `get` rejects (for the C ABI's error detail).
+#[cfg_attr(not(feature = "capi"), allow(dead_code))] // used by the C ABI
+pub(crate) fn first_bad<S: ListSource + ?Sized>(src: &mut S) -> Option<usize> {
+    (0..src.count()).find(|&i| src.get(i).is_err())
+}
+
+/// True when the byte ranges `[a, a + an)` and `[b, b + bn)` share a byte.
+pub(crate) fn overlaps(a: usize, an: usize, b: usize, bn: usize) -> bool {
+    an > 0 && bn > 0 && a < b.saturating_add(bn) && b < a.saturating_add(an)
+}
+
+/// Checks that no two of `ranges` (address, bytes) share a byte, without
+/// allocating: sorts them by address and compares neighbours.
+pub(crate) fn disjoint(ranges: &mut [(usize, usize)]) -> bool {
+    ranges.sort_unstable_by_key(|r| r.0);
+    ranges
+        .windows(2)
+        .all(|w| w[0].1 == 0 || w[1].1 == 0 || w[0].0.saturating_add(w[0].1) <= w[1].0)
+}
+
+/// A lowered table read back as a list (the reference models' view).
+pub(crate) struct TableList<'a>(pub &'a [ListSeg]);
+
+impl ListSource for TableList<'_> {
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
+        let s = self.0.get(i).ok_or(past("tensors"))?;
+        Ok((s.data, s.dtype, s.numel))
+    }
+}
+
+/// The C ABI's `const npk_tensor* tensors, size_t count` as a list named
+/// `name` (descriptors read one at a time: an invalid dtype value never
+/// becomes a Rust enum).
+#[cfg(feature = "capi")]
+#[derive(Clone, Copy)]
+pub(crate) struct CList {
+    p: *const RawTensor,
+    n: usize,
+    name: &'static str,
+}
+
+#[cfg(feature = "capi")]
+impl CList {
+    /// Checks the array's pointer and extent (not its descriptors).
+    pub(crate) fn new(p: *const RawTensor, n: usize, name: &'static str) -> Result<CList> {
+        if n == 0 {
+            return Ok(CList { p, n, name });
+        }
+        if p.is_null() {
+            return Err(Error::NullPointer { arg: name });
+        }
+        n.checked_mul(core::mem::size_of::<RawTensor>())
+            .filter(|&b| b <= isize::MAX as usize)
+            .and_then(|b| (p as usize).checked_add(b))
+            .ok_or(Error::SizeOverflow { arg: name })?;
+        Ok(CList { p, n, name })
+    }
+}
+
+#[cfg(feature = "capi")]
+impl ListSource for CList {
+    fn count(&self) -> usize {
+        self.n
+    }
+    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
+        if i >= self.n {
+            return Err(past(self.name));
+        }
+        // SAFETY: `CList::new` checked the array's extent; the caller of the
+        // exported function promises `count` readable descriptors.
+        let t = unsafe { crate::capi::types::read_tensor(self.p.add(i), self.name)? };
+        check_raw(&t, self.name, i)
+    }
+    fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// After a failed call: when one of `lists` is the argument the error
+/// names, points `detail->position` at its first bad tensor.
+///
+/// # Safety
+/// `exec` is NULL or readable with a NULL or writable `detail`; each list
+/// as for the exported function that read it.
+#[cfg(feature = "capi")]
+pub(crate) unsafe fn mark_first_bad(
+    exec: *const crate::capi::types::npk_exec,
+    lists: &mut [CList],
+) {
+    use crate::capi::types::npk_error_detail;
+    if exec.is_null() {
+        return;
+    }
+    // SAFETY: readable (caller).
+    let detail: *mut npk_error_detail =
+        unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() };
+    if detail.is_null() {
+        return;
+    }
+    // SAFETY: readable (caller); plain bytes.
+    let arg = unsafe { core::ptr::addr_of!((*detail).argument).read_unaligned() };
+    for l in lists {
+        let named = l
+            .name
+            .bytes()
+            .chain([0])
+            .zip(arg)
+            .all(|(a, b)| a as core::ffi::c_char == b);
+        if named {
+            if let Some(i) = first_bad(l) {
+                // SAFETY: writable (caller); a plain integer field.
+                unsafe { core::ptr::addr_of_mut!((*detail).position).write_unaligned(i as i64) };
+            }
+            return;
+        }
+    }
+}
