@@ -64,6 +64,9 @@
 #define NPK_ADAMW_GRAD_SCALE 0x10u
 /** Skip the step when found_inf != 0 (AMP). */
 #define NPK_ADAMW_FOUND_INF 0x20u
+/** Multiply each gradient by the caller's clip_coef (its norm over several
+ * calls or ranks); not with NPK_ADAMW_CLIP. */
+#define NPK_ADAMW_CLIP_COEF 0x40u
 
 /**
  * Which SIMD implementation the CPU backend uses.
@@ -418,6 +421,11 @@ typedef struct npk_adamw_options {
    * `ADAMW_*` bits.
    */
   uint32_t flags;
+  /**
+   * With `ADAMW_CLIP_COEF`: each gradient is multiplied by it (finite,
+   * in [0, 1]; `clip_coefficient(norm, max_norm)` of the caller's norm).
+   */
+  float clip_coef;
 } npk_adamw_options;
 
 /**
@@ -1345,8 +1353,8 @@ typedef struct npk_adamw_consts {
    */
   float sign;
   /**
-   * The clip coefficient (1 until the norm is known; the backend
-   * computes it under `ADAMW_CLIP`).
+   * The clip coefficient: the caller's under `ADAMW_CLIP_COEF`; under
+   * `ADAMW_CLIP` 1 until the backend has taken the norm; else 1.
    */
   float clip_coef;
 } npk_adamw_consts;

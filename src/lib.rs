@@ -63,8 +63,8 @@ pub use error::{Error, Reason, Result};
 pub use lanes::Isa;
 pub use ops::adamw::{
     adamw, adamw_workspace_size, AdamWCall, AdamWConsts, AdamWOptions, AdamWReport, AdamWTensors,
-    AdamWTiling, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF, ADAMW_GRAD_SCALE, ADAMW_L2,
-    ADAMW_MAXIMIZE,
+    AdamWTiling, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_CLIP_COEF, ADAMW_FOUND_INF, ADAMW_GRAD_SCALE,
+    ADAMW_L2, ADAMW_MAXIMIZE,
 };
 pub use ops::add_rms_norm::{
     add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,

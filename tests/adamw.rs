@@ -207,6 +207,9 @@ fn model(s: &State, o: &AdamWOptions) -> Want {
     let norm = sq.sqrt() / scale.abs();
     let mut coef = 1.0f64;
     let mut stepped = !(has(ADAMW_FOUND_INF) && o.found_inf != 0.0);
+    if has(ADAMW_CLIP_COEF) {
+        coef = o.clip_coef as f64;
+    }
     if has(ADAMW_CLIP) {
         if norm.is_finite() {
             coef = clip_coefficient(norm, o.max_grad_norm) as f64;
@@ -371,6 +374,7 @@ fn options(rng: &mut Rng, step: u64, flags: u32) -> AdamWOptions {
     o.flags = flags;
     o.grad_scale = 1024.0;
     o.max_grad_norm = 0.5;
+    o.clip_coef = 0.37;
     o
 }
 

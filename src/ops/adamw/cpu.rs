@@ -21,7 +21,7 @@ use half::{bf16, f16};
 /// `ADAMW_CLIP` is set (else ignored).
 pub(crate) unsafe fn decide(call: &AdamWCall, norm: impl FnOnce() -> f64) -> Option<f32> {
     let o = &call.options;
-    let mut coef = 1.0f32;
+    let mut coef = call.consts.clip_coef;
     let mut go = !(o.has(ADAMW_FOUND_INF) && o.found_inf != 0.0);
     let mut reported = f64::NAN;
     if o.has(ADAMW_CLIP) {

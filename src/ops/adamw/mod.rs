@@ -43,6 +43,10 @@
 //! torch's clip rounds the scaled gradient to its dtype before the step;
 //! here it stays f32 (one rounding fewer).
 //!
+//! With `ADAMW_CLIP_COEF` the caller brings the coefficient instead (its
+//! norm over several calls' lists, or all ranks' shards: `grad_stats` and
+//! one all-reduce of `sum_sq`), and the pass multiplies by it the same way.
+//!
 //! # AMP
 //! `grad_scale` divides each gradient (torch's `_fused_adamw_` also stores
 //! the unscaled gradient back; here gradients are read only); `found_inf`
@@ -79,7 +83,12 @@ pub const ADAMW_CLIP: u32 = 8;
 pub const ADAMW_GRAD_SCALE: u32 = 16;
 /// `AdamWOptions::flags`: skip the step when `found_inf` != 0 (AMP).
 pub const ADAMW_FOUND_INF: u32 = 32;
-const KNOWN_FLAGS: u32 = 63;
+/// `AdamWOptions::flags`: multiply each gradient by the caller's
+/// `clip_coef` (a norm the caller took over more than this call's lists:
+/// several param groups, or the shards of all ranks). Not with
+/// `ADAMW_CLIP`.
+pub const ADAMW_CLIP_COEF: u32 = 64;
+const KNOWN_FLAGS: u32 = 127;
 
 /// The scalar arguments of one step (`npk_adamw_options`).
 #[repr(C)]
@@ -107,6 +116,9 @@ pub struct AdamWOptions {
     pub found_inf: f32,
     /// `ADAMW_*` bits.
     pub flags: u32,
+    /// With `ADAMW_CLIP_COEF`: each gradient is multiplied by it (finite,
+    /// in [0, 1]; `clip_coefficient(norm, max_norm)` of the caller's norm).
+    pub clip_coef: f32,
 }
 
 impl AdamWOptions {
@@ -124,6 +136,7 @@ impl AdamWOptions {
             grad_scale: 1.0,
             found_inf: 0.0,
             flags: 0,
+            clip_coef: 1.0,
         }
     }
 
@@ -169,6 +182,21 @@ impl AdamWOptions {
                 "{} is negative or NaN",
                 self.max_grad_norm
             ));
+        }
+        if self.has(ADAMW_CLIP_COEF) {
+            if self.has(ADAMW_CLIP) {
+                return Err(invalid_fmt!(
+                    "flags",
+                    "ADAMW_CLIP and ADAMW_CLIP_COEF together"
+                ));
+            }
+            if !(0.0..=1.0).contains(&self.clip_coef) {
+                return Err(invalid_fmt!(
+                    "clip_coef",
+                    "{} is not in [0, 1]",
+                    self.clip_coef
+                ));
+            }
         }
         if self.flags & !KNOWN_FLAGS != 0 {
             return Err(invalid_fmt!(

@@ -125,8 +125,8 @@ pub struct AdamWConsts {
     pub grad_scale: f32,
     /// -1 with `ADAMW_MAXIMIZE`, else 1.
     pub sign: f32,
-    /// The clip coefficient (1 until the norm is known; the backend
-    /// computes it under `ADAMW_CLIP`).
+    /// The clip coefficient: the caller's under `ADAMW_CLIP_COEF`; under
+    /// `ADAMW_CLIP` 1 until the backend has taken the norm; else 1.
     pub clip_coef: f32,
 }
 
@@ -174,7 +174,11 @@ impl AdamWConsts {
             } else {
                 1.0
             },
-            clip_coef: 1.0,
+            clip_coef: if o.has(super::ADAMW_CLIP_COEF) {
+                o.clip_coef
+            } else {
+                1.0
+            },
         }
     }
 }
