@@ -104,6 +104,10 @@ TORCH_LIBRARY(npukern, m) {
         "bool scale_grad_by_freq, ScalarType grad_dtype) -> Tensor");
   m.def("grad_stats(Tensor[] grads) -> Tensor");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, bool error_if_nonfinite=False) -> Tensor");
+  m.def("adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, int step, int flags, float max_grad_norm, float grad_scale, float found_inf, "
+        "float clip_coef) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(npukern, CPU, m) {
@@ -118,6 +122,7 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("embedding_dense_backward_shard", &npk_torch::embedding_dense_backward_shard);
   m.impl("grad_stats", &npk_torch::grad_stats);
   m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
+  m.impl("adamw_", &npk_torch::adamw_);
   m.impl("swiglu", &npk_torch::swiglu);
   m.impl("swiglu_backward", &npk_torch::swiglu_backward);
   m.impl("silu_mul", &npk_torch::silu_mul);
@@ -143,6 +148,7 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
 TORCH_LIBRARY_IMPL(npukern, CompositeExplicitAutograd, m) {
   m.impl("grad_stats", &npk_torch::grad_stats);
   m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
+  m.impl("adamw_", &npk_torch::adamw_);
 }
 
 namespace {

@@ -15,6 +15,9 @@ implementations (torch.compile) and autograd formulas:
   and ``embedding_dense_backward_shard(...)`` (one vocab range)
 - ``grad_stats(grads) -> [sum_sq, nan, inf, min, max, absmax]`` (float64)
 - ``clip_grad_norm_(grads, max_norm, error_if_nonfinite=False) -> total_norm`` (in place)
+- ``adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, lr, beta1, beta2,
+  eps, weight_decay, step, flags, max_grad_norm, grad_scale, found_inf, clip_coef) -> [grad_norm, stepped]``
+  (one AdamW / Adam step in place; :mod:`npukern_torch.optim` wraps it)
 - ``cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing,
   lse_square_scale, softcap) -> (loss, lse)``, its backward, and ``cross_entropy_fused_``
   (loss and dlogits in place: the fused linear cross-entropy's step)
@@ -33,6 +36,7 @@ import torch  # noqa: F401  (first: loads libtorch / libc10, which the extension
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.npukern)
 from . import _autograd, _meta  # noqa: F401  (registrations)
+from . import optim  # noqa: F401  (npukern_torch.optim.AdamW / Adam)
 from .clip import clip_grad_norm_
 from .functional import add_rms_norm, add_rms_norm_, embedding, rms_norm
 from .loss import cross_entropy, linear_cross_entropy

@@ -81,6 +81,11 @@ def _clip_grad_norm_(grads, max_norm, error_if_nonfinite=False):
     return torch.empty((), dtype=torch.float64, device=_scalar_device(grads))
 
 
+@torch.library.register_fake("npukern::adamw_")
+def _adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, *args):
+    return torch.empty(2, dtype=torch.float64, device=_scalar_device(params))
+
+
 def _half_shape(x, dim):
     d = dim + x.dim() if dim < 0 else dim
     torch._check(0 <= d < x.dim(), lambda: f"dim {dim} is out of range for x of rank {x.dim()}")

@@ -1,0 +1,83 @@
+// AdamW / Adam over tensor lists: npk_adamw over the C ABI (what
+// npukern_torch.optim.AdamW steps with). One call updates a bucket of
+// params that share dtypes and a step count.
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <vector>
+
+#include "glue.h"
+#include "ops.h"
+
+namespace npk_torch {
+namespace {
+
+// A list as flat npk_tensors (the operator sees elements, not shapes). A
+// non-contiguous tensor is copied to a contiguous buffer (`work`), copied
+// back after the call when the list is written.
+struct FlatList {
+  at::TensorList orig;
+  std::vector<at::Tensor> work;
+  std::vector<npk_tensor> desc;
+
+  FlatList(const char *op, const char *arg, at::TensorList ts) : orig(ts) {
+    work.reserve(ts.size());
+    desc.reserve(ts.size());
+    for (const at::Tensor &t : ts) {
+      at::Tensor c = cpu_contiguous(t, op, arg);
+      npk_tensor d = describe(c, op, arg);
+      d.ndim = 1;
+      d.shape[0] = c.numel();
+      work.push_back(c);
+      desc.push_back(d);
+    }
+  }
+  npk_tensor_array array() const { return {desc.empty() ? nullptr : desc.data(), desc.size()}; }
+  void copy_back() const {
+    for (size_t i = 0; i < orig.size(); i++)
+      if (!work[i].is_same(orig[i])) orig[i].copy_(work[i]);
+  }
+};
+
+}  // namespace
+
+at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                  at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters, double lr,
+                  double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t flags,
+                  double max_grad_norm, double grad_scale, double found_inf, double clip_coef) {
+  const char *op = "npukern::adamw_";
+  TORCH_CHECK(step >= 1, op, ": step ", step, " is not >= 1");
+  TORCH_CHECK(flags >= 0 && flags <= 0xffffffffLL, op, ": flags ", flags, " out of range");
+  FlatList p(op, "params", params), g(op, "grads", grads), m(op, "exp_avgs", exp_avgs),
+      v(op, "exp_avg_sqs", exp_avg_sqs), x(op, "max_exp_avg_sqs", max_exp_avg_sqs), w(op, "masters", masters);
+  npk_adamw_tensors t{};
+  t.params = p.array();
+  t.grads = g.array();
+  t.exp_avgs = m.array();
+  t.exp_avg_sqs = v.array();
+  t.max_exp_avg_sqs = x.array();
+  t.masters = w.array();
+  npk_adamw_options o{};
+  o.lr = lr;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.eps = eps;
+  o.weight_decay = weight_decay;
+  o.step = static_cast<uint64_t>(step);
+  o.max_grad_norm = max_grad_norm;
+  o.grad_scale = static_cast<float>(grad_scale);
+  o.found_inf = static_cast<float>(found_inf);
+  o.flags = static_cast<uint32_t>(flags);
+  o.clip_coef = static_cast<float>(clip_coef);
+  Call call(op);
+  npk_adamw_result r{};
+  call.run([&](size_t *bytes) { return npk_adamw_workspace_size(&t, &o, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return npk_adamw(&t, &o, &r, ws, bytes, call.exec()); });
+  for (const FlatList *l : {&p, &m, &v, &x, &w}) l->copy_back();
+  at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  out.data_ptr<double>()[0] = r.grad_norm;
+  out.data_ptr<double>()[1] = static_cast<double>(r.stepped);
+  return out;
+}
+
+}  // namespace npk_torch

@@ -1,0 +1,226 @@
+"""``torch.optim.AdamW`` / ``Adam`` stepped by npukern's multi-tensor AdamW
+(``torch.ops.npukern.adamw_``, the C ABI's ``npk_adamw``): one pass over
+params, grads and moments per bucket of tensors that share dtypes, with two
+additions torch's optimizer does not have:
+
+- ``master_weights=True``: float32 master copies of 16-bit params live in the
+  optimizer state (``state[p]["master"]``) with float32 moments; the step
+  updates the master and writes the param as the master rounded once, so a
+  bf16 model needs no autocast casts and loses no update below bf16's step.
+- ``max_grad_norm``: the global L2 norm of every gradient (f64 sum of squares,
+  npukern's ``grad_stats``) and torch's clip coefficient applied inside the
+  step: clip + step read each gradient twice and never write it. A
+  non-finite norm skips the step (params, masters, moments and step counts
+  unchanged). The norm before clipping is ``optimizer.grad_norm`` afterwards
+  (a float32 tensor, what Trainer logs).
+
+Numerics: the update's formula and order are torch's fused CPU AdamW's, in
+float32 without FMA, the same bits on every ISA and thread count; within a few
+float32 ulp of float64 AdamW per step (``tests/adamw.rs``). Not bitwise equal
+to torch's (whose vector code may fuse multiply-adds).
+"""
+
+import torch
+
+from ._dtypes import KERNEL_DTYPES
+
+AMSGRAD, MAXIMIZE, L2, CLIP, GRAD_SCALE, FOUND_INF, CLIP_COEF = 1, 2, 4, 8, 16, 32, 64
+_SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+def _value(x):
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
+class AdamW(torch.optim.Optimizer):
+    """Drop-in for :class:`torch.optim.AdamW` (same constructor, param groups,
+    LR schedulers -- a tensor ``lr`` too --, ``state_dict`` interchangeable with
+    torch's in both directions, ``zero_grad``, closures). ``foreach`` and
+    ``fused`` are accepted and ignored (the step is always one fused pass);
+    ``capturable`` and ``differentiable`` must be False. See the module docs
+    for ``master_weights`` and ``max_grad_norm``."""
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+        master_weights=False,
+        max_grad_norm=None,
+    ):
+        if not 0.0 <= _value(lr):
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if capturable or differentiable:
+            raise ValueError("npukern_torch.optim: capturable and differentiable are not supported")
+        if max_grad_norm is not None and not float(max_grad_norm) >= 0.0:
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+        )
+        super().__init__(params, defaults)
+        self.master_weights = bool(master_weights)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.grad_norm = None
+        self.register_load_state_dict_pre_hook(AdamW._keep_float32)
+        self.register_load_state_dict_post_hook(AdamW._restore_float32)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for g in self.param_groups:
+            g.setdefault("amsgrad", False)
+            g.setdefault("maximize", False)
+
+    # torch's load_state_dict casts every state tensor to its param's dtype,
+    # which would round masters and float32 moments to bf16: keep them.
+    @staticmethod
+    def _keep_float32(opt, state_dict):
+        opt._incoming = {
+            k: {n: t.detach().clone() for n, t in s.items() if isinstance(t, torch.Tensor) and n != "step"}
+            for k, s in state_dict["state"].items()
+        }
+        return None
+
+    @staticmethod
+    def _restore_float32(opt):
+        incoming = getattr(opt, "_incoming", {})
+        ids = [p for g in opt.param_groups for p in g["params"]]
+        for k, saved in incoming.items():
+            p = ids[k] if isinstance(k, int) and k < len(ids) else None
+            if p is None or p not in opt.state:
+                continue
+            st = opt.state[p]
+            for n, t in saved.items():
+                if t.dtype == torch.float32 and st[n].dtype != torch.float32:
+                    st[n] = t.to(p.device)
+        opt._incoming = {}
+
+    def _init_state(self, p, group):
+        st = self.state[p]
+        if st:
+            if self.master_weights and p.dtype in _SIXTEEN and "master" not in st:
+                # A torch AdamW state loaded into this optimizer.
+                st["master"] = p.detach().float()
+            if group["amsgrad"] and "max_exp_avg_sq" not in st:
+                st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
+            return st
+        master = self.master_weights and p.dtype in _SIXTEEN
+        moment = torch.float32 if master else p.dtype
+        st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        st["exp_avg"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+        if master:
+            st["master"] = p.detach().float()
+        return st
+
+    def _grads(self):
+        out = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError("npukern_torch.optim.AdamW does not support sparse gradients")
+                    out.append(p.grad)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step over every group. With ``max_grad_norm`` the norm is taken
+        once over all groups' gradients, and a non-finite one skips the step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = self._grads()
+        coef = None
+        if self.max_grad_norm is not None:
+            stats = torch.ops.npukern.grad_stats(grads)
+            nonfinite = bool(stats[1] > 0 or stats[2] > 0)
+            norm = float("nan") if stats[1] > 0 else (float("inf") if nonfinite else float(stats[0].sqrt()))
+            self.grad_norm = torch.tensor(norm, dtype=torch.float32)
+            if nonfinite:
+                return loss
+            c = self.max_grad_norm / (norm + 1e-6)
+            coef = float(torch.tensor(min(c, 1.0), dtype=torch.float32))
+        for group in self.param_groups:
+            self._step_group(group, coef)
+        return loss
+
+    def _step_group(self, group, coef):
+        buckets = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.device.type != "cpu" or p.dtype not in KERNEL_DTYPES or p.grad.dtype not in KERNEL_DTYPES:
+                raise TypeError(
+                    f"npukern_torch.optim.AdamW: params and grads must be CPU float32/bfloat16/float16 "
+                    f"(got {p.dtype} on {p.device}, grad {p.grad.dtype})"
+                )
+            st = self._init_state(p, group)
+            st["step"] += 1
+            key = (p.dtype, p.grad.dtype, st["exp_avg"].dtype, "master" in st, float(st["step"]))
+            buckets.setdefault(key, []).append((p, st))
+        b1, b2 = group["betas"]
+        flags = (AMSGRAD if group["amsgrad"] else 0) | (MAXIMIZE if group["maximize"] else 0)
+        flags |= 0 if self._decoupled else L2
+        if coef is not None:
+            flags |= CLIP_COEF
+        for (_, _, _, has_master, step), items in buckets.items():
+            torch.ops.npukern.adamw_(
+                [p for p, _ in items],
+                [p.grad for p, _ in items],
+                [s["exp_avg"] for _, s in items],
+                [s["exp_avg_sq"] for _, s in items],
+                [s["max_exp_avg_sq"] for _, s in items] if group["amsgrad"] else [],
+                [s["master"] for _, s in items] if has_master else [],
+                float(_value(group["lr"])),
+                float(b1),
+                float(b2),
+                float(group["eps"]),
+                float(group["weight_decay"]),
+                int(step),
+                flags,
+                0.0,
+                1.0,
+                0.0,
+                1.0 if coef is None else coef,
+            )
+
+
+class Adam(AdamW):
+    """Drop-in for :class:`torch.optim.Adam` (L2 weight decay, default 0),
+    with :class:`AdamW`'s ``master_weights`` and ``max_grad_norm``."""
+
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, **kw):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kw)
