@@ -1,0 +1,74 @@
+"""The AdamW step pass against a copy of the same bytes and torch's fused
+AdamW, in one process on the threads given (pin with taskset):
+
+    taskset -c 0 python bench_optim.py --threads 1 --numel 16000000
+
+Rows: npukern (bf16 params, f32 masters and moments, bf16 grads), the same
+with max_grad_norm (clip + step: two reads of the gradients), npukern and
+torch fused on float32 params; each beside `dst.copy_(src)` of the bytes the
+step reads (and writes back). Medians of --reps."""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import npukern_torch  # noqa: F401
+from npukern_torch.optim import AdamW
+
+
+def median_ms(f, reps):
+    f()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--numel", type=int, default=16_000_000)
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    n = a.numel
+    rows = []
+
+    def copy_ms(nbytes):
+        src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+        dst = torch.empty_like(src).zero_()
+        return median_ms(lambda: dst.copy_(src), a.reps)
+
+    # bf16 params + f32 masters/moments: reads grad 2 + master 4 + m 4 + v 4,
+    # writes param 2 + master 4 + m 4 + v 4 bytes per element.
+    for clip in (None, 1.0):
+        p = torch.nn.Parameter(torch.randn(n).bfloat16())
+        p.grad = (torch.randn(n) * 1e-3).bfloat16()
+        o = AdamW([p], lr=1e-4, master_weights=True, max_grad_norm=clip)
+        o.step()
+        t = median_ms(o.step, a.reps)
+        c = copy_ms(14 * n + (2 * n if clip else 0))
+        rows.append((f"npukern bf16+master{' +clip' if clip else ''}", t, c))
+    for name, make in (
+        ("npukern f32", lambda ps: AdamW(ps, lr=1e-4)),
+        ("torch fused f32", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
+    ):
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n) * 1e-3
+        o = make([p])
+        o.step()
+        rows.append((name, median_ms(o.step, a.reps), copy_ms(16 * n)))
+    print(f"{n} elements, {a.threads} thread(s), torch {torch.__version__}, npukern ISA {npukern_torch.detected_isa}")
+    print(f"{'row':<28} {'ms':>8} {'copy ms':>8} {'ratio':>6}")
+    for name, t, c in rows:
+        print(f"{name:<28} {t:8.2f} {c:8.2f} {t / c:6.2f}")
+    f32 = {r[0]: r[1] for r in rows}
+    print(f"npukern f32 / torch fused f32: {f32['npukern f32'] / f32['torch fused f32']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
