@@ -106,3 +106,38 @@ def test_generate_checkpointing_and_save_of_a_patched_model(family, tmp_path):
     assert set(loaded.state_dict()) == set(stock.state_dict())
     for k, v in patched.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_trainer_with_npukern_adamw_master_weights(tmp_path):
+    # The recipe of docs/huggingface.md: the model held in bf16, patched, and
+    # stepped by npukern's AdamW with float32 masters and the clip inside the
+    # step (Trainer's own clip off: max_grad_norm=0), no autocast; beside
+    # stock Trainer's recipe (float32 params, bf16=True autocast, its clip and
+    # torch's AdamW). Both learn; the bf16 + masters run's loss tracks stock's.
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    from npukern_torch.optim import AdamW
+
+    stock = build("llama", seed=3)
+    patched = twin(stock).to(torch.bfloat16)
+    hf.patch(patched)
+    common = dict(per_device_train_batch_size=4, max_steps=12, learning_rate=3e-3, report_to=[], use_cpu=True,
+                  save_strategy="no", seed=0, data_seed=0, logging_steps=1, lr_scheduler_type="constant")
+    data = _Tokens(4, 100)
+    data.x = data.x.repeat(12, 1)  # four sequences to learn
+    ts = Trainer(model=stock, args=TrainingArguments(output_dir=str(tmp_path / "s"), bf16=True, **common),
+                 train_dataset=data)
+    ts.train()
+    opt = AdamW(patched.parameters(), lr=3e-3, weight_decay=0.0, master_weights=True, max_grad_norm=1.0)
+    tp = Trainer(model=patched, args=TrainingArguments(output_dir=str(tmp_path / "p"), max_grad_norm=0.0, **common),
+                 train_dataset=data, optimizers=(opt, None))
+    tp.train()
+    ls = [h["loss"] for h in ts.state.log_history if "loss" in h]
+    lp = [h["loss"] for h in tp.state.log_history if "loss" in h]
+    assert len(ls) == len(lp) == 12
+    assert lp[-1] < 0.8 * lp[0] and ls[-1] < 0.8 * ls[0], (ls, lp)
+    assert abs(lp[-1] - ls[-1]) < 0.1 * ls[-1], (ls, lp)
+    assert opt.grad_norm is not None and torch.isfinite(opt.grad_norm)
+    for p in patched.parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, opt.state[p]["master"].bfloat16())

@@ -191,3 +191,39 @@ def test_op_errors_change_nothing():
         torch.ops.npukern.adamw_([p], [g], [m], [v], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 0.0, 1.0, 0.0, 1.0)
     assert torch.equal(p, before)
     assert npukern_torch.optim.AdamW is AdamW
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_npu_apply_adam_w_is_torch_npus(amsgrad, maximize):
+    from npukern_torch.npu import npu_apply_adam_w
+
+    g = torch.Generator().manual_seed(3)
+    var = torch.randn(1000, generator=g)
+    m = torch.randn(1000, generator=g) * 1e-2
+    v = torch.rand(1000, generator=g) * 1e-4
+    grad = torch.randn(1000, generator=g) * 1e-2
+    mx = torch.rand(1000, generator=g) * 1e-4
+    b1, b2, lr, wd, eps, t = 0.9, 0.999, 1e-3, 0.01, 1e-8, 5
+    b1p, b2p = b1 ** (t - 1), b2 ** (t - 1)
+    # torch_npu's own CPU formula (op-plugin's test_apply_adam_w), in float64.
+    d = [x.double() for x in (var, m, v, grad, mx)]
+    gt = -d[3] if maximize else d[3]
+    m_out = d[1] * b1 + (1 - b1) * gt
+    v_out = d[2] * b2 + (1 - b2) * gt * gt
+    var_t = d[0] * (1 - lr * wd)
+    b1o, b2o = b1p * b1, b2p * b2
+    mx_out = torch.maximum(d[4], v_out) if amsgrad else v_out
+    want = var_t - lr * m_out / (1 - b1o) / (torch.sqrt(mx_out / (1 - b2o)) + eps)
+    out = npu_apply_adam_w(b1p, b2p, lr, wd, b1, b2, eps, grad, mx if amsgrad else None, amsgrad, maximize,
+                           out=(var, m, v))
+    assert out[0] is var
+    assert torch.allclose(var.double(), want, rtol=0, atol=1e-6 * lr + 2e-7 * want.abs().max().item())
+    # float32 arithmetic: a few roundings of the terms' magnitudes.
+    ulp = 2.0**-22
+    assert ((m.double() - m_out).abs() <= ulp * ((d[1] * b1).abs() + ((1 - b1) * gt).abs())).all()
+    assert ((v.double() - v_out).abs() <= ulp * ((d[2] * b2).abs() + (1 - b2) * gt * gt)).all()
+    if amsgrad:
+        assert ((mx.double() - mx_out).abs() <= ulp * mx_out.abs()).all()
+    with pytest.raises(ValueError):
+        npu_apply_adam_w(0.5, b2p, lr, wd, b1, b2, eps, grad, None, False, False, out=(var, m, v))

@@ -21,6 +21,8 @@ fp32 inside, one rounding; differentiable (npu_rotary_mul in r1 and r2 too).
 Inputs the kernels do not take (float64, non-CPU tensors) run the same
 formulas as torch ops in x's dtype (``model.double()`` keeps working)."""
 
+import math
+
 import torch
 
 from . import _composite
@@ -34,7 +36,15 @@ def _torch_rms_norm(x, gamma, epsilon):
     rstd = torch.rsqrt(xf.square().mean(dims, keepdim=True) + epsilon)
     return (xf * rstd * gamma.to(xf.dtype)).to(x.dtype), rstd.float()
 
-__all__ = ["npu_add_rms_norm", "npu_cross_entropy_loss", "npu_geglu", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
+__all__ = [
+    "npu_add_rms_norm",
+    "npu_apply_adam_w",
+    "npu_cross_entropy_loss",
+    "npu_geglu",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_swiglu",
+]
 
 
 def _gamma(x, gamma):
@@ -135,3 +145,44 @@ class _KernelLse(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         p = torch.softmax(x.float(), -1)
         return (g.float().unsqueeze(-1) * p).to(x.dtype), None
+
+
+def _step_of(power, beta, name):
+    """The step t with beta^(t-1) == power (torch_npu passes the previous
+    step's powers); ValueError when the power is no such power of beta."""
+    p = float(power)
+    if beta == 0.0:
+        return 1 if p == 1.0 else 2
+    if not 0.0 < p <= 1.0 or not 0.0 < beta < 1.0:
+        raise ValueError(f"npu_apply_adam_w: {name} {p} is not a power of beta {beta}")
+    t = round(math.log(p) / math.log(beta)) + 1
+    if abs(beta ** (t - 1) - p) > 1e-6 * p:
+        raise ValueError(f"npu_apply_adam_w: {name} {p} is not an integer power of beta {beta}")
+    return t
+
+
+def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, epsilon, grad, max_grad_norm=None,
+                     amsgrad=False, maximize=False, *, out):
+    """torch_npu's ``npu_apply_adam_w``: one AdamW step of ``out = (var, m, v)``
+    in place, on npukern's AdamW (``torch.ops.npukern.adamw_``). As in
+    torch_npu, ``beta1_power`` / ``beta2_power`` are the previous step's
+    powers (``beta^(t-1)``; the update uses ``beta^t``), and with ``amsgrad``
+    ``max_grad_norm`` is the running maximum of ``v`` (a tensor like ``v``,
+    updated in place). Decoupled weight decay ``var *= 1 - lr * weight_decay``.
+    The powers must be integer powers of the betas (npukern derives the step
+    from them and forms the bias corrections in float64); the denominator is
+    ``sqrt(v) / sqrt(1 - beta2^t) + eps`` (torch_npu: ``sqrt(v / (1 - beta2^t))
+    + eps``, the same to rounding). Returns ``(var, m, v)``."""
+    var, m, v = out
+    t = _step_of(beta1_power, float(beta1), "beta1_power")
+    if float(beta2) != 0.0 and _step_of(beta2_power, float(beta2), "beta2_power") != t:
+        raise ValueError("npu_apply_adam_w: beta1_power and beta2_power are powers of different steps")
+    flags = (1 if amsgrad else 0) | (2 if maximize else 0)
+    maxes = []
+    if amsgrad:
+        if not isinstance(max_grad_norm, torch.Tensor):
+            raise TypeError("npu_apply_adam_w: amsgrad needs max_grad_norm, the running max of v (a tensor)")
+        maxes = [max_grad_norm]
+    torch.ops.npukern.adamw_([var], [grad], [m], [v], maxes, [], float(lr), float(beta1), float(beta2),
+                             float(epsilon), float(weight_decay), t, flags, 0.0, 1.0, 0.0, 1.0)
+    return var, m, v
