@@ -277,16 +277,10 @@ pub(crate) unsafe fn mark_first_bad(
     exec: *const crate::capi::types::npk_exec,
     lists: &mut [CList],
 ) {
-    use crate::capi::types::npk_error_detail;
-    if exec.is_null() {
+    // SAFETY: forwarded.
+    let Some(detail) = (unsafe { detail_of(exec) }) else {
         return;
-    }
-    // SAFETY: readable (caller).
-    let detail: *mut npk_error_detail =
-        unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() };
-    if detail.is_null() {
-        return;
-    }
+    };
     // SAFETY: readable (caller); plain bytes.
     let arg = unsafe { core::ptr::addr_of!((*detail).argument).read_unaligned() };
     for l in lists {
@@ -298,10 +292,40 @@ pub(crate) unsafe fn mark_first_bad(
             .all(|(a, b)| a as core::ffi::c_char == b);
         if named {
             if let Some(i) = first_bad(l) {
-                // SAFETY: writable (caller); a plain integer field.
-                unsafe { core::ptr::addr_of_mut!((*detail).position).write_unaligned(i as i64) };
+                // SAFETY: forwarded.
+                unsafe { set_position(exec, i) };
             }
             return;
         }
+    }
+}
+
+/// `exec->detail`, when both are non-NULL.
+///
+/// # Safety
+/// `exec` is NULL or readable.
+#[cfg(feature = "capi")]
+unsafe fn detail_of(
+    exec: *const crate::capi::types::npk_exec,
+) -> Option<*mut crate::capi::types::npk_error_detail> {
+    if exec.is_null() {
+        return None;
+    }
+    // SAFETY: readable (caller).
+    let d = unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() };
+    (!d.is_null()).then_some(d)
+}
+
+/// After a failed call: `detail->position = i` (the bad tensor's index in
+/// the list the error names).
+///
+/// # Safety
+/// `exec` is NULL or readable with a NULL or writable `detail`.
+#[cfg(feature = "capi")]
+pub(crate) unsafe fn set_position(exec: *const crate::capi::types::npk_exec, i: usize) {
+    // SAFETY: forwarded.
+    if let Some(d) = unsafe { detail_of(exec) } {
+        // SAFETY: writable (caller); a plain integer field.
+        unsafe { core::ptr::addr_of_mut!((*d).position).write_unaligned(i as i64) };
     }
 }

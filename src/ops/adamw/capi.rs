@@ -11,7 +11,7 @@ use super::{plan, AdamWOptions, AdamWReport, Lists};
 use crate::capi::exec::{run, run_size};
 use crate::capi::types::{npk_exec, npk_status};
 use crate::error::{Error, Result};
-use crate::ops::list::{mark_first_bad, CList};
+use crate::ops::list::{mark_first_bad, set_position, CList};
 use crate::tensor::RawTensor;
 
 /// A tensor list: `count` descriptors at `tensors` (NULL only when
@@ -67,16 +67,22 @@ impl CLists {
         ]))
     }
 
-    fn with<R>(&mut self, f: impl FnOnce(&mut Lists<'_>) -> R) -> R {
+    /// Runs `f` on the lists; `bad` receives the index of the tensor a
+    /// refusal was about.
+    fn with<R>(&mut self, bad: &mut Option<usize>, f: impl FnOnce(&mut Lists<'_>) -> R) -> R {
         let [p, g, m, v, x, w] = &mut self.0;
-        f(&mut Lists {
+        let mut l = Lists {
             params: p,
             grads: g,
             exp_avgs: m,
             exp_avg_sqs: v,
             max_exp_avg_sqs: x,
             masters: w,
-        })
+            bad: None,
+        };
+        let r = f(&mut l);
+        *bad = l.bad;
+        r
     }
 }
 
@@ -90,16 +96,28 @@ unsafe fn read_options(o: *const AdamWOptions) -> Result<AdamWOptions> {
     Ok(unsafe { o.read_unaligned() })
 }
 
-/// On failure, marks the first bad tensor of the list the error names.
+/// On failure, marks the tensor of the list the error names: the one the
+/// validation refused (`bad`), else the first whose descriptor is invalid.
 ///
 /// # Safety
 /// As for the exported functions.
-unsafe fn marked(s: npk_status, exec: *const npk_exec, t: *const npk_adamw_tensors) -> npk_status {
+unsafe fn marked(
+    s: npk_status,
+    exec: *const npk_exec,
+    t: *const npk_adamw_tensors,
+    bad: Option<usize>,
+) -> npk_status {
     if s != npk_status::NPK_OK {
-        // SAFETY: forwarded.
-        if let Ok(mut l) = unsafe { CLists::read(t) } {
+        match bad {
             // SAFETY: forwarded.
-            unsafe { mark_first_bad(exec, &mut l.0) };
+            Some(i) => unsafe { set_position(exec, i) },
+            None => {
+                // SAFETY: forwarded.
+                if let Ok(mut l) = unsafe { CLists::read(t) } {
+                    // SAFETY: forwarded.
+                    unsafe { mark_first_bad(exec, &mut l.0) };
+                }
+            }
         }
     }
     s
@@ -121,11 +139,14 @@ pub unsafe extern "C" fn npk_adamw_workspace_size(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
+        let mut bad = None;
         let s = run_size(exec, workspace_bytes, |e| {
             let o = read_options(options)?;
-            CLists::read(tensors)?.with(|l| Ok(plan::plan_lists(l, &o, &e.ub)?.workspace_bytes))
+            CLists::read(tensors)?.with(&mut bad, |l| {
+                Ok(plan::plan_lists(l, &o, &e.ub)?.workspace_bytes)
+            })
         });
-        marked(s, exec, tensors)
+        marked(s, exec, tensors, bad)
     }
 }
 
@@ -151,16 +172,18 @@ pub unsafe extern "C" fn npk_adamw(
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
+        let mut bad = None;
         let s = run(exec, |e| {
             let o = read_options(options)?;
             let out = (!result.is_null()).then_some((result as usize, size_of::<AdamWReport>()));
-            let r = CLists::read(tensors)?
-                .with(|l| plan::launch(e, l, &o, workspace, workspace_bytes, out))?;
+            let r = CLists::read(tensors)?.with(&mut bad, |l| {
+                plan::launch(e, l, &o, workspace, workspace_bytes, out)
+            })?;
             if !result.is_null() {
                 result.write_unaligned(r);
             }
             Ok(())
         });
-        marked(s, exec, tensors)
+        marked(s, exec, tensors, bad)
     }
 }

@@ -321,5 +321,6 @@ fn with_lists<R>(t: &mut AdamWTensors<'_, '_>, f: impl FnOnce(&mut Lists<'_>) ->
         exp_avg_sqs: &mut v,
         max_exp_avg_sqs: &mut x,
         masters: &mut w,
+        bad: None,
     })
 }

@@ -24,6 +24,9 @@ pub(crate) struct Lists<'s> {
     pub exp_avg_sqs: &'s mut dyn ListSource,
     pub max_exp_avg_sqs: &'s mut dyn ListSource,
     pub masters: &'s mut dyn ListSource,
+    /// On a refusal about one tensor of the list the error names: its index
+    /// (the C ABI's `detail->position`).
+    pub bad: Option<usize>,
 }
 
 /// Slots of the segment tables in the workspace, in this order.
@@ -222,7 +225,10 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
         }
     }
     let (mut rows, mut total) = (0usize, 0usize);
-    for i in 0..n {
+    // A refusal about tensor `i` of one list, recorded after the loop (the
+    // sources borrow `l` inside it).
+    let mut refused = None;
+    'tensors: for i in 0..n {
         let mut numel = 0;
         for (k, s) in l.all().into_iter().enumerate() {
             if want[k] == 0 {
@@ -232,19 +238,24 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
             if k == 0 {
                 numel = e;
             } else if e != numel {
-                return Err(invalid_fmt!(
-                    s.name(),
-                    "tensor {i} has {e} elements, params[{i}] {numel}"
+                refused = Some((
+                    i,
+                    invalid_fmt!(s.name(), "tensor {i} has {e} elements, params[{i}] {numel}"),
                 ));
+                break 'tensors;
             }
             if i == 0 {
                 dtypes[k] = dt;
             } else if dt != dtypes[k] {
-                return Err(dtype_err!(
-                    s.name(),
-                    "tensor {i} has dtype {dt}, tensor 0 {}",
-                    dtypes[k]
+                refused = Some((
+                    i,
+                    dtype_err!(
+                        s.name(),
+                        "tensor {i} has dtype {dt}, tensor 0 {}",
+                        dtypes[k]
+                    ),
                 ));
+                break 'tensors;
             }
         }
         if numel > 0 {
@@ -255,7 +266,14 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
                 .ok_or(Error::SizeOverflow { arg: "params" })?;
         }
     }
+    if let Some((i, e)) = refused {
+        l.bad = Some(i);
+        return Err(e);
+    }
     if n > 0 {
+        // Every tensor of a list has its tensor 0's dtype: a wrong list
+        // dtype is tensor 0's.
+        l.bad = Some(0);
         let (p, m) = (dtypes[0], dtypes[2]);
         if m != DType::F32 && m != p {
             return Err(dtype_err!(
@@ -281,6 +299,7 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
             return Err(dtype_err!("masters", "dtype {}: want f32", dtypes[5]));
         }
     }
+    l.bad = None;
     let t = tiling(rows, total, o.has(ADAMW_CLIP), ub)?;
     Ok(Checked { t, dtypes })
 }
