@@ -1,14 +1,16 @@
 //! Bit-identical across architectures: every operator on fixed-seed inputs
 //! (every dtype pairing, merge-N and split-D rows, specials, embedding with
 //! duplicates / padding / scaling / sharding / accumulation, gradient health,
-//! cross-entropy forward / backward / fused with every option, SwiGLU
-//! forward and backward fused and eager)
+//! cross-entropy forward / backward / fused with every option, SwiGLU and
+//! GeGLU forward and backward fused and eager, AdamW over tensor lists)
 //! under every ISA this machine has, each output hashed bit for bit and
 //! compared with `tests/data/bit_hashes.txt`. The file is produced on
 //! x86_64; scripts/cross.sh runs this test on aarch64 too (the NEON lanes,
 //! then the portable ones forced), so a kernel whose bits depend on the ISA or the architecture fails
 //! here, naming the operator and case. `NPK_BLESS=1` rewrites the file.
 
+#[path = "bit_hashes/adamw.rs"]
+mod adamw_cases;
 #[path = "../embedded/checks/src/ce_options.rs"]
 mod ce_options;
 mod common;
@@ -551,6 +553,20 @@ fn run_all(isa: Isa) -> Run {
     geglu_case::<f32>(&mut run, &cpu, 17);
     geglu_case::<bf16>(&mut run, &cpu, 18);
     geglu_case::<f16>(&mut run, &cpu, 19);
+    use adamw_cases::adamw_case;
+    let (clip_ams, l2) = (ADAMW_CLIP | ADAMW_AMSGRAD, ADAMW_L2 | ADAMW_MAXIMIZE);
+    adamw_case::<bf16, bf16, f32>(
+        &mut run,
+        &cpu,
+        20,
+        "bf16.master.clip.amsgrad",
+        clip_ams,
+        true,
+    );
+    adamw_case::<f32, f32, f32>(&mut run, &cpu, 21, "f32.plain", 0, false);
+    adamw_case::<f16, f16, f16>(&mut run, &cpu, 22, "f16.moments.l2.maximize", l2, false);
+    let scaled = ADAMW_GRAD_SCALE | ADAMW_CLIP_COEF | ADAMW_AMSGRAD;
+    adamw_case::<bf16, f32, bf16>(&mut run, &cpu, 23, "bf16.moments.scale.coef", scaled, false);
     run
 }
 
