@@ -224,6 +224,18 @@ pub fn clip(
     clip_grad_norm(&exec, list, &opts, &mut ws[..n])
 }
 
+/// One AdamW step over the lists, on `grad_exec(reference)`.
+pub fn adamw(
+    reference: bool,
+    tensors: &mut AdamWTensors<'_, '_>,
+    opts: &AdamWOptions,
+) -> Result<AdamWReport> {
+    let exec = grad_exec(reference);
+    let n = sized(adamw_workspace_size(&exec, tensors, opts))?;
+    let mut ws = [0u8; WS];
+    npukern::adamw(&exec, tensors, opts, &mut ws[..n])
+}
+
 /// The inputs of one CrossEntropy: logits `[rows, cols]`, targets and
 /// optional class weights.
 pub struct CeIn<'a, T, I> {

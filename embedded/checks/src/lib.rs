@@ -8,6 +8,7 @@
 #![no_std]
 #![deny(missing_docs)]
 
+mod adamw;
 pub mod api;
 mod ce_options;
 mod cross_entropy;
@@ -31,5 +32,6 @@ pub fn run_all(out: &mut dyn core::fmt::Write, bless: bool) -> Outcome {
     grad_health::run(&mut c);
     elementwise::run(&mut c);
     cross_entropy::run(&mut c);
+    adamw::run(&mut c);
     c.outcome()
 }
