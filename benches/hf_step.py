@@ -16,6 +16,16 @@ All cores, hidden 2048:
     python benches/hf_step.py --hidden 2048 --layers 2 --seq 1024 --vocab 32000 --threads 0
 Profile one variant (the top ops outside the matmuls):
     python benches/hf_step.py ... --child patched --profile
+
+The whole step users run (``--recipe trainer``): stock is Hugging Face
+Trainer's CPU ``bf16=True`` recipe -- float32 params, forward and backward
+under ``torch.autocast("cpu", torch.bfloat16)``, ``clip_grad_norm_(1.0)``,
+``torch.optim.AdamW(fused=True).step()``; ``patched`` holds the model in
+bf16, patched, and steps ``npukern_torch.optim.AdamW(master_weights=True,
+max_grad_norm=1.0)`` (no autocast, no separate clip); ``patched_autocast``
+is the patched model in Trainer's recipe with npukern's optimizer. Per
+variant the step and its parts (forward + backward, clip, optimizer step):
+    taskset -c 0 python benches/hf_step.py --recipe trainer --threads 1
 """
 
 import argparse
@@ -46,10 +56,12 @@ def child(args):
                       num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab,
                       max_position_embeddings=max(2048, args.seq), tie_word_embeddings=args.tied,
                       attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    trainer = args.recipe == "trainer"
+    f32_params = trainer and args.child in ("stock", "patched_autocast")
+    model = LlamaForCausalLM(cfg).to(torch.float32 if f32_params else torch.bfloat16)
     model.train()
     counts = None
-    if args.child == "patched":
+    if args.child in ("patched", "patched_autocast"):
         import npukern_torch
         from npukern_torch import hf
 
@@ -58,23 +70,47 @@ def child(args):
             raise SystemExit("npukern_torch has no ISA")
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
 
+    parts = {"fwd_bwd": [], "clip": [], "opt": []}
+    opt = None
+    if trainer and args.child == "stock":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    elif trainer:
+        from npukern_torch.optim import AdamW
+
+        opt = AdamW(model.parameters(), lr=1e-5, master_weights=args.child == "patched", max_grad_norm=1.0)
+    autocast = trainer and args.child != "patched"
+
     def step():
-        loss = model(x, labels=x).loss
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            loss = model(x, labels=x).loss
         loss.backward()
+        t1 = time.perf_counter()
+        if args.child == "stock" and trainer:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t2 = time.perf_counter()
+        if opt is not None:
+            opt.step()
+        t3 = time.perf_counter()
         model.zero_grad(set_to_none=True)
+        for k, t in (("fwd_bwd", t1 - t0), ("clip", t2 - t1), ("opt", t3 - t2)):
+            parts[k].append(t)
         return loss
 
     base = rss_bytes()
     for _ in range(args.warmup):
         step()
     times = []
+    for k in parts:
+        parts[k].clear()
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {"variant": args.child, "ms": statistics.median(times) * 1e3, "extra_mib": (peak - base) / 2**20,
-           "threads": torch.get_num_threads(), "counts": counts, "torch": torch.__version__}
+           "threads": torch.get_num_threads(), "counts": counts, "torch": torch.__version__,
+           "parts": {k: statistics.median(v) * 1e3 for k, v in parts.items()}}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -92,9 +128,10 @@ def driver(args):
             continue
         flag = "--" + k.replace("_", "-")
         passthrough += [flag] if v is True else [flag, str(v)]
-    results = {"stock": [], "patched": []}
+    variants = ("stock", "patched", "patched_autocast") if args.recipe == "trainer" else ("stock", "patched")
+    results = {v: [] for v in variants}
     for _ in range(args.runs):
-        for variant in ("stock", "patched"):
+        for variant in variants:
             out = subprocess.run([sys.executable, __file__, *passthrough, "--child", variant], check=True,
                                  capture_output=True, text=True)
             results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -103,13 +140,16 @@ def driver(args):
     first = results["patched"][0]
     print(f"hidden {args.hidden}, {args.layers} layers, seq {args.seq} x batch {args.batch}, vocab {args.vocab}, "
           f"bf16, sdpa, {first['threads']} thread(s), torch {first['torch']}; patched counts {first['counts']}")
-    print(f"{'variant':8} {'step ms (median of ' + str(args.runs) + ' processes)':>38} {'all runs':>30} "
-          f"{'peak extra MiB':>16}")
-    for v in ("stock", "patched"):
+    print(f"recipe {args.recipe}")
+    print(f"{'variant':16} {'step ms (median of ' + str(args.runs) + ' processes)':>38} {'all runs':>24} "
+          f"{'fwd+bwd':>8} {'clip':>6} {'opt':>6} {'peak extra MiB':>16}")
+    for v in variants:
         runs = ", ".join(f"{r['ms']:.0f}" for r in results[v])
-        print(f"{v:8} {ms[v]:38.1f} {runs:>30} {mem[v]:16.0f}")
-    print(f"patched / stock: time {ms['patched'] / ms['stock']:.3f}, peak extra memory "
-          f"{mem['patched'] / mem['stock']:.3f}")
+        pm = {k: statistics.median(r["parts"][k] for r in results[v]) for k in ("fwd_bwd", "clip", "opt")}
+        print(f"{v:16} {ms[v]:38.1f} {runs:>24} {pm['fwd_bwd']:8.1f} {pm['clip']:6.1f} {pm['opt']:6.1f} "
+              f"{mem[v]:16.0f}")
+    for v in variants[1:]:
+        print(f"{v} / stock: time {ms[v] / ms['stock']:.3f}, peak extra memory {mem[v] / mem['stock']:.3f}")
 
 
 def main():
@@ -125,7 +165,9 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--runs", type=int, default=3, help="processes per variant, alternating")
-    p.add_argument("--child", choices=("stock", "patched"), help="run one variant in this process")
+    p.add_argument("--recipe", choices=("fwdbwd", "trainer"), default="fwdbwd",
+                   help="fwdbwd: forward + backward of a bf16 model; trainer: the whole step (see above)")
+    p.add_argument("--child", choices=("stock", "patched", "patched_autocast"), help="run one variant in this process")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args()

@@ -406,8 +406,11 @@ def test_decoder_layers_fuse_the_residual_add_with_stock_bits(family, dtype):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_loss_route_falls_back_for_float64_and_autocast(family):
-    # float64 models and autocast's casts: Hugging Face's own composite, its bits.
+def test_loss_route_falls_back_for_float64_and_engages_under_autocast(family):
+    # float64 models: Hugging Face's own composite, its bits. Autocast: the
+    # fused route with the chunks' logits as autocast computes them (bf16
+    # matmuls), within 1e-4 of stock's loss (Gemma2's soft cap: stock rounds
+    # the capped logits to bf16, the kernel caps in float32; Llama's equal).
     for dtype, autocast in ((torch.float64, False), (torch.float32, True)):
         stock = build(family, dtype, seed=6)
         if family == "gemma2":
@@ -418,7 +421,10 @@ def test_loss_route_falls_back_for_float64_and_autocast(family):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             ls, lp = stock(x, labels=x).loss, patched(x, labels=x).loss
         assert lp.dtype == ls.dtype == torch.float32
-        assert torch.equal(lp, ls)
+        if autocast:
+            assert abs(lp.item() - ls.item()) <= 1e-4 * abs(ls.item())
+        else:
+            assert torch.equal(lp, ls)
         lp.backward()
         assert all(p.grad is not None for p in patched.parameters() if p.requires_grad)
 

@@ -302,8 +302,22 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     if red == 0:
         raise ValueError("linear_cross_entropy: reduction='none' is not supported (use 'sum' or 'mean')")
     cap = _softcap(softcap)
+    dev = input.device.type
+    if torch.is_autocast_enabled(dev) and on_kernels(input, weight):
+        # Autocast: the logits as autocast's linear computes them (input,
+        # weight and bias cast to its dtype, one matmul in it), chunk by
+        # chunk through the kernel -- never the [N, V] logits; the casts'
+        # own backward returns the gradients in the params' dtypes, as
+        # under stock autocast.
+        dt = torch.get_autocast_dtype(dev)
+        if dt in (torch.bfloat16, torch.float16) and (bias is None or on_kernels(bias)):
+            with torch.autocast(dev, enabled=False):
+                return linear_cross_entropy(input.to(dt), weight.to(dt), target,
+                                            None if bias is None else bias.to(dt), ignore_index, reduction,
+                                            label_smoothing, z_loss=z_loss, softcap=softcap,
+                                            chunk_bytes=chunk_bytes)
     if (not on_kernels(input, weight) or input.dtype != weight.dtype
-            or (bias is not None and bias.dtype != weight.dtype) or torch.is_autocast_enabled(input.device.type)):
+            or (bias is not None and bias.dtype != weight.dtype) or torch.is_autocast_enabled(dev)):
         # What the kernel does not take (float64, other devices, mixed dtypes,
         # autocast's own casts) runs Hugging Face's composite: the logits in
         # torch's dtype, soft-capped there, then the loss of their float32 copy.
