@@ -8,8 +8,8 @@ additions torch's optimizer does not have:
   updates the master and writes the param as the master rounded once, so a
   bf16 model needs no autocast casts and loses no update below bf16's step.
 - ``max_grad_norm``: the global L2 norm of every gradient (f64 sum of squares,
-  npukern's ``grad_stats``) and torch's clip coefficient applied inside the
-  step: clip + step read each gradient twice and never write it. A
+  npukern's ``grad_stats``; under FSDP2 the shards' sums all-reduced once)
+  and torch's clip coefficient applied inside the step: clip + step read each gradient twice and never write it. A
   non-finite norm skips the step (params, masters, moments and step counts
   unchanged). The norm before clipping is ``optimizer.grad_norm`` afterwards
   (a float32 tensor, what Trainer logs).
@@ -30,6 +30,46 @@ _SIXTEEN = (torch.bfloat16, torch.float16)
 
 def _value(x):
     return x.item() if isinstance(x, torch.Tensor) else x
+
+
+def _dtensor_cls():
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor
+    except ImportError:  # torch built without distributed
+        return None
+
+
+_DTENSOR = _dtensor_cls()
+
+
+def _local(t):
+    """The rank's own elements of a DTensor (FSDP2's sharded params, grads and
+    state; updated in place), or the tensor itself."""
+    return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t
+
+
+def _sharded(t):
+    return _DTENSOR is not None and isinstance(t, _DTENSOR) and any(pl.is_shard() for pl in t.placements)
+
+
+def _sum_sq(grads):
+    """[sum of squares, NaN count, Inf count] over every gradient, in float64:
+    a DTensor sharded across ranks (FSDP2) contributes its local shard and the
+    shards' sums are all-reduced once; other gradients are whole on each rank
+    (one process, or DDP after its all-reduce) and count once."""
+    sharded = [_local(g) for g in grads if _sharded(g)]
+    whole = [_local(g) for g in grads if not _sharded(g)]
+    total = torch.zeros(3, dtype=torch.float64)
+    if sharded:
+        s = torch.ops.npukern.grad_stats(sharded)[:3].clone()
+        group = next(g for g in grads if _sharded(g)).device_mesh.get_group()
+        torch.distributed.all_reduce(s, group=group)
+        total += s
+    if whole:
+        total += torch.ops.npukern.grad_stats(whole)[:3]
+    return total
 
 
 class AdamW(torch.optim.Optimizer):
@@ -163,7 +203,7 @@ class AdamW(torch.optim.Optimizer):
         grads = self._grads()
         coef = None
         if self.max_grad_norm is not None:
-            stats = torch.ops.npukern.grad_stats(grads)
+            stats = _sum_sq(grads)
             nonfinite = bool(stats[1] > 0 or stats[2] > 0)
             norm = float("nan") if stats[1] > 0 else (float("inf") if nonfinite else float(stats[0].sqrt()))
             self.grad_norm = torch.tensor(norm, dtype=torch.float32)
@@ -180,7 +220,7 @@ class AdamW(torch.optim.Optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.device.type != "cpu" or p.dtype not in KERNEL_DTYPES or p.grad.dtype not in KERNEL_DTYPES:
+            if _local(p).device.type != "cpu" or p.dtype not in KERNEL_DTYPES or p.grad.dtype not in KERNEL_DTYPES:
                 raise TypeError(
                     f"npukern_torch.optim.AdamW: params and grads must be CPU float32/bfloat16/float16 "
                     f"(got {p.dtype} on {p.device}, grad {p.grad.dtype})"
@@ -196,12 +236,12 @@ class AdamW(torch.optim.Optimizer):
             flags |= CLIP_COEF
         for (_, _, _, has_master, step), items in buckets.items():
             torch.ops.npukern.adamw_(
-                [p for p, _ in items],
-                [p.grad for p, _ in items],
-                [s["exp_avg"] for _, s in items],
-                [s["exp_avg_sq"] for _, s in items],
-                [s["max_exp_avg_sq"] for _, s in items] if group["amsgrad"] else [],
-                [s["master"] for _, s in items] if has_master else [],
+                [_local(p) for p, _ in items],
+                [_local(p.grad) for p, _ in items],
+                [_local(s["exp_avg"]) for _, s in items],
+                [_local(s["exp_avg_sq"]) for _, s in items],
+                [_local(s["max_exp_avg_sq"]) for _, s in items] if group["amsgrad"] else [],
+                [_local(s["master"]) for _, s in items] if has_master else [],
                 float(_value(group["lr"])),
                 float(b1),
                 float(b2),
