@@ -155,24 +155,30 @@ impl State {
         s
     }
 
-    fn run(&mut self, exec: &Exec<'_>, o: &AdamWOptions) -> Result<AdamWReport> {
+    /// Runs `f` on the state's lists as the operator takes them.
+    fn with<R>(&mut self, f: impl FnOnce(&mut AdamWTensors<'_, '_>) -> R) -> R {
         let mut p: Vec<_> = self.p.iter_mut().map(|t| t.view_mut()).collect();
         let g: Vec<_> = self.g.iter().map(|t| t.view()).collect();
         let mut m: Vec<_> = self.m.iter_mut().map(|t| t.view_mut()).collect();
         let mut v: Vec<_> = self.v.iter_mut().map(|t| t.view_mut()).collect();
         let mut x: Vec<_> = self.x.iter_mut().map(|t| t.view_mut()).collect();
         let mut w: Vec<_> = self.w.iter_mut().map(|t| t.view_mut()).collect();
-        let mut t = AdamWTensors {
+        f(&mut AdamWTensors {
             params: &mut p,
             grads: &g,
             exp_avgs: &mut m,
             exp_avg_sqs: &mut v,
             max_exp_avg_sqs: &mut x,
             masters: &mut w,
-        };
-        let n = adamw_workspace_size(exec, &mut t, o)?;
-        let mut ws = vec![0u8; n];
-        adamw(exec, &mut t, o, &mut ws)
+        })
+    }
+
+    fn run(&mut self, exec: &Exec<'_>, o: &AdamWOptions) -> Result<AdamWReport> {
+        self.with(|t| {
+            let n = adamw_workspace_size(exec, t, o)?;
+            let mut ws = vec![0u8; n];
+            adamw(exec, t, o, &mut ws)
+        })
     }
 }
 
@@ -655,26 +661,12 @@ fn bad_input_is_refused_and_changes_nothing() {
     // Workspace too small.
     let mut s = base.clone();
     let before = s.clone();
-    {
-        let mut p: Vec<_> = s.p.iter_mut().map(|t| t.view_mut()).collect();
-        let g: Vec<_> = s.g.iter().map(|t| t.view()).collect();
-        let mut m: Vec<_> = s.m.iter_mut().map(|t| t.view_mut()).collect();
-        let mut v: Vec<_> = s.v.iter_mut().map(|t| t.view_mut()).collect();
-        let mut x: Vec<_> = s.x.iter_mut().map(|t| t.view_mut()).collect();
-        let mut w: Vec<_> = s.w.iter_mut().map(|t| t.view_mut()).collect();
-        let mut t = AdamWTensors {
-            params: &mut p,
-            grads: &g,
-            exp_avgs: &mut m,
-            exp_avg_sqs: &mut v,
-            max_exp_avg_sqs: &mut x,
-            masters: &mut w,
-        };
-        let n = adamw_workspace_size(&Exec::cpu(), &mut t, &ok).unwrap();
+    s.with(|t| {
+        let n = adamw_workspace_size(&Exec::cpu(), t, &ok).unwrap();
         let mut ws = vec![0u8; n - 1];
-        let e = adamw(&Exec::cpu(), &mut t, &ok, &mut ws).unwrap_err();
+        let e = adamw(&Exec::cpu(), t, &ok, &mut ws).unwrap_err();
         assert!(matches!(e, Error::WorkspaceTooSmall { .. }), "{e:?}");
-    }
+    });
     assert_eq!(before, s);
 }
 

@@ -116,16 +116,7 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
     let t = call.tiling;
     let nb = t.blocks as usize;
     // SAFETY: the front end wrote each present list's table.
-    let (ps, gs, ms, vs, xs, ws) = unsafe {
-        (
-            call.params.rows(),
-            call.grads.rows(),
-            call.exp_avgs.rows(),
-            call.exp_avg_sqs.rows(),
-            call.max_exp_avg_sqs.rows(),
-            call.masters.rows(),
-        )
-    };
+    let [ps, gs, ms, vs, xs, ws] = unsafe { call.tables() };
     runner.parallel_for(nb, &|b| {
         if b >= nb {
             return;

@@ -281,6 +281,27 @@ pub struct AdamWCall {
     pub workspace_bytes: usize,
 }
 
+impl AdamWCall {
+    /// The six lowered tables (params, grads, exp_avgs, exp_avg_sqs,
+    /// max_exp_avg_sqs, masters); absent lists are empty.
+    ///
+    /// # Safety
+    /// The call comes from the front end (its tables are written and live).
+    pub(crate) unsafe fn tables<'a>(&self) -> [&'a [super::list::ListSeg]; 6] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            [
+                self.params.rows(),
+                self.grads.rows(),
+                self.exp_avgs.rows(),
+                self.exp_avg_sqs.rows(),
+                self.max_exp_avg_sqs.rows(),
+                self.masters.rows(),
+            ]
+        }
+    }
+}
+
 /// Workspace bytes `adamw` needs for these tensors and options under
 /// `exec.ub` (the options are validated too).
 pub fn adamw_workspace_size(

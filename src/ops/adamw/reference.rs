@@ -55,16 +55,7 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
     let l2 = o.has(ADAMW_L2);
     let ams = o.has(ADAMW_AMSGRAD);
     // SAFETY: the front end lowered the lists.
-    let (ps, gs, ms, vs, xs, ws) = unsafe {
-        (
-            call.params.rows(),
-            call.grads.rows(),
-            call.exp_avgs.rows(),
-            call.exp_avg_sqs.rows(),
-            call.max_exp_avg_sqs.rows(),
-            call.masters.rows(),
-        )
-    };
+    let [ps, gs, ms, vs, xs, ws] = unsafe { call.tables() };
     let dst = |l: &[ListSeg], r: usize| l.get(r).map(|s| s.data);
     for r in 0..ps.len() {
         let n = ps[r].numel;
