@@ -248,10 +248,7 @@ aarch64_test() {
     [ $# -gt 0 ] && shift
     debian_rust
     ensure gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
-    # The test harness unwinds: std is built once, for panic = "unwind"
-    # (the release profile's "abort" would make cargo build a second core).
-    CARGO_PROFILE_RELEASE_PANIC=unwind \
-        CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+    CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
         CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
         deb_cargo test -p npukern --release --locked --target aarch64-unknown-linux-gnu \
         -Zbuild-std=std,panic_unwind,test --target-dir "$CACHE/target-aarch64" "${cargo_args[@]}" -- "$@"
@@ -288,8 +285,13 @@ if wants aarch64; then
     # accuracy, error and option tests on the portable lanes as aarch64
     # compiles them. The cross-ISA tests ran every ISA, portable included,
     # in the run above.
+    # tests/store_policy.rs neither: its subject (the plan's store flag under
+    # each page hint, the same bits with and without it) does not depend on
+    # the lanes, and neither NEON nor portable streams; the NEON run ran it
+    # (>8 MiB outputs per call: minutes under qemu-user).
     skip=()
     for t in "${CROSS_ISA_TESTS[@]}"; do skip+=(--skip "$t"); done
+    skip+=(--skip _same_bits_under_every_hint --skip small_outputs_never_stream)
     echo "== aarch64: portable lanes forced (NPK_MAX_CPU_ISA=portable), integration tests"
     NPK_MAX_CPU_ISA=portable aarch64_test "${tests[@]}" -- "${skip[@]}"
     step_end aarch64

@@ -23,9 +23,10 @@
 //! `skin::workspace_size` like every operator; its runs, which have no
 //! `OpCall`, use `exec::run` and `types::read_tensor` directly.
 //!
-//! No panic can cross the boundary: the C libraries are built with
-//! `panic = "abort"`, and no input reaches a panicking path (every size is
-//! computed with checked arithmetic before anything is indexed).
+//! No panic can cross the boundary: a panic that reached an `extern "C"`
+//! function would abort the process there (Rust >= 1.81), and no input
+//! reaches a panicking path (every size is computed with checked arithmetic
+//! before anything is indexed).
 //!
 //! The header is generated from this module by cbindgen (`cbindgen.toml`);
 //! `tests/header.rs` fails when the checked-in copy is stale.

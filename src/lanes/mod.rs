@@ -123,6 +123,11 @@ pub const SEGMENT_GROUPS: usize = 128;
 pub trait Lanes: Copy + Send + Sync + 'static {
     /// Which ISA this is.
     const ISA: Isa;
+    /// Whether `stream` is a non-temporal store (x86's vector lanes). Where
+    /// it is an ordinary store (NEON, the portable lanes), `run_blocks!`
+    /// instantiates a kernel only in its ordinary-store form: the streamed
+    /// form would compile the same stores twice (the same bits either way).
+    const STREAMS: bool = false;
     /// Whether this CPU (and OS) can run these lanes, uncached (`Isa`'s
     /// detection caches it). Only after it said yes may `enter` run.
     fn detect() -> bool;

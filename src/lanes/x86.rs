@@ -281,6 +281,7 @@ unsafe fn pow2i8(v: __m256) -> __m256 {
 
 impl Lanes for Avx2 {
     const ISA: Isa = Isa::Avx2;
+    const STREAMS: bool = true;
 
     fn detect() -> bool {
         levels() & AVX2 != 0
@@ -494,6 +495,7 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     } else {
         Isa::Avx512
     };
+    const STREAMS: bool = true;
 
     fn detect() -> bool {
         levels() & if HW_BF16 { AVX512BF16 } else { AVX512 } != 0

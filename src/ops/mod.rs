@@ -253,9 +253,25 @@ pub(crate) use crate::lanes::dispatch_isa;
 /// Runs every block `$b` of a plan (`$flags`, `$blocks`) on `$runner` (the
 /// calling thread for a small plan, see `for_plan`), each inside `$L`'s
 /// ISA context, as `$f::<$L, .., STREAM>($args)` with `STREAM` the plan's
-/// `NORM_FLAG_STREAM` bit. `$L` must be available on this CPU (the caller's
-/// `dispatch_isa!` chose it). A macro so the block inlines into the context.
+/// `NORM_FLAG_STREAM` bit where `$L` streams (`Lanes::STREAMS`; elsewhere
+/// only the `false` form is instantiated). `plain` first: `$f` has no
+/// `STREAM` parameter (a kernel that never streams). `$L` must be available
+/// on this CPU (the caller's `dispatch_isa!` chose it). A macro so the block
+/// inlines into the context.
 macro_rules! run_blocks {
+    (plain $runner:expr, $flags:expr, $blocks:expr, |$b:ident| $f:ident::<$L:ty $(, $g:ty)*>($($a:expr),*)) => {{
+        let flags: u32 = $flags;
+        $crate::runner::for_plan($runner, flags).parallel_for($blocks as usize, &|$b| {
+            // SAFETY: the caller's dispatch_isa! picked $L among the ISAs
+            // this CPU has.
+            unsafe {
+                <$L as $crate::lanes::Lanes>::enter(
+                    #[inline(always)]
+                    || $f::<$L $(, $g)*>($($a),*),
+                )
+            }
+        })
+    }};
     ($runner:expr, $flags:expr, $blocks:expr, |$b:ident| $f:ident::<$L:ty $(, $g:ty)*>($($a:expr),*)) => {{
         let flags: u32 = $flags;
         let stream = flags & $crate::tiling::NORM_FLAG_STREAM != 0;
@@ -266,8 +282,14 @@ macro_rules! run_blocks {
                 <$L as $crate::lanes::Lanes>::enter(
                     #[inline(always)]
                     || {
-                        if stream {
-                            $f::<$L $(, $g)*, true>($($a),*)
+                        // A constant condition: for lanes that do not
+                        // stream, the `true` form is never instantiated.
+                        if <$L as $crate::lanes::Lanes>::STREAMS {
+                            if stream {
+                                $f::<$L $(, $g)*, true>($($a),*)
+                            } else {
+                                $f::<$L $(, $g)*, false>($($a),*)
+                            }
                         } else {
                             $f::<$L $(, $g)*, false>($($a),*)
                         }

@@ -88,8 +88,8 @@ pub(crate) fn cores() -> usize {
 }
 
 /// Locks, ignoring poisoning (a poisoned lock only means some thread
-/// panicked while holding it; with `panic = "abort"` that cannot happen, and
-/// the protected state stays consistent anyway).
+/// panicked while holding it; the library has no panicking path, and the
+/// protected state stays consistent anyway).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }

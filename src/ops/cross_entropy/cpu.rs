@@ -243,7 +243,7 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
         // dlogits are usually written in place, over lines in cache:
         // ordinary stores.
         let flags = t.flags & !NORM_FLAG_STREAM;
-        run_blocks!(runner, flags, t.blocks, |b| block::<L, T>(&k, b));
+        run_blocks!(plain runner, flags, t.blocks, |b| block::<L, T>(&k, b));
     }
     if reduces {
         let total = match row_loss {
@@ -263,7 +263,7 @@ unsafe fn run<L: Lanes, T: Float>(call: &CrossEntropyCall, runner: &dyn Runner) 
 }
 
 #[inline(always)]
-fn block<L: Lanes, T: Float, const STREAM: bool>(k: &Kern<T>, b: usize) {
+fn block<L: Lanes, T: Float>(k: &Kern<T>, b: usize) {
     let k = &{ *k };
     let start = b.saturating_mul(k.rpb).min(k.rows);
     let end = (start + k.rpb).min(k.rows);
