@@ -2,7 +2,9 @@
  * npk_clip_grad_norm (include/npukern.h): a mixed-dtype list checked against
  * a double computation here and against NPK_BACKEND_REFERENCE, bit-identity
  * of serial and npk_threads_parallel_for, the clipping rule element by
- * element, error_if_nonfinite leaving every byte alone, and the error paths
+ * element, error_if_nonfinite leaving every byte alone, the foreign
+ * entries grad_stats and clip_grad_norm (ABI 2.7: the lowered segment table,
+ * a failure passed on, a 2.6 table running the CPU), and the error paths
  * with their npk_error_detail.
  *
  * Built and run by tests/grad_stats.rs (gcc -std=c11 -Wall -Wextra -Werror
@@ -173,9 +175,119 @@ static void test_errors(void) {
   free(w);
 }
 
+/* ---- a fake NPU: its entries read the segment table and run the CPU ---- */
+static int g_fcalls;
+
+/* The call's segment table back as descriptors (rows carry their dtypes). */
+static size_t unlower(const npk_tensor_list *l, npk_tensor *t, int64_t *shapes) {
+  size_t j, start = 0;
+  for (j = 0; j < l->count && j < NT; j++) {
+    const npk_list_seg *s = &l->segs[j];
+    CHECK(s->start == start && s->numel > 0, "row %zu: start %zu numel %zu", j, s->start, s->numel);
+    CHECK(j > 0 || s->dtype == l->dtype, "the list's dtype is its first row's");
+    start += s->numel;
+    shapes[j] = (int64_t)s->numel;
+    t[j] = tens(s->data, s->dtype, 1, &shapes[j]);
+  }
+  return j;
+}
+
+static npk_status fake_grad_stats(void *ctx, const npk_grad_stats_call *c) {
+  npk_tensor t[NT];
+  int64_t shapes[NT];
+  size_t n = unlower(&c->tensors, t, shapes), ws = 0;
+  npk_status st;
+  void *w;
+  (void)ctx;
+  g_fcalls++;
+  CHECK(c->tiling.tensors == n && c->tiling.blocks > 0 && c->workspace != NULL, "plan");
+  st = npk_grad_stats_workspace_size(t, n, NULL, &ws);
+  if (st != NPK_OK) return st;
+  w = malloc(ws ? ws : 1);
+  st = npk_grad_stats(t, n, c->summary, w, ws, NULL);
+  free(w);
+  return st;
+}
+
+static npk_status fake_clip(void *ctx, const npk_clip_grad_norm_call *c) {
+  npk_tensor t[NT];
+  int64_t shapes[NT];
+  size_t n = unlower(&c->tensors, t, shapes), ws = 0;
+  npk_status st;
+  void *w;
+  (void)ctx;
+  g_fcalls++;
+  st = npk_grad_stats_workspace_size(t, n, NULL, &ws);
+  if (st != NPK_OK) return st;
+  w = malloc(ws ? ws : 1);
+  c->report->refused = 0;
+  st = npk_clip_grad_norm(t, n, c->max_norm, (uint8_t)c->error_if_nonfinite, &c->report->total_norm, w, ws, NULL);
+  free(w);
+  if (st == NPK_ERR_NONFINITE) {
+    c->report->refused = 1;
+    return NPK_OK;
+  }
+  return st;
+}
+
+static npk_status failing_grad_stats(void *ctx, const npk_grad_stats_call *c) {
+  (void)ctx;
+  (void)c;
+  return (npk_status)9;
+}
+
+static void test_foreign(void) {
+  npk_foreign_backend tb;
+  npk_error_detail d;
+  npk_exec e;
+  npk_grad_summary s0, s1;
+  buf saved[NT], cpu[NT];
+  double n0 = 0, n1 = 0;
+  size_t k;
+  memset(&e, 0, sizeof e);
+  memset(&tb, 0, sizeof tb);
+  e.backend = NPK_BACKEND_FOREIGN;
+  e.foreign = &tb;
+  e.detail = &d;
+  tb.struct_size = sizeof tb;
+  tb.grad_stats = fake_grad_stats;
+  tb.clip_grad_norm = fake_clip;
+  CHECK(stats(NULL, &s0) == NPK_OK && stats(&e, &s1) == NPK_OK && g_fcalls == 1, "foreign grad_stats: %s", d.message);
+  CHECK(same_summary(&s0, &s1), "foreign grad_stats: the CPU's bits");
+  for (k = 0; k < NT; k++) saved[k] = bclone(g_b[k]);
+  CHECK(clip(NULL, 0.25, 0, &n0) == NPK_OK, "CPU clip");
+  for (k = 0; k < NT; k++) {
+    cpu[k] = bclone(g_b[k]);
+    memcpy(g_b[k].p, saved[k].p, g_b[k].n * dsize(g_b[k].dt));
+  }
+  CHECK(clip(&e, 0.25, 0, &n1) == NPK_OK && g_fcalls == 2, "foreign clip: %s", d.message);
+  CHECK(memcmp(&n0, &n1, 8) == 0, "foreign clip: the CPU's norm");
+  for (k = 0; k < NT; k++) CHECK(bsame(g_b[k], cpu[k]), "foreign clip: tensor %zu has the CPU's bits", k);
+  /* Refused under error_if_nonfinite: NPK_ERR_NONFINITE, nothing changed. */
+  ((float *)g_b[0].p)[3] = INFINITY;
+  for (k = 0; k < NT; k++) {
+    bfree(&cpu[k]);
+    cpu[k] = bclone(g_b[k]);
+  }
+  n1 = 5.0;
+  CHECK(clip(&e, 0.25, 1, &n1) == NPK_ERR_NONFINITE && g_fcalls == 3 && n1 == 5.0, "foreign clip refused");
+  for (k = 0; k < NT; k++) CHECK(bsame(g_b[k], cpu[k]), "refused: tensor %zu untouched", k);
+  tb.grad_stats = failing_grad_stats;
+  CHECK(stats(&e, &s1) == NPK_ERR_BACKEND && d.value == 9, "failure passed on: value %lld", (long long)d.value);
+  /* A backend compiled against ABI 2.6 ends before the grad_stats entry. */
+  tb.struct_size = offsetof(npk_foreign_backend, grad_stats);
+  CHECK(stats(&e, &s1) == NPK_OK && g_fcalls == 3, "2.6 table: CPU grad_stats: %s", d.message);
+  for (k = 0; k < NT; k++) {
+    memcpy(g_b[k].p, saved[k].p, g_b[k].n * dsize(g_b[k].dt));
+    bfree(&saved[k]);
+    bfree(&cpu[k]);
+  }
+}
+
 int main(void) {
   make_list();
   test_stats();
+  test_foreign();
   test_clip();
   test_errors();
   size_t k;

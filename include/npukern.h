@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 6
+#define NPK_ABI_VERSION_MINOR 7
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -1485,6 +1485,175 @@ typedef struct npk_adamw_call {
 } npk_adamw_call;
 
 /**
+ * What `grad_stats` measures over all elements of all tensors
+ * (`npk_grad_summary`).
+ *
+ * `sum_sq` is the sum of squares of the finite elements (relative error
+ * below 1e-6, see the module docs); `min`, `max` and `absmax` are taken
+ * over the finite elements, exactly, and are NaN when there are none. A
+ * zero `min`/`max` is reported as +0.0 (SIMD min/max keep different zeros
+ * on different ISAs); `absmax` is `max(-min, max)`.
+ */
+typedef struct npk_grad_summary {
+  /**
+   * Sum of squares of the finite elements.
+   */
+  double sum_sq;
+  /**
+   * Number of NaN elements.
+   */
+  uint64_t nan_count;
+  /**
+   * Number of +Inf and -Inf elements.
+   */
+  uint64_t inf_count;
+  /**
+   * Smallest finite element (NaN when there is none).
+   */
+  float min;
+  /**
+   * Largest finite element (NaN when there is none).
+   */
+  float max;
+  /**
+   * Largest finite magnitude (NaN when there is none).
+   */
+  float absmax;
+} npk_grad_summary;
+
+/**
+ * Tiling of `grad_stats` / `clip_grad_norm` (the TilingData an NPU kernel
+ * would receive).
+ *
+ * Workspace layout, from the 64-byte aligned start: the segment table (one
+ * 64-bit-aligned record per non-empty tensor: address, flat start, length,
+ * dtype — the address list an NPU kernel's TensorList argument carries),
+ * then one 64-byte partial-result record per block. Both operators need the
+ * same bytes.
+ */
+typedef struct npk_grad_tiling {
+  /**
+   * Non-empty tensors (rows of the segment table).
+   */
+  uint64_t tensors;
+  /**
+   * Elements over all tensors.
+   */
+  uint64_t elements;
+  /**
+   * Blocks the flat element range is cut into (0 when there are no elements).
+   */
+  uint32_t blocks;
+  /**
+   * Reserved, zero.
+   */
+  uint32_t reserved;
+  /**
+   * Elements per block, a multiple of 16; the last block may have fewer.
+   */
+  uint64_t elems_per_block;
+  /**
+   * Elements per window of the stats kernel (512: 16 lanes x 32 terms
+   * summed in f32; see `grad_stats` docs).
+   */
+  uint64_t window_elems;
+  /**
+   * Offset of the segment table from the aligned workspace start.
+   */
+  uint64_t table_offset;
+  /**
+   * Offset of the per-block partials from the aligned workspace start.
+   */
+  uint64_t partials_offset;
+  /**
+   * Total workspace bytes, alignment slack included (0 when there are no
+   * elements).
+   */
+  uint64_t workspace_bytes;
+} npk_grad_tiling;
+
+/**
+ * A validated, planned `grad_stats` call: what a backend receives (the
+ * foreign entry `grad_stats`, `npk_grad_stats_call`, ABI 2.7).
+ */
+typedef struct npk_grad_stats_call {
+  /**
+   * The gradients (read only), lowered: each row carries its own dtype
+   * (a list may mix f32, f16 and bf16; `tensors.dtype` is the first's).
+   */
+  struct npk_tensor_list tensors;
+  /**
+   * Output: the statistics.
+   */
+  struct npk_grad_summary *summary;
+  /**
+   * The tiling plan (its blocks' partials live in the workspace).
+   */
+  struct npk_grad_tiling tiling;
+  /**
+   * The caller's workspace (the segment table, the per-block partials).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_grad_stats_call;
+
+/**
+ * What a `clip_grad_norm` call did (`npk_clip_grad_norm_result`).
+ */
+typedef struct npk_clip_grad_norm_result {
+  /**
+   * The norm before clipping (NaN / +Inf when an element is).
+   */
+  double total_norm;
+  /**
+   * 1 when a NaN or Inf was found under `error_if_nonfinite`: nothing was
+   * scaled (the front end returns `Error::NonFinite`); else 0.
+   */
+  uint32_t refused;
+} npk_clip_grad_norm_result;
+
+/**
+ * A validated, planned `clip_grad_norm` call: what a backend receives (the
+ * foreign entry `clip_grad_norm`, `npk_clip_grad_norm_call`, ABI 2.7). The
+ * entry takes the norm, then scales every tensor in place by PyTorch's
+ * coefficient (module docs), and writes `report`.
+ */
+typedef struct npk_clip_grad_norm_call {
+  /**
+   * The gradients (read, then scaled in place; pairwise disjoint), as
+   * `GradStatsCall::tensors`.
+   */
+  struct npk_tensor_list tensors;
+  /**
+   * The largest norm left unclipped (>= 0, not NaN; +Inf never clips).
+   */
+  double max_norm;
+  /**
+   * Nonzero: a NaN / Inf refuses the call (`report.refused`).
+   */
+  uint32_t error_if_nonfinite;
+  /**
+   * Output: the norm, and whether the call was refused.
+   */
+  struct npk_clip_grad_norm_result *report;
+  /**
+   * The tiling plan (as `grad_stats`').
+   */
+  struct npk_grad_tiling tiling;
+  /**
+   * The caller's workspace.
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_clip_grad_norm_call;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -1565,6 +1734,19 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*adamw)(void *ctx,
                       const struct npk_adamw_call *call);
+  /**
+   * Gradient statistics over a tensor list (ABI 2.7): the entry writes
+   * `*call->summary`.
+   */
+  npk_status (*grad_stats)(void *ctx,
+                           const struct npk_grad_stats_call *call);
+  /**
+   * `clip_grad_norm_` over a tensor list (ABI 2.7): the entry takes the
+   * norm, scales the tensors in place unless it refuses (a NaN / Inf
+   * under `error_if_nonfinite`: nothing scaled) and writes `*call->report`.
+   */
+  npk_status (*clip_grad_norm)(void *ctx,
+                               const struct npk_clip_grad_norm_call *call);
 } npk_foreign_backend;
 
 /**
@@ -1792,36 +1974,6 @@ typedef struct npk_swiglu_options {
    */
   npk_elem_rounding rounding;
 } npk_swiglu_options;
-
-/**
- * What `npk_grad_stats` measures over all elements of all tensors.
- */
-typedef struct npk_grad_summary {
-  /**
-   * Sum of squares of the finite elements.
-   */
-  double sum_sq;
-  /**
-   * Number of NaN elements.
-   */
-  uint64_t nan_count;
-  /**
-   * Number of +Inf and -Inf elements.
-   */
-  uint64_t inf_count;
-  /**
-   * Smallest finite element; NaN when there are none (a zero is +0.0).
-   */
-  float min;
-  /**
-   * Largest finite element; NaN when there are none (a zero is +0.0).
-   */
-  float max;
-  /**
-   * Largest finite magnitude; NaN when there are none.
-   */
-  float absmax;
-} npk_grad_summary;
 
 #ifdef __cplusplus
 extern "C" {
@@ -2196,6 +2348,61 @@ enum npk_status npk_geglu_grad(const struct npk_tensor *dy,
                                const struct npk_exec *exec);
 
 /**
+ * Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these
+ * tensors (the same `exec` must be passed to both calls: the plan depends
+ * on its `blocks`).
+ *
+ * # Safety
+ * `tensors` is NULL (only with `count == 0`) or points to `count` readable
+ * `npk_tensor`s; the other pointers are NULL or valid. Data is not read.
+ */
+enum npk_status npk_grad_stats_workspace_size(const struct npk_tensor *tensors,
+                                              size_t count,
+                                              const struct npk_exec *exec,
+                                              size_t *workspace_bytes);
+
+/**
+ * Sum of squares, NaN/Inf counts, min, max and absmax over every element of
+ * every tensor (f32 | f16 | bf16, any shapes), in one read of the data;
+ * written to `*out`. `workspace` holds the bytes the size call returned
+ * (NULL only when that was 0). On error `*out` is not written.
+ *
+ * # Safety
+ * As for the size call, and every tensor's `data` points to a readable
+ * buffer of its shape and dtype, live for the call; `out` is NULL or
+ * writable.
+ */
+enum npk_status npk_grad_stats(const struct npk_tensor *tensors,
+                               size_t count,
+                               struct npk_grad_summary *out,
+                               void *workspace,
+                               size_t workspace_bytes,
+                               const struct npk_exec *exec);
+
+/**
+ * `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
+ * norm to `*total_norm` and scales every tensor in place by
+ * `min(1, max_norm / (total_norm + 1e-6))` (each element
+ * `round(f32(x) * coef)`). With a NaN/Inf present and `error_if_nonfinite
+ * != 0`: `NPK_ERR_NONFINITE`, nothing changed; otherwise the coefficient is
+ * applied even when it is NaN or 0, as PyTorch does. `max_norm` must not
+ * be negative or NaN. Tensors must not overlap each other. Same workspace
+ * size as `npk_grad_stats`.
+ *
+ * # Safety
+ * As for `npk_grad_stats`, and every tensor's buffer is writable;
+ * `total_norm` is NULL or writable.
+ */
+enum npk_status npk_clip_grad_norm(const struct npk_tensor *tensors,
+                                   size_t count,
+                                   double max_norm,
+                                   uint8_t error_if_nonfinite,
+                                   double *total_norm,
+                                   void *workspace,
+                                   size_t workspace_bytes,
+                                   const struct npk_exec *exec);
+
+/**
  * Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`
  * must be passed to both calls: the plan depends on its tiling fields).
  *
@@ -2367,61 +2574,6 @@ enum npk_status npk_swiglu_grad(const struct npk_tensor *dy,
                                 void *workspace,
                                 size_t workspace_bytes,
                                 const struct npk_exec *exec);
-
-/**
- * Workspace bytes `npk_grad_stats` and `npk_clip_grad_norm` need for these
- * tensors (the same `exec` must be passed to both calls: the plan depends
- * on its `blocks`).
- *
- * # Safety
- * `tensors` is NULL (only with `count == 0`) or points to `count` readable
- * `npk_tensor`s; the other pointers are NULL or valid. Data is not read.
- */
-enum npk_status npk_grad_stats_workspace_size(const struct npk_tensor *tensors,
-                                              size_t count,
-                                              const struct npk_exec *exec,
-                                              size_t *workspace_bytes);
-
-/**
- * Sum of squares, NaN/Inf counts, min, max and absmax over every element of
- * every tensor (f32 | f16 | bf16, any shapes), in one read of the data;
- * written to `*out`. `workspace` holds the bytes the size call returned
- * (NULL only when that was 0). On error `*out` is not written.
- *
- * # Safety
- * As for the size call, and every tensor's `data` points to a readable
- * buffer of its shape and dtype, live for the call; `out` is NULL or
- * writable.
- */
-enum npk_status npk_grad_stats(const struct npk_tensor *tensors,
-                               size_t count,
-                               struct npk_grad_summary *out,
-                               void *workspace,
-                               size_t workspace_bytes,
-                               const struct npk_exec *exec);
-
-/**
- * `torch.nn.utils.clip_grad_norm_` (L2) over all tensors: writes the total
- * norm to `*total_norm` and scales every tensor in place by
- * `min(1, max_norm / (total_norm + 1e-6))` (each element
- * `round(f32(x) * coef)`). With a NaN/Inf present and `error_if_nonfinite
- * != 0`: `NPK_ERR_NONFINITE`, nothing changed; otherwise the coefficient is
- * applied even when it is NaN or 0, as PyTorch does. `max_norm` must not
- * be negative or NaN. Tensors must not overlap each other. Same workspace
- * size as `npk_grad_stats`.
- *
- * # Safety
- * As for `npk_grad_stats`, and every tensor's buffer is writable;
- * `total_norm` is NULL or writable.
- */
-enum npk_status npk_clip_grad_norm(const struct npk_tensor *tensors,
-                                   size_t count,
-                                   double max_norm,
-                                   uint8_t error_if_nonfinite,
-                                   double *total_norm,
-                                   void *workspace,
-                                   size_t workspace_bytes,
-                                   const struct npk_exec *exec);
 
 #ifdef __cplusplus
 }  // extern "C"

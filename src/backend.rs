@@ -3,8 +3,6 @@
 //! plan + workspace) to a `Backend`: `Cpu` runs the plan on SIMD lanes over a
 //! `Runner`, `Reference` is the scalar f64 golden model, and the C ABI's
 //! foreign backend forwards the same structs to an adapter's NPU launch.
-//! The gradient-health operators have no NPU dispatch entry; a backend says
-//! where they run instead (`Backend::grad_engine`).
 
 use crate::error::Result;
 use crate::lanes::{detect, Isa};
@@ -28,43 +26,6 @@ pub unsafe trait Backend: Sync {
     /// # Safety
     /// `op` comes from the front end (see the trait).
     unsafe fn launch(&self, op: Op<'_>) -> Result<()>;
-    /// Where `grad_stats` and `clip_grad_norm` run with this backend (they
-    /// have no dispatch entry of their own). Default: the serial CPU
-    /// kernels, automatic ISA.
-    fn grad_engine(&self) -> GradEngine<'_> {
-        GradEngine::Cpu {
-            runner: &Serial,
-            isa: None,
-        }
-    }
-}
-
-/// How the gradient-health operators run (`Backend::grad_engine`).
-#[derive(Clone, Copy)]
-#[non_exhaustive]
-pub enum GradEngine<'a> {
-    /// The blocked SIMD kernels on `runner`, with the ISA forced or (None)
-    /// detected.
-    Cpu {
-        /// Runs the blocks.
-        runner: &'a dyn Runner,
-        /// Forced ISA, or None for automatic selection.
-        isa: Option<Isa>,
-    },
-    /// The scalar f64 golden model (serial).
-    Reference,
-}
-
-impl core::fmt::Debug for GradEngine<'_> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        match self {
-            GradEngine::Cpu { isa, .. } => f
-                .debug_struct("Cpu")
-                .field("isa", isa)
-                .finish_non_exhaustive(),
-            GradEngine::Reference => f.write_str("Reference"),
-        }
-    }
 }
 
 /// The CPU backend: runs the tiling plan's blocks on `runner`, with the ISA
@@ -110,12 +71,6 @@ unsafe impl<R: Runner> Backend for Cpu<R> {
         unsafe { op.cpu(isa, &self.runner) };
         Ok(())
     }
-    fn grad_engine(&self) -> GradEngine<'_> {
-        GradEngine::Cpu {
-            runner: &self.runner,
-            isa: self.isa,
-        }
-    }
 }
 
 /// The scalar f64 golden model: exact math, one rounding to each output's
@@ -129,8 +84,5 @@ unsafe impl Backend for Reference {
         // SAFETY: forwarded from the trait's contract.
         unsafe { op.reference() };
         Ok(())
-    }
-    fn grad_engine(&self) -> GradEngine<'_> {
-        GradEngine::Reference
     }
 }

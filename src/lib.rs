@@ -57,7 +57,7 @@ pub use bytemuck;
 pub use half;
 pub use half::{bf16, f16};
 
-pub use backend::{Backend, Cpu, GradEngine, Reference, CPU_SERIAL};
+pub use backend::{Backend, Cpu, Reference, CPU_SERIAL};
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Reason, Result};
 pub use lanes::Isa;

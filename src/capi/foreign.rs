@@ -19,6 +19,7 @@ use crate::ops::cross_entropy::CrossEntropyCall;
 use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
 use crate::ops::geglu::GegluCall;
 use crate::ops::geglu_grad::GegluGradCall;
+use crate::ops::grad_stats::{ClipGradNormCall, GradStatsCall};
 use crate::ops::rms_norm::RmsNormCall;
 use crate::ops::rms_norm_grad::RmsNormGradCall;
 use crate::ops::rope::RopeCall;
@@ -79,6 +80,15 @@ pub struct npk_foreign_backend {
     /// step: under `ADAMW_CLIP` it takes the grads' norm, and it writes
     /// `call->report`.
     pub adamw: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const AdamWCall) -> RawStatus>,
+    /// Gradient statistics over a tensor list (ABI 2.7): the entry writes
+    /// `*call->summary`.
+    pub grad_stats:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const GradStatsCall) -> RawStatus>,
+    /// `clip_grad_norm_` over a tensor list (ABI 2.7): the entry takes the
+    /// norm, scales the tensors in place unless it refuses (a NaN / Inf
+    /// under `error_if_nonfinite`: nothing scaled) and writes `*call->report`.
+    pub clip_grad_norm:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const ClipGradNormCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -124,6 +134,8 @@ impl npk_foreign_backend {
             geglu: None,
             geglu_grad: None,
             adamw: None,
+            grad_stats: None,
+            clip_grad_norm: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -156,6 +168,8 @@ impl npk_foreign_backend {
                 Op::Geglu(c) => self.geglu.map(|f| f(ctx, c)),
                 Op::GegluGrad(c) => self.geglu_grad.map(|f| f(ctx, c)),
                 Op::AdamW(c) => self.adamw.map(|f| f(ctx, c)),
+                Op::GradStats(c) => self.grad_stats.map(|f| f(ctx, c)),
+                Op::ClipGradNorm(c) => self.clip_grad_norm.map(|f| f(ctx, c)),
             }
         }
     }
@@ -188,10 +202,5 @@ unsafe impl Backend for Foreign<'_> {
             // SAFETY: forwarded from the trait's contract.
             None => unsafe { self.fallback.launch(op) },
         }
-    }
-
-    fn grad_engine(&self) -> crate::backend::GradEngine<'_> {
-        // No foreign entry: the CPU fallback runs them.
-        self.fallback.grad_engine()
     }
 }

@@ -101,6 +101,7 @@ pub mod cross_entropy;
 pub mod embedding_dense_grad;
 pub mod geglu;
 pub mod geglu_grad;
+pub mod grad_stats;
 pub mod rms_norm;
 pub mod rms_norm_grad;
 pub mod rope;
@@ -130,12 +131,15 @@ operators! {
     GegluGrad = 9 => geglu_grad::GegluGradCall, "geglu_grad";
     /// AdamW / Adam over tensor lists (`AdamWCall`).
     AdamW = 10 => adamw::AdamWCall, "adamw";
+    /// Gradient statistics over a tensor list (`GradStatsCall`).
+    GradStats = 11 => grad_stats::GradStatsCall, "grad_stats";
+    /// `clip_grad_norm_` over a tensor list (`ClipGradNormCall`).
+    ClipGradNorm = 12 => grad_stats::ClipGradNormCall, "clip_grad_norm";
 }
 
 pub mod elementwise;
 pub(crate) mod gated;
 
-pub mod grad_stats;
 pub mod list;
 pub mod norm;
 
@@ -149,8 +153,7 @@ use crate::tiling::{OutputPages, UbConfig};
 use crate::workspace::Workspace;
 
 /// Where and how every operator runs: the tiling machine model (`ub`) and
-/// the backend (`Cpu` on a runner, `Reference`, or an adapter's). The
-/// gradient-health operators run where `Backend::grad_engine` says.
+/// the backend (`Cpu` on a runner, `Reference`, or an adapter's).
 #[derive(Clone, Copy)]
 pub struct Exec<'a> {
     /// Unified Buffer size and block count the plan is cut for.

@@ -2,11 +2,10 @@
 //! a skin over `ops::grad_stats` (the same validation, plan and kernels as
 //! the Rust API).
 //!
-//! These operators have no entry in the foreign table: `npk_exec` is
-//! validated and reported through `exec::run` like every operator, and the
-//! backend it builds names the engine (`Backend::grad_engine`): CPU and
-//! FOREIGN run the CPU kernels on the host `parallel_for` (with its
-//! exactly-once check), REFERENCE the f64 model.
+//! `npk_exec` is validated and reported through `exec::run` like every
+//! operator; the calls reach its backend as `npk_grad_stats_call` /
+//! `npk_clip_grad_norm_call` (the foreign entries `grad_stats` and
+//! `clip_grad_norm`, ABI 2.7; a missing one runs on the CPU).
 //!
 //! The tensor list is read element by element through `types::read_tensor`
 //! (an invalid dtype value never becomes a Rust enum); on a list error the
@@ -27,39 +26,8 @@ use crate::ops::Exec;
 use crate::tensor::RawTensor;
 use crate::tiling::UbConfig;
 
-/// What `npk_grad_stats` measures over all elements of all tensors.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct npk_grad_summary {
-    /// Sum of squares of the finite elements.
-    pub sum_sq: f64,
-    /// Number of NaN elements.
-    pub nan_count: u64,
-    /// Number of +Inf and -Inf elements.
-    pub inf_count: u64,
-    /// Smallest finite element; NaN when there are none (a zero is +0.0).
-    pub min: f32,
-    /// Largest finite element; NaN when there are none (a zero is +0.0).
-    pub max: f32,
-    /// Largest finite magnitude; NaN when there are none.
-    pub absmax: f32,
-}
-
-impl From<GradSummary> for npk_grad_summary {
-    fn from(s: GradSummary) -> Self {
-        npk_grad_summary {
-            sum_sq: s.sum_sq,
-            nan_count: s.nan_count,
-            inf_count: s.inf_count,
-            min: s.min,
-            max: s.max,
-            absmax: s.absmax,
-        }
-    }
-}
-
-/// The size call's skin: the list is all it reads (the runs have no
-/// `OpCall`: they run the engine themselves).
+/// The size call's skin: the list is all it reads (the runs lower the list
+/// themselves, `stats_with` / `clip_with`).
 impl CapiOp for CList {
     type Args = (*const RawTensor, usize);
     type Inputs = CList;
@@ -174,7 +142,7 @@ pub unsafe extern "C" fn npk_grad_stats_workspace_size(
 pub unsafe extern "C" fn npk_grad_stats(
     tensors: *const RawTensor,
     count: usize,
-    out: *mut npk_grad_summary,
+    out: *mut GradSummary,
     workspace: *mut c_void,
     workspace_bytes: usize,
     exec: *const npk_exec,
@@ -182,8 +150,7 @@ pub unsafe extern "C" fn npk_grad_stats(
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
         run_list((tensors, count), (out, "out"), exec, |e, l, o| {
-            let sum = stats_with(e, l, workspace, workspace_bytes, Some(o))?;
-            Ok(sum.into())
+            stats_with(e, l, workspace, workspace_bytes, Some(o))
         })
     }
 }

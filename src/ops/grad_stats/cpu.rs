@@ -26,9 +26,15 @@
 
 use super::minmax::{fold, MinMax};
 use super::plan::{GradTiling, Partial, Seg};
-use super::GradSummary;
+use super::{
+    clip_coefficient, partials_of, stats_table, ClipGradNormCall, ClipGradNormReport, GradCall,
+    GradStatsCall, GradSummary,
+};
 use crate::dtype::{DType, Float};
+use crate::lanes::detect::Available;
 use crate::lanes::{Lanes, GROUP};
+use crate::ops::dispatch_isa;
+use crate::runner::Runner;
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
 
@@ -320,4 +326,73 @@ pub(crate) fn finish_summary(mut s: GradSummary, elements: u64) -> GradSummary {
     let (a, b) = (-s.min, s.max);
     s.absmax = if a > b { a } else { b };
     s
+}
+
+/// Runs a registry call (`GradStats`, `ClipGradNorm`) on the CPU kernels.
+///
+/// # Safety
+/// The call comes from the front end; `isa` is available.
+pub(crate) unsafe fn cpu<C: GradCall>(c: &C, isa: Available, runner: &dyn Runner) {
+    // SAFETY: forwarded.
+    unsafe { c.cpu(isa, runner) }
+}
+
+/// `grad_stats`: the blocks' partials, combined in block order.
+///
+/// # Safety
+/// As for `cpu`.
+pub(crate) unsafe fn stats_call(c: &GradStatsCall, isa: Available, runner: &dyn Runner) {
+    // SAFETY: the front end lowered the list (at least one block) into the
+    // checked workspace and points `summary` at its own result.
+    unsafe {
+        let parts = partials_of(c.workspace, &c.tiling);
+        let s = stats_table(c.tensors.rows(), &c.tiling, parts, isa, runner);
+        c.summary.write(s);
+    }
+}
+
+/// `clip_grad_norm`: the statistics, then (unless refused) every element
+/// times the coefficient, rounded once.
+///
+/// # Safety
+/// As for `cpu`; the tensors are writable and pairwise disjoint.
+pub(crate) unsafe fn clip_call(c: &ClipGradNormCall, isa: Available, runner: &dyn Runner) {
+    let t = c.tiling;
+    // SAFETY: as for `stats_call`.
+    let (segs, s) = unsafe {
+        let segs = c.tensors.rows();
+        let parts = partials_of(c.workspace, &t);
+        (segs, stats_table(segs, &t, parts, isa, runner))
+    };
+    let norm = s.norm();
+    let refused = c.error_if_nonfinite != 0 && !s.is_finite();
+    let coef = clip_coefficient(norm, c.max_norm);
+    // Multiplying by exactly 1.0 changes no bit here (see module docs).
+    if !refused && coef != 1.0 {
+        // SAFETY: validated, writable, disjoint tensors; `isa` available.
+        unsafe { dispatch_isa!(isa, L => scale_blocks::<L>(segs, &t, runner, coef)) }
+    }
+    // SAFETY: the front end points `report` at its own result.
+    unsafe {
+        c.report.write(ClipGradNormReport {
+            total_norm: norm,
+            refused: refused as u32,
+        })
+    };
+}
+
+unsafe fn scale_blocks<L: Lanes>(segs: &[Seg], t: &GradTiling, runner: &dyn Runner, c: f32) {
+    let nb = t.blocks as usize;
+    runner.parallel_for(nb, &|b| {
+        if b < nb {
+            // SAFETY: validated, writable, disjoint tensors; block b's range
+            // is touched by this task only; `L`'s ISA is available.
+            unsafe {
+                L::enter(
+                    #[inline(always)]
+                    || block_scale::<L>(segs, t, b, c),
+                )
+            };
+        }
+    });
 }

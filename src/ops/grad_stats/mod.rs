@@ -53,10 +53,12 @@
 //!   `+Inf` is accepted (compute the norm, never clip).
 //!
 //! # Where they run
-//! The C ABI's foreign table has no entry for these operators, so no `*Call`
-//! is dispatched: the `Exec`'s backend names, through
-//! `Backend::grad_engine`, the `Runner` and ISA of the CPU kernels (`Cpu`),
-//! or the f64 reference model (`Reference`).
+//! Like every operator: the front end validates, plans and lowers the list
+//! into a segment table in the workspace (`npk_list_seg` rows, each with its
+//! own dtype), then hands a `GradStatsCall` / `ClipGradNormCall` to the
+//! `Exec`'s backend (`Op::GradStats`, `Op::ClipGradNorm`; the foreign
+//! entries `grad_stats` and `clip_grad_norm`, ABI 2.7): the CPU kernels,
+//! the f64 reference model, or an adapter's NPU launch.
 //!
 //! # Validation
 //! Everything is checked before anything is written: dtypes (i32/i64 are
@@ -67,7 +69,7 @@
 
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
-mod cpu;
+pub(crate) mod cpu;
 mod minmax;
 mod plan;
 pub(crate) mod reference;
@@ -84,11 +86,12 @@ pub(crate) use plan::{plan_of, GradSource, ARG};
 pub(crate) use plan::{Partial, Seg};
 use plan::{RawList, RoList, RwList};
 
+use super::list::TensorList;
+use super::Op;
 use super::{dispatch_isa, Exec};
-use crate::backend::GradEngine;
 use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
-use crate::lanes::{detect, Lanes};
+use crate::lanes::Lanes;
 use crate::runner::Runner;
 use crate::tensor::RawTensor;
 use crate::workspace::{Dst, Workspace};
@@ -223,16 +226,90 @@ fn overlaps(a: usize, an: usize, b: usize, bn: usize) -> bool {
     an > 0 && bn > 0 && a < b.saturating_add(bn) && b < a.saturating_add(an)
 }
 
-/// A validated call: the plan, its segment table and partials in the
-/// workspace, and the resolved ISA (None on the reference model).
-struct Prepared {
-    t: GradTiling,
-    segs: *const Seg,
-    parts: *mut Partial,
-    isa: Option<Available>,
+/// A validated, planned `grad_stats` call: what a backend receives (the
+/// foreign entry `grad_stats`, `npk_grad_stats_call`, ABI 2.7).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GradStatsCall {
+    /// The gradients (read only), lowered: each row carries its own dtype
+    /// (a list may mix f32, f16 and bf16; `tensors.dtype` is the first's).
+    pub tensors: TensorList,
+    /// Output: the statistics.
+    pub summary: *mut GradSummary,
+    /// The tiling plan (its blocks' partials live in the workspace).
+    pub tiling: GradTiling,
+    /// The caller's workspace (the segment table, the per-block partials).
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
 }
 
-/// Validates everything, then writes the segment table into the workspace.
+/// What a `clip_grad_norm` call did (`npk_clip_grad_norm_result`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ClipGradNormReport {
+    /// The norm before clipping (NaN / +Inf when an element is).
+    pub total_norm: f64,
+    /// 1 when a NaN or Inf was found under `error_if_nonfinite`: nothing was
+    /// scaled (the front end returns `Error::NonFinite`); else 0.
+    pub refused: u32,
+}
+
+/// A validated, planned `clip_grad_norm` call: what a backend receives (the
+/// foreign entry `clip_grad_norm`, `npk_clip_grad_norm_call`, ABI 2.7). The
+/// entry takes the norm, then scales every tensor in place by PyTorch's
+/// coefficient (module docs), and writes `report`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ClipGradNormCall {
+    /// The gradients (read, then scaled in place; pairwise disjoint), as
+    /// `GradStatsCall::tensors`.
+    pub tensors: TensorList,
+    /// The largest norm left unclipped (>= 0, not NaN; +Inf never clips).
+    pub max_norm: f64,
+    /// Nonzero: a NaN / Inf refuses the call (`report.refused`).
+    pub error_if_nonfinite: u32,
+    /// Output: the norm, and whether the call was refused.
+    pub report: *mut ClipGradNormReport,
+    /// The tiling plan (as `grad_stats`').
+    pub tiling: GradTiling,
+    /// The caller's workspace.
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+/// The two calls' runs, so that one operator folder serves both registry
+/// entries (`cpu::cpu` and `reference::reference` are generic over it).
+pub(crate) trait GradCall {
+    /// Runs the call on the CPU kernels of `isa` over `runner`.
+    ///
+    /// # Safety
+    /// The call comes from the front end; `isa` is available.
+    unsafe fn cpu(&self, isa: Available, runner: &dyn Runner);
+    /// Runs the call on the f64 golden model.
+    ///
+    /// # Safety
+    /// The call comes from the front end.
+    unsafe fn reference(&self);
+}
+
+/// The partials region of a call's checked workspace.
+///
+/// # Safety
+/// `ws` is the workspace the front end checked against `t`.
+pub(crate) unsafe fn partials_of(ws: *mut c_void, t: &GradTiling) -> *mut Partial {
+    let base = ws as *mut u8;
+    // SAFETY: the plan's partials region lies inside the checked workspace.
+    unsafe {
+        base.add(crate::tiling::align_offset(base))
+            .add(t.partials_offset as usize)
+            .cast::<Partial>()
+    }
+}
+
+/// Validates everything, then writes the segment table into the workspace;
+/// returns the plan and the lowered list (empty when there is no element).
 /// `writes`: the tensors are outputs too (clip), so they must not overlap.
 fn prepare<S: GradSource>(
     exec: &Exec<'_>,
@@ -241,12 +318,8 @@ fn prepare<S: GradSource>(
     bytes: usize,
     writes: bool,
     out: Option<OutRange>,
-) -> Result<Prepared> {
+) -> Result<(GradTiling, TensorList)> {
     let t = plan_of(src, &exec.ub)?;
-    let isa = match exec.backend.grad_engine() {
-        GradEngine::Cpu { isa, .. } => Some(detect::resolve(isa)?),
-        GradEngine::Reference => None,
-    };
     let needed = bytes_of(t)?;
     let w = Workspace::new(ws, bytes, t.workspace_bytes)?;
     let used = bytes.min(needed);
@@ -267,31 +340,22 @@ fn prepare<S: GradSource>(
             }
         }
     }
-    let mut prep = Prepared {
-        t,
-        segs: core::ptr::null(),
-        parts: core::ptr::null_mut(),
-        isa,
-    };
     if t.blocks == 0 {
-        return Ok(prep);
+        return Ok((t, TensorList::NONE));
     }
     let nseg = t.tensors as usize;
-    // SAFETY: the plan's table and partials regions lie inside the checked
-    // workspace, which overlaps no tensor; nothing else uses it during the call.
-    let (table, parts) = unsafe {
-        (
-            w.region(
-                t.table_offset as usize,
-                (t.partials_offset - t.table_offset) as usize / 4,
-            )
-            .as_mut_ptr() as *mut Seg,
-            w.region(t.partials_offset as usize, t.blocks as usize * 16)
-                .as_mut_ptr() as *mut Partial,
+    // SAFETY: the plan's table region lies inside the checked workspace,
+    // which overlaps no tensor; nothing else uses it during the call.
+    let table = unsafe {
+        w.region(
+            t.table_offset as usize,
+            (t.partials_offset - t.table_offset) as usize / 4,
         )
+        .as_mut_ptr() as *mut Seg
     };
     let mut k = 0usize;
     let mut start = 0usize;
+    let mut first = DType::F32;
     for i in 0..src.count() {
         let (data, dtype, numel) = src.get(i)?;
         if numel == 0 {
@@ -299,6 +363,9 @@ fn prepare<S: GradSource>(
         }
         if k >= nseg {
             return Err(invalid(ARG, "the list changed while it was read"));
+        }
+        if k == 0 {
+            first = dtype;
         }
         let seg = Seg {
             data,
@@ -329,9 +396,14 @@ fn prepare<S: GradSource>(
             return Err(invalid(ARG, "two tensors overlap"));
         }
     }
-    prep.segs = table;
-    prep.parts = parts;
-    Ok(prep)
+    Ok((
+        t,
+        TensorList {
+            segs: table,
+            count: nseg,
+            dtype: first,
+        },
+    ))
 }
 
 pub(crate) fn stats_with<S: GradSource>(
@@ -341,13 +413,21 @@ pub(crate) fn stats_with<S: GradSource>(
     bytes: usize,
     out: Option<OutRange>,
 ) -> Result<GradSummary> {
-    let p = prepare(exec, src, ws, bytes, false, out)?;
-    match p.isa {
-        // SAFETY: `src` was validated by `prepare`.
-        None => Ok(unsafe { reference::stats(src) }),
-        // SAFETY: `p` was built by `prepare`.
-        Some(isa) => Ok(unsafe { run_stats(&p, isa, runner_of(exec)) }),
+    let (t, tensors) = prepare(exec, src, ws, bytes, false, out)?;
+    let mut summary = cpu::combine(&[], 0);
+    if t.blocks == 0 {
+        return Ok(summary);
     }
+    let call = GradStatsCall {
+        tensors,
+        summary: &mut summary,
+        tiling: t,
+        workspace: ws,
+        workspace_bytes: bytes,
+    };
+    // SAFETY: the list was validated and lowered into the checked workspace.
+    unsafe { exec.backend.launch(Op::GradStats(&call))? };
+    Ok(summary)
 }
 
 pub(crate) fn clip_with<S: GradSource>(
@@ -359,48 +439,27 @@ pub(crate) fn clip_with<S: GradSource>(
     out: Option<OutRange>,
 ) -> Result<f64> {
     opts.check()?;
-    let (max_norm, error_if_nonfinite) = (opts.max_norm, opts.error_if_nonfinite);
-    let p = prepare(exec, src, ws, bytes, true, out)?;
-    let s = match p.isa {
-        // SAFETY: `src` was validated by `prepare`.
-        None => unsafe { reference::stats(src) },
-        // SAFETY: `p` was built by `prepare`.
-        Some(isa) => unsafe { run_stats(&p, isa, runner_of(exec)) },
+    let (t, tensors) = prepare(exec, src, ws, bytes, true, out)?;
+    if t.blocks == 0 {
+        return Ok(cpu::combine(&[], 0).norm());
+    }
+    let mut report = ClipGradNormReport::default();
+    let call = ClipGradNormCall {
+        tensors,
+        max_norm: opts.max_norm,
+        error_if_nonfinite: opts.error_if_nonfinite as u32,
+        report: &mut report,
+        tiling: t,
+        workspace: ws,
+        workspace_bytes: bytes,
     };
-    if error_if_nonfinite && !s.is_finite() {
+    // SAFETY: the list was validated (writable, pairwise disjoint) and
+    // lowered into the checked workspace.
+    unsafe { exec.backend.launch(Op::ClipGradNorm(&call))? };
+    if report.refused != 0 {
         return Err(Error::NonFinite);
     }
-    let norm = s.norm();
-    let c = clip_coefficient(norm, max_norm);
-    match p.isa {
-        // SAFETY: validated, writable, pairwise disjoint (checked by `prepare`).
-        None => unsafe { reference::scale(src, c) },
-        // Multiplying by exactly 1.0 changes no bit here (see module docs).
-        Some(_) if c == 1.0 => {}
-        // SAFETY: as above.
-        Some(isa) => unsafe { run_scale(&p, isa, runner_of(exec), c) },
-    }
-    Ok(norm)
-}
-
-/// The runner of the exec's CPU engine (the reference model runs serially).
-fn runner_of<'a>(exec: &'a Exec<'_>) -> &'a dyn Runner {
-    match exec.backend.grad_engine() {
-        GradEngine::Cpu { runner, .. } => runner,
-        GradEngine::Reference => &crate::runner::Serial,
-    }
-}
-
-/// # Safety
-/// `p` was built by `prepare`.
-unsafe fn run_stats(p: &Prepared, isa: Available, runner: &dyn Runner) -> GradSummary {
-    if p.t.blocks == 0 {
-        return cpu::combine(&[], 0);
-    }
-    // SAFETY: `prepare` wrote `t.tensors` rows at `segs`.
-    let segs = unsafe { core::slice::from_raw_parts(p.segs, p.t.tensors as usize) };
-    // SAFETY: forwarded.
-    unsafe { stats_table(segs, &p.t, p.parts, isa, runner) }
+    Ok(report.total_norm)
 }
 
 /// The statistics of the tensors of a segment table cut by `t` (at least
@@ -449,32 +508,24 @@ unsafe fn stats_blocks<L: Lanes>(
     cpu::combine(parts, t.elements)
 }
 
-/// # Safety
-/// `p` was built by `prepare` with `writes`.
-unsafe fn run_scale(p: &Prepared, isa: Available, runner: &dyn Runner, c: f32) {
-    if p.t.blocks == 0 {
-        return;
+impl GradCall for GradStatsCall {
+    unsafe fn cpu(&self, isa: Available, runner: &dyn Runner) {
+        // SAFETY: forwarded.
+        unsafe { cpu::stats_call(self, isa, runner) }
     }
-    // SAFETY: forwarded.
-    unsafe { dispatch_isa!(isa, L => scale_blocks::<L>(p, runner, c)) }
+    unsafe fn reference(&self) {
+        // SAFETY: forwarded.
+        unsafe { reference::stats_call(self) }
+    }
 }
 
-unsafe fn scale_blocks<L: Lanes>(p: &Prepared, runner: &dyn Runner, c: f32) {
-    let t = p.t;
-    let nb = t.blocks as usize;
-    // SAFETY: `prepare` wrote `t.tensors` rows at `segs`.
-    let segs = unsafe { core::slice::from_raw_parts(p.segs, t.tensors as usize) };
-    runner.parallel_for(nb, &|b| {
-        if b < nb {
-            // SAFETY: validated, writable, disjoint tensors; block b's range
-            // is touched by this task only.
-            // `L`'s ISA was resolved as available.
-            unsafe {
-                L::enter(
-                    #[inline(always)]
-                    || cpu::block_scale::<L>(segs, &t, b, c),
-                )
-            };
-        }
-    });
+impl GradCall for ClipGradNormCall {
+    unsafe fn cpu(&self, isa: Available, runner: &dyn Runner) {
+        // SAFETY: forwarded.
+        unsafe { cpu::clip_call(self, isa, runner) }
+    }
+    unsafe fn reference(&self) {
+        // SAFETY: forwarded.
+        unsafe { reference::clip_call(self) }
+    }
 }

@@ -3,8 +3,11 @@
 //! unconditionally, one f32 product rounded once to the tensor's dtype).
 
 use super::plan::GradSource;
-use super::GradSummary;
+use super::{
+    clip_coefficient, ClipGradNormCall, ClipGradNormReport, GradCall, GradStatsCall, GradSummary,
+};
 use crate::dtype::{DType, Float};
+use crate::ops::list::TableList;
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
 
@@ -90,4 +93,48 @@ pub(crate) unsafe fn scale<S: GradSource>(src: &mut S, c: f32) {
             }
         }
     }
+}
+
+/// Runs a registry call (`GradStats`, `ClipGradNorm`) on the f64 model.
+///
+/// # Safety
+/// The call comes from the front end.
+pub(crate) unsafe fn reference<C: GradCall>(c: &C) {
+    // SAFETY: forwarded.
+    unsafe { c.reference() }
+}
+
+/// `grad_stats` on the f64 model.
+///
+/// # Safety
+/// As for `reference`.
+pub(crate) unsafe fn stats_call(c: &GradStatsCall) {
+    // SAFETY: the front end lowered the list and points `summary` at its
+    // own result.
+    unsafe { c.summary.write(stats(&mut TableList(c.tensors.rows()))) }
+}
+
+/// `clip_grad_norm` on the f64 model: it multiplies even by 1.0, as
+/// `torch.mul_` does (the kernels skip that pass: the same bits).
+///
+/// # Safety
+/// As for `reference`; the tensors are writable and pairwise disjoint.
+pub(crate) unsafe fn clip_call(c: &ClipGradNormCall) {
+    // SAFETY: the front end lowered the list.
+    let rows = unsafe { c.tensors.rows() };
+    // SAFETY: validated tensors.
+    let s = unsafe { stats(&mut TableList(rows)) };
+    let norm = s.norm();
+    let refused = c.error_if_nonfinite != 0 && !s.is_finite();
+    if !refused {
+        // SAFETY: validated, writable, pairwise disjoint.
+        unsafe { scale(&mut TableList(rows), clip_coefficient(norm, c.max_norm)) };
+    }
+    // SAFETY: the front end points `report` at its own result.
+    unsafe {
+        c.report.write(ClipGradNormReport {
+            total_norm: norm,
+            refused: refused as u32,
+        })
+    };
 }
