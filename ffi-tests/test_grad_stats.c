@@ -36,24 +36,32 @@ static void make_list(void) {
   g_t[3] = tens(NULL, NPK_F32, 2, DIMS(0, 3)); /* empty: NULL data is fine */
 }
 
-static npk_status stats(const npk_exec *ex, npk_grad_summary *out) {
+/* Both phases over the list t[0..n]: the size call, then the run. */
+static npk_status stats_of(const npk_tensor *t, size_t n, const npk_exec *ex, npk_grad_summary *out) {
   size_t ws = 0;
-  npk_status s = npk_grad_stats_workspace_size(g_t, NT, ex, &ws);
+  npk_status s = npk_grad_stats_workspace_size(t, n, ex, &ws);
   if (s != NPK_OK) return s;
   void *w = malloc(ws ? ws : 1);
-  s = npk_grad_stats(g_t, NT, out, ws ? w : NULL, ws, ex);
+  s = npk_grad_stats(t, n, out, ws ? w : NULL, ws, ex);
   free(w);
   return s;
 }
 
-static npk_status clip(const npk_exec *ex, double max_norm, int err, double *norm) {
+static npk_status clip_of(const npk_tensor *t, size_t n, const npk_exec *ex, double max_norm, int err,
+                          double *norm) {
   size_t ws = 0;
-  npk_status s = npk_grad_stats_workspace_size(g_t, NT, ex, &ws);
+  npk_status s = npk_grad_stats_workspace_size(t, n, ex, &ws);
   if (s != NPK_OK) return s;
   void *w = malloc(ws ? ws : 1);
-  s = npk_clip_grad_norm(g_t, NT, max_norm, (uint8_t)err, norm, w, ws, ex);
+  s = npk_clip_grad_norm(t, n, max_norm, (uint8_t)err, norm, w, ws, ex);
   free(w);
   return s;
+}
+
+static npk_status stats(const npk_exec *ex, npk_grad_summary *out) { return stats_of(g_t, NT, ex, out); }
+
+static npk_status clip(const npk_exec *ex, double max_norm, int err, double *norm) {
+  return clip_of(g_t, NT, ex, max_norm, err, norm);
 }
 
 static int same_summary(const npk_grad_summary *a, const npk_grad_summary *b) {
@@ -195,34 +203,22 @@ static size_t unlower(const npk_tensor_list *l, npk_tensor *t, int64_t *shapes) 
 static npk_status fake_grad_stats(void *ctx, const npk_grad_stats_call *c) {
   npk_tensor t[NT];
   int64_t shapes[NT];
-  size_t n = unlower(&c->tensors, t, shapes), ws = 0;
-  npk_status st;
-  void *w;
+  size_t n = unlower(&c->tensors, t, shapes);
   (void)ctx;
   g_fcalls++;
   CHECK(c->tiling.tensors == n && c->tiling.blocks > 0 && c->workspace != NULL, "plan");
-  st = npk_grad_stats_workspace_size(t, n, NULL, &ws);
-  if (st != NPK_OK) return st;
-  w = malloc(ws ? ws : 1);
-  st = npk_grad_stats(t, n, c->summary, w, ws, NULL);
-  free(w);
-  return st;
+  return stats_of(t, n, NULL, c->summary);
 }
 
 static npk_status fake_clip(void *ctx, const npk_clip_grad_norm_call *c) {
   npk_tensor t[NT];
   int64_t shapes[NT];
-  size_t n = unlower(&c->tensors, t, shapes), ws = 0;
+  size_t n = unlower(&c->tensors, t, shapes);
   npk_status st;
-  void *w;
   (void)ctx;
   g_fcalls++;
-  st = npk_grad_stats_workspace_size(t, n, NULL, &ws);
-  if (st != NPK_OK) return st;
-  w = malloc(ws ? ws : 1);
   c->report->refused = 0;
-  st = npk_clip_grad_norm(t, n, c->max_norm, (uint8_t)c->error_if_nonfinite, &c->report->total_norm, w, ws, NULL);
-  free(w);
+  st = clip_of(t, n, NULL, c->max_norm, (int)c->error_if_nonfinite, &c->report->total_norm);
   if (st == NPK_ERR_NONFINITE) {
     c->report->refused = 1;
     return NPK_OK;
