@@ -3,6 +3,7 @@ Adam: trajectories, param groups, LR schedulers, state_dict in both
 directions, master weights, the clip inside the step, the non-finite skip."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -227,3 +228,48 @@ def test_npu_apply_adam_w_is_torch_npus(amsgrad, maximize):
         assert ((mx.double() - mx_out).abs() <= ulp * mx_out.abs()).all()
     with pytest.raises(ValueError):
         npu_apply_adam_w(0.5, b2p, lr, wd, b1, b2, eps, grad, None, False, False, out=(var, m, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_npu_apply_fused_adamw_v2_is_mindspeeds(dtype, amsgrad):
+    from npukern_torch.npu import npu_apply_adam_w, npu_apply_fused_adamw_v2
+
+    g = torch.Generator().manual_seed(5)
+    var = torch.randn(1000, generator=g).to(dtype)
+    m = (torch.randn(1000, generator=g) * 1e-2).to(dtype)
+    v = (torch.rand(1000, generator=g) * 1e-4).to(dtype)
+    grad = torch.randn(1000, generator=g) * 1e-2  # float32 beside 16-bit params: MindSpeed's combinations
+    mx = torch.rand(1000, generator=g) * 1e-4  # float32 max beside bf16 moments: updated through bf16
+    b1, b2, lr, wd, eps, t = 0.9, 0.999, 1e-3, 0.01, 1e-8, 7
+    # MindSpeed's documented reference (docs/ops/npu_apply_fused_adamw_v2.md) in float64.
+    d = [x.double() for x in (var, m, v, grad, mx)]
+    m_out = d[1] + (d[3] - d[1]) * (1 - b1)
+    v_out = d[2] * b2 + d[3] * d[3] * (1 - b2)
+    mx_out = torch.maximum(d[4], v_out) if amsgrad else v_out
+    want = d[0] * (1 - lr * wd) - lr / (1 - b1**t) * m_out / (mx_out.sqrt() / math.sqrt(1 - b2**t) + eps)
+    # The same step through torch_npu's name (previous step's powers): the same op, so the same bits.
+    same = [x.clone() for x in (var, m, v, mx.to(dtype))]
+    npu_apply_adam_w(b1 ** (t - 1), b2 ** (t - 1), lr, wd, b1, b2, eps, grad.to(dtype) if dtype != torch.float32
+                     else grad, same[3] if amsgrad else None, amsgrad, False, out=tuple(same[:3]))
+    step = torch.full((1,), t, dtype=torch.int64)
+    assert npu_apply_fused_adamw_v2(var, grad, m, v, mx if amsgrad else None, step, lr, b1, b2, wd, eps,
+                                    amsgrad, False) is None
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-22
+    assert ((var.double() - want).abs() <= ulp * want.abs() + 1e-6 * lr).all()
+    # float32 arithmetic: a few roundings of the terms' magnitudes (then one to the dtype).
+    terms = (d[1] * b1).abs() + ((1 - b1) * d[3]).abs()
+    assert ((m.double() - m_out).abs() <= 2.0**-22 * terms + ulp * m_out.abs()).all()
+    if dtype == torch.float32:
+        # f32 grads beside f32 params: bit for bit torch_npu's name.
+        assert torch.equal(var, same[0]) and torch.equal(m, same[1]) and torch.equal(v, same[2])
+    if amsgrad:
+        assert mx.dtype == torch.float32
+        assert ((mx.double() - mx_out).abs() <= ulp * mx_out.abs() * 2).all()
+    with pytest.raises(ValueError, match="state_step"):
+        npu_apply_fused_adamw_v2(var, grad, m, v, None, 0)
+    with pytest.raises(TypeError, match="max_exp_avg_sq"):
+        npu_apply_fused_adamw_v2(var, grad, m, v, None, 1, amsgrad=True)
+    with pytest.raises(TypeError, match="param's dtype"):
+        npu_apply_fused_adamw_v2(var, grad, m.float() if dtype != torch.float32 else m.half(), v, None, 1)
+

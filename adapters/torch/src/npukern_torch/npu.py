@@ -39,6 +39,7 @@ def _torch_rms_norm(x, gamma, epsilon):
 __all__ = [
     "npu_add_rms_norm",
     "npu_apply_adam_w",
+    "npu_apply_fused_adamw_v2",
     "npu_cross_entropy_loss",
     "npu_geglu",
     "npu_rms_norm",
@@ -186,3 +187,37 @@ def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, e
     torch.ops.npukern.adamw_([var], [grad], [m], [v], maxes, [], float(lr), float(beta1), float(beta2),
                              float(epsilon), float(weight_decay), t, flags, 0.0, 1.0, 0.0, 1.0)
     return var, m, v
+
+
+def npu_apply_fused_adamw_v2(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, state_step, lr=1e-3, beta1=0.9,
+                             beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False):
+    """MindSpeed's ``npu_apply_fused_adamw_v2`` (mindspeed.ops): one AdamW
+    step of ``param``, ``exp_avg``, ``exp_avg_sq`` (and with ``amsgrad``
+    ``max_exp_avg_sq``, the running max of ``exp_avg_sq``) in place, on
+    npukern's AdamW. As MindSpeed: ``state_step`` is the current step (an int
+    or a one-element int64 tensor, >= 1; the bias corrections use
+    ``beta^state_step``), the moments have ``param``'s dtype, ``grad`` and
+    ``max_exp_avg_sq`` any of float32 / float16 / bfloat16, decoupled weight
+    decay, float32 arithmetic with one rounding to each output's dtype
+    (MindSpeed's reference computes 16-bit params in float32 and casts back).
+    A ``max_exp_avg_sq`` of another dtype than the moments is updated through
+    the moments' dtype (one more rounding). Returns nothing, as MindSpeed."""
+    step = int(state_step.item() if isinstance(state_step, torch.Tensor) else state_step)
+    if step < 1:
+        raise ValueError(f"npu_apply_fused_adamw_v2: state_step {step} is not a step (>= 1)")
+    if exp_avg.dtype != param.dtype or exp_avg_sq.dtype != param.dtype:
+        raise TypeError("npu_apply_fused_adamw_v2: exp_avg and exp_avg_sq must have param's dtype "
+                        f"({param.dtype}); got {exp_avg.dtype}, {exp_avg_sq.dtype}")
+    flags = (1 if amsgrad else 0) | (2 if maximize else 0)
+    maxes, back = [], None
+    if amsgrad:
+        if not isinstance(max_exp_avg_sq, torch.Tensor):
+            raise TypeError("npu_apply_fused_adamw_v2: amsgrad needs max_exp_avg_sq (a tensor)")
+        if max_exp_avg_sq.dtype != exp_avg_sq.dtype:
+            back, max_exp_avg_sq = max_exp_avg_sq, max_exp_avg_sq.to(exp_avg_sq.dtype)
+        maxes = [max_exp_avg_sq]
+    torch.ops.npukern.adamw_([param], [grad], [exp_avg], [exp_avg_sq], maxes, [], float(lr), float(beta1),
+                             float(beta2), float(eps), float(weight_decay), step, flags, 0.0, 1.0, 0.0, 1.0)
+    if back is not None:
+        back.copy_(max_exp_avg_sq)
+
