@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The PyTorch adapter's tests: a virtual environment outside the clone
-# (reused when present; NPK_VENV overrides where), torch from PyPI if
-# missing (first time: a ~5 GB CUDA build, 2-3 minutes), the static library
-# rebuilt so the extension links the current code, the adapter reinstalled,
-# then pytest: with transformers and kernels pinned as a pair, the test files
+# (reused when present; NPK_VENV overrides where) with torch from PyPI if
+# missing (first time: a ~5 GB CUDA build, 2-3 minutes) and the newest
+# transformers on PyPI without the `kernels` package (what a new user
+# installs); beside it a small overlay environment ($VENV-pinned) holding
+# only transformers and kernels pinned as a pair, the main environment's
+# packages (torch, the adapter) after them on its path. The static library
+# is rebuilt so the extension links the current code, the adapter
+# reinstalled, then two pytest runs side by side: all of adapters/torch/tests
+# with the newest transformers, and with the pinned pair the test files
 # whose behaviour depends on those versions (the Hugging Face drop-in and
 # the `kernels` route: every test file that imports transformers, kernels,
-# hf_models or npukern_torch.hf); then all of adapters/torch/tests with the
-# newest transformers on PyPI and no `kernels` package (what a new user
-# installs). The other files use torch alone: one run covers them.
+# hf_models or npukern_torch.hf). The other files use torch alone: one run
+# covers them.
 #
 #   scripts/torch_test.sh           # all of the above
 #   scripts/torch_test.sh --setup   # only the environment (venv, torch,
@@ -45,14 +49,33 @@ if ! "$PY" -c "import accelerate" 2>/dev/null; then
   echo "== installing accelerate into $VENV"
   "$PY" -m pip install --quiet accelerate
 fi
+# The main environment: the newest transformers, no kernels.
+if "$PY" -c "import kernels" 2>/dev/null; then
+  "$PY" -m pip uninstall --quiet --yes kernels
+fi
+echo "== the newest transformers into $VENV"
+"$PY" -m pip install --quiet --upgrade transformers
 # Hugging Face's transformers and kernels for the drop-in tests (tiny configs,
 # no download). Pinned as a pair: transformers 5.23+ enables its kernels hub
 # decorators only with kernels >= 0.18.2, which PyPI does not have; 5.22.2
-# takes kernels 0.17.2, the newest there.
+# takes kernels 0.17.2, the newest there. In the overlay environment: its
+# own site-packages first, then the main one's (a .pth line; site.addsitedir
+# also reads the main one's .pth files), so pip installs only what the pair
+# needs beyond the main environment.
+PIN_VENV=$VENV-pinned
+PIN_PY=$PIN_VENV/bin/python
 HF_PINS="transformers==5.22.2 kernels==0.17.2"
-if ! "$PY" -c "import transformers, kernels, sys; sys.exit(transformers.__version__ != '5.22.2' or kernels.__version__ != '0.17.2')" 2>/dev/null; then
-  echo "== installing $HF_PINS into $VENV"
-  "$PY" -m pip install --quiet $HF_PINS
+if [ ! -x "$PIN_PY" ]; then
+  echo "== creating the overlay environment $PIN_VENV"
+  python3 -m venv "$PIN_VENV" || python3 -m virtualenv --quiet "$PIN_VENV"
+fi
+main_site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+pin_site=$("$PIN_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$main_site')" >"$pin_site/npukern-main-venv.pth"
+if ! "$PIN_PY" -c "import transformers, kernels, sys; sys.exit(transformers.__version__ != '5.22.2' or kernels.__version__ != '0.17.2')" 2>/dev/null; then
+  echo "== installing $HF_PINS into $PIN_VENV"
+  "$PIN_PY" -m pip install --quiet $HF_PINS 2>&1 | { grep -v -i 'outside environment\|not uninstalling\|can.t uninstall' || true; }
+  "$PIN_PY" -c "import transformers, kernels, torch, sys; sys.exit(transformers.__version__ != '5.22.2' or kernels.__version__ != '0.17.2')"
 fi
 
 [ "$SETUP_ONLY" = 0 ] || exit 0
@@ -63,18 +86,20 @@ cargo build --release
 echo "== pip install --no-build-isolation ./adapters/torch"
 "$PY" -m pip install --quiet --no-build-isolation --no-deps --force-reinstall ./adapters/torch
 
-run_suite() { # test files or directories
+run_suite() { # PYTHON, then test files or directories
+  local py=$1
+  shift
   # From the repository root, so the installed package (not the source tree) is imported.
   cd "$ROOT"
   set +e
-  "$PY" -m pytest "$@" -q -p no:cacheprovider --durations=5
+  "$py" -m pytest "$@" -q -p no:cacheprovider --durations=5
   local status=$?
   set -e
   if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: failing" >&2
-    exit 1
+    return 1
   fi
-  [ "$status" -eq 0 ] || exit "$status"
+  return "$status"
 }
 
 # The version-dependent files, found by what they import (so a new one is
@@ -85,11 +110,20 @@ if [ ${#HF_FILES[@]} -eq 0 ]; then
   echo "no test file imports transformers: failing" >&2
   exit 1
 fi
-echo "== pytest, the files that use transformers / kernels ($HF_PINS): ${HF_FILES[*]##*/}"
-run_suite "${HF_FILES[@]}"
-
-echo "== the newest transformers on PyPI, without kernels"
-"$PY" -m pip uninstall --quiet --yes kernels
-"$PY" -m pip install --quiet --upgrade transformers
+# The two runs side by side (pytest is mostly one core each), the pinned
+# one's output printed whole after the other's.
+PIN_LOG=$(mktemp)
+PIN_TMP=$(mktemp -d) # its own pytest base temp: two sessions never share one
+trap 'rm -rf "$PIN_LOG" "$PIN_TMP"' EXIT
+echo "== pytest with $HF_PINS ($PIN_VENV), beside the next run: ${HF_FILES[*]##*/}"
+run_suite "$PIN_PY" --basetemp="$PIN_TMP" "${HF_FILES[@]}" >"$PIN_LOG" 2>&1 &
+PIN_PID=$!
 echo "== pytest adapters/torch/tests (transformers $("$PY" -c 'import transformers; print(transformers.__version__)'), no kernels)"
-run_suite adapters/torch/tests
+status=0
+run_suite "$PY" adapters/torch/tests || status=$?
+pin_status=0
+wait "$PIN_PID" || pin_status=$?
+echo "== the pinned run ($HF_PINS), its output:"
+cat "$PIN_LOG"
+[ "$status" -eq 0 ] || { echo "FAIL: pytest with the newest transformers (status $status)" >&2; exit "$status"; }
+[ "$pin_status" -eq 0 ] || { echo "FAIL: pytest with $HF_PINS (status $pin_status)" >&2; exit "$pin_status"; }

@@ -6,7 +6,9 @@ AdamW, in one process on the threads given (pin with taskset):
 Rows: npukern (bf16 params, f32 masters and moments, bf16 grads), the same
 with max_grad_norm (clip + step: two reads of the gradients), npukern and
 torch fused on float32 params; each beside `dst.copy_(src)` of the bytes the
-step reads (and writes back). Medians of --reps."""
+step reads (and writes back). Medians of --reps. With --deepspeed, also
+DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, AdamW mode, float32 params; needs
+`pip install deepspeed`, whose CPUAdam extension builds on first use)."""
 
 import argparse
 import statistics
@@ -28,11 +30,18 @@ def median_ms(f, reps):
     return statistics.median(ts) * 1e3
 
 
+def deepspeed_adam(ps):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True, weight_decay=0.01)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--numel", type=int, default=16_000_000)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--deepspeed", action="store_true", help="add DeepSpeedCPUAdam's row")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     n = a.numel
@@ -56,7 +65,7 @@ def main():
     for name, make in (
         ("npukern f32", lambda ps: AdamW(ps, lr=1e-4)),
         ("torch fused f32", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
-    ):
+    ) + ((("deepspeed cpu_adam f32", deepspeed_adam),) if a.deepspeed else ()):
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n) * 1e-3
         o = make([p])
@@ -68,6 +77,8 @@ def main():
         print(f"{name:<28} {t:8.2f} {c:8.2f} {t / c:6.2f}")
     f32 = {r[0]: r[1] for r in rows}
     print(f"npukern f32 / torch fused f32: {f32['npukern f32'] / f32['torch fused f32']:.2f}")
+    if a.deepspeed:
+        print(f"npukern f32 / deepspeed cpu_adam f32: {f32['npukern f32'] / f32['deepspeed cpu_adam f32']:.2f}")
 
 
 if __name__ == "__main__":
