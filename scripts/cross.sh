@@ -171,12 +171,8 @@ if wants nostd; then
         cargo clippy --release --locked -p npukern-embedded-checks -p npukern-nostd-host \
             --target-dir "$host_dir" -- -D warnings)
     # The library without default features (no std, no alloc), as the
-    # consumer links it: one build of it serves both symbol checks. Sixteen
-    # codegen units, not the workspace's one (kept for the Cortex-M4F
-    # firmware's size): the host build then takes both cores while the
-    # aarch64 job beside it runs one rustc thread.
-    rlib=$( (cd embedded && CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 cargo build --release --locked \
-        -p npukern-nostd-host --target-dir "$host_dir" \
+    # consumer links it: one build of it serves both symbol checks.
+    rlib=$( (cd embedded && cargo build --release --locked -p npukern-nostd-host --target-dir "$host_dir" \
         --message-format=json-render-diagnostics) | npukern_rlib)
     [ -n "$rlib" ] || { echo "FAIL: no rlib path from cargo" >&2; exit 1; }
     no_std_symbols "$rlib"
@@ -189,8 +185,7 @@ if wants nostd; then
             "$host_bin" --bless | sed -n 's/^hash //p'
         } >embedded/expected_hashes.txt
         echo "blessed embedded/expected_hashes.txt"
-        (cd embedded && CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 cargo build --release --locked \
-            -p npukern-nostd-host --target-dir "$host_dir")
+        (cd embedded && cargo build --release --locked -p npukern-nostd-host --target-dir "$host_dir")
     fi
     "$host_bin" >"$CACHE/nostd-host.log" || {
         grep -v '^ok\|^hash' "$CACHE/nostd-host.log" >&2
