@@ -14,78 +14,10 @@
 
 mod common;
 
+use common::owned::Owned;
 use common::{ulp_at, Rng};
-use half::{bf16, f16};
+use half::bf16;
 use npukern::*;
-
-#[derive(Clone, Debug)]
-enum Owned {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-}
-
-/// Bitwise equality (NaN equals NaN).
-impl PartialEq for Owned {
-    fn eq(&self, o: &Owned) -> bool {
-        self.dtype() == o.dtype() && self.bits() == o.bits()
-    }
-}
-
-impl Owned {
-    fn from_f64(dt: DType, v: &[f64]) -> Owned {
-        match dt {
-            // The crate's correctly rounded conversions (half's own f64 ones
-            // misround some near-ties).
-            DType::F16 => Owned::F16(v.iter().map(|&x| <f16 as Float>::from_f64(x)).collect()),
-            DType::BF16 => Owned::BF16(v.iter().map(|&x| <bf16 as Float>::from_f64(x)).collect()),
-            _ => Owned::F32(v.iter().map(|&x| x as f32).collect()),
-        }
-    }
-    fn f64s(&self) -> Vec<f64> {
-        match self {
-            Owned::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            Owned::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
-            Owned::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
-        }
-    }
-    fn dtype(&self) -> DType {
-        match self {
-            Owned::F32(_) => DType::F32,
-            Owned::F16(_) => DType::F16,
-            Owned::BF16(_) => DType::BF16,
-        }
-    }
-    fn view(&self) -> GradTensor<'_> {
-        match self {
-            Owned::F32(v) => GradTensor::F32(v),
-            Owned::F16(v) => GradTensor::F16(v),
-            Owned::BF16(v) => GradTensor::BF16(v),
-        }
-    }
-    fn view_mut(&mut self) -> GradTensorMut<'_> {
-        match self {
-            Owned::F32(v) => GradTensorMut::F32(v),
-            Owned::F16(v) => GradTensorMut::F16(v),
-            Owned::BF16(v) => GradTensorMut::BF16(v),
-        }
-    }
-    fn bits(&self) -> Vec<u32> {
-        match self {
-            Owned::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
-            Owned::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
-            Owned::BF16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
-        }
-    }
-    /// One ulp of this dtype at |x|.
-    fn ulp(&self, x: f64) -> f64 {
-        match self.dtype() {
-            DType::F16 => ulp_at::<f16>(x),
-            DType::BF16 => ulp_at::<bf16>(x),
-            _ => ulp_at::<f32>(x),
-        }
-    }
-}
 
 /// One optimizer state: the six parallel lists.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,6 +1,9 @@
 //! grad_stats / clip_grad_norm against an independent float64 model, on
 //! random mixed-dtype lists, special values, thread counts and bad input.
 
+mod common;
+
+use common::owned::Owned;
 use core::ffi::c_void;
 use half::{bf16, f16};
 use npukern::{
@@ -30,44 +33,15 @@ impl Rng {
     }
 }
 
-/// Owned test tensors of the three dtypes.
-#[derive(Clone, Debug)]
-enum Owned {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
+/// What this file needs of the shared `Owned` beyond its views.
+trait OwnedExt {
+    /// The PyTorch rule, element by element: round(f32(x) * c) to the dtype.
+    fn scaled_bits(&self, c: f32) -> Vec<u32>;
+    /// A C descriptor of the tensor (1-D).
+    fn raw(&mut self) -> RawTensor;
 }
 
-impl Owned {
-    fn view(&self) -> GradTensor<'_> {
-        match self {
-            Owned::F32(v) => GradTensor::F32(v),
-            Owned::F16(v) => GradTensor::F16(v),
-            Owned::BF16(v) => GradTensor::BF16(v),
-        }
-    }
-    fn view_mut(&mut self) -> GradTensorMut<'_> {
-        match self {
-            Owned::F32(v) => GradTensorMut::F32(v),
-            Owned::F16(v) => GradTensorMut::F16(v),
-            Owned::BF16(v) => GradTensorMut::BF16(v),
-        }
-    }
-    fn values(&self) -> Vec<f32> {
-        match self {
-            Owned::F32(v) => v.clone(),
-            Owned::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            Owned::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-        }
-    }
-    fn bits(&self) -> Vec<u32> {
-        match self {
-            Owned::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
-            Owned::F16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
-            Owned::BF16(v) => v.iter().map(|x| x.to_bits() as u32).collect(),
-        }
-    }
-    /// The PyTorch rule, element by element: round(f32(x) * c) to the dtype.
+impl OwnedExt for Owned {
     fn scaled_bits(&self, c: f32) -> Vec<u32> {
         match self {
             Owned::F32(v) => v.iter().map(|x| (x * c).to_bits()).collect(),

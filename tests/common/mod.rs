@@ -5,6 +5,8 @@
 use half::{bf16, f16};
 use npukern::*;
 
+pub mod owned;
+
 /// splitmix64: small, seeded, reproducible.
 pub struct Rng(pub u64);
 
