@@ -253,6 +253,23 @@ pub(crate) use dispatch_xg;
 
 pub(crate) use crate::lanes::dispatch_isa;
 
+/// Calls `$f::<$L, .., STREAM>($args)` with `STREAM = $stream` where `$L`
+/// streams (`Lanes::STREAMS`), else the `false` form: the condition on
+/// `STREAMS` is a constant, so for lanes that do not stream the `true` form
+/// is never instantiated.
+macro_rules! store_form {
+    ($stream:expr, $f:ident::<$L:ty $(, $g:ty)*>($($a:expr),*)) => {
+        if !<$L as $crate::lanes::Lanes>::STREAMS {
+            $f::<$L $(, $g)*, false>($($a),*)
+        } else if $stream {
+            $f::<$L $(, $g)*, true>($($a),*)
+        } else {
+            $f::<$L $(, $g)*, false>($($a),*)
+        }
+    };
+}
+pub(crate) use store_form;
+
 /// Runs every block `$b` of a plan (`$flags`, `$blocks`) on `$runner` (the
 /// calling thread for a small plan, see `for_plan`), each inside `$L`'s
 /// ISA context, as `$f::<$L, .., STREAM>($args)` with `STREAM` the plan's
@@ -284,19 +301,7 @@ macro_rules! run_blocks {
             unsafe {
                 <$L as $crate::lanes::Lanes>::enter(
                     #[inline(always)]
-                    || {
-                        // A constant condition: for lanes that do not
-                        // stream, the `true` form is never instantiated.
-                        if <$L as $crate::lanes::Lanes>::STREAMS {
-                            if stream {
-                                $f::<$L $(, $g)*, true>($($a),*)
-                            } else {
-                                $f::<$L $(, $g)*, false>($($a),*)
-                            }
-                        } else {
-                            $f::<$L $(, $g)*, false>($($a),*)
-                        }
-                    },
+                    || $crate::ops::store_form!(stream, $f::<$L $(, $g)*>($($a),*)),
                 )
             }
         })

@@ -7,7 +7,7 @@ use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
 use crate::lanes::{dispatch_isa, Lanes, GROUP};
-use crate::ops::grad_stats::{clip_coefficient, stats_table, Partial};
+use crate::ops::grad_stats::{clip_coefficient, partials_of, stats_table};
 use crate::ops::list::ListSeg;
 use crate::runner::Runner;
 use half::{bf16, f16};
@@ -54,10 +54,7 @@ pub(crate) unsafe fn cpu(call: &AdamWCall, isa: Available, runner: &dyn Runner) 
     let coef = unsafe {
         decide(call, || {
             let g = t.grad_tiling();
-            let parts = (call.workspace as *mut u8)
-                .add(crate::tiling::align_offset(call.workspace as *mut u8))
-                .add(t.partials_offset as usize)
-                .cast::<Partial>();
+            let parts = partials_of(call.workspace, &g);
             stats_table(call.grads.rows(), &g, parts, isa, runner).norm()
         })
     };

@@ -26,10 +26,7 @@
 
 use super::minmax::{fold, MinMax};
 use super::plan::{GradTiling, Partial, Seg};
-use super::{
-    clip_coefficient, partials_of, stats_table, ClipGradNormCall, ClipGradNormReport, GradCall,
-    GradStatsCall, GradSummary,
-};
+use super::{partials_of, stats_table, ClipGradNormCall, GradCall, GradStatsCall, GradSummary};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
 use crate::lanes::{Lanes, GROUP};
@@ -364,21 +361,15 @@ pub(crate) unsafe fn clip_call(c: &ClipGradNormCall, isa: Available, runner: &dy
         let parts = partials_of(c.workspace, &t);
         (segs, stats_table(segs, &t, parts, isa, runner))
     };
-    let norm = s.norm();
-    let refused = c.error_if_nonfinite != 0 && !s.is_finite();
-    let coef = clip_coefficient(norm, c.max_norm);
-    // Multiplying by exactly 1.0 changes no bit here (see module docs).
-    if !refused && coef != 1.0 {
-        // SAFETY: validated, writable, disjoint tensors; `isa` available.
-        unsafe { dispatch_isa!(isa, L => scale_blocks::<L>(segs, &t, runner, coef)) }
+    // SAFETY: the call comes from the front end.
+    match unsafe { c.decide(&s) } {
+        // Multiplying by exactly 1.0 changes no bit here (see module docs).
+        Some(coef) if coef != 1.0 => {
+            // SAFETY: validated, writable, disjoint tensors; `isa` available.
+            unsafe { dispatch_isa!(isa, L => scale_blocks::<L>(segs, &t, runner, coef)) }
+        }
+        _ => {}
     }
-    // SAFETY: the front end points `report` at its own result.
-    unsafe {
-        c.report.write(ClipGradNormReport {
-            total_norm: norm,
-            refused: refused as u32,
-        })
-    };
 }
 
 unsafe fn scale_blocks<L: Lanes>(segs: &[Seg], t: &GradTiling, runner: &dyn Runner, c: f32) {

@@ -279,6 +279,27 @@ pub struct ClipGradNormCall {
     pub workspace_bytes: usize,
 }
 
+impl ClipGradNormCall {
+    /// PyTorch's decision from the statistics, shared by the kernels and
+    /// the reference: writes `report` and returns the coefficient to apply,
+    /// or None when the call is refused (nothing may be scaled).
+    ///
+    /// # Safety
+    /// `report` points at the front end's result (a call it built).
+    pub(crate) unsafe fn decide(&self, s: &GradSummary) -> Option<f32> {
+        let norm = s.norm();
+        let refused = self.error_if_nonfinite != 0 && !s.is_finite();
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.report.write(ClipGradNormReport {
+                total_norm: norm,
+                refused: refused as u32,
+            })
+        };
+        (!refused).then(|| clip_coefficient(norm, self.max_norm))
+    }
+}
+
 /// The two calls' runs, so that one operator folder serves both registry
 /// entries (`cpu::cpu` and `reference::reference` are generic over it).
 pub(crate) trait GradCall {

@@ -3,9 +3,7 @@
 //! unconditionally, one f32 product rounded once to the tensor's dtype).
 
 use super::plan::GradSource;
-use super::{
-    clip_coefficient, ClipGradNormCall, ClipGradNormReport, GradCall, GradStatsCall, GradSummary,
-};
+use super::{ClipGradNormCall, GradCall, GradStatsCall, GradSummary};
 use crate::dtype::{DType, Float};
 use crate::ops::list::TableList;
 use crate::workspace::{Dst, Src};
@@ -124,17 +122,9 @@ pub(crate) unsafe fn clip_call(c: &ClipGradNormCall) {
     let rows = unsafe { c.tensors.rows() };
     // SAFETY: validated tensors.
     let s = unsafe { stats(&mut TableList(rows)) };
-    let norm = s.norm();
-    let refused = c.error_if_nonfinite != 0 && !s.is_finite();
-    if !refused {
+    // SAFETY: the call comes from the front end.
+    if let Some(coef) = unsafe { c.decide(&s) } {
         // SAFETY: validated, writable, pairwise disjoint.
-        unsafe { scale(&mut TableList(rows), clip_coefficient(norm, c.max_norm)) };
+        unsafe { scale(&mut TableList(rows), coef) };
     }
-    // SAFETY: the front end points `report` at its own result.
-    unsafe {
-        c.report.write(ClipGradNormReport {
-            total_norm: norm,
-            refused: refused as u32,
-        })
-    };
 }

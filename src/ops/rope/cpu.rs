@@ -101,17 +101,7 @@ unsafe fn run<L: Lanes, T: Float, C: Float>(call: &RopeCall, runner: &dyn Runner
             unsafe {
                 L::enter(
                     #[inline(always)]
-                    || {
-                        // As run_blocks!: a constant condition, so no
-                        // streamed form where L does not stream.
-                        if !L::STREAMS {
-                            rows::<L, T, C, false>(&k, xs, ys, bc, a, b)
-                        } else if stream {
-                            rows::<L, T, C, true>(&k, xs, ys, bc, a, b)
-                        } else {
-                            rows::<L, T, C, false>(&k, xs, ys, bc, a, b)
-                        }
-                    },
+                    || crate::ops::store_form!(stream, rows::<L, T, C>(&k, xs, ys, bc, a, b)),
                 )
             }
         }
