@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +42,13 @@ def static_library() -> Path:
         raise RuntimeError(f"cargo build --release did not produce {lib}")
     return lib
 
+
+# torch's BuildExtension finds ninja on PATH only; the environment's own
+# (`pip install ninja`) is not there unless the environment is activated,
+# and without ninja torch compiles every source again, one at a time.
+_BIN = Path(sys.executable).parent
+if (_BIN / "ninja").exists():
+    os.environ["PATH"] = f"{_BIN}{os.pathsep}{os.environ.get('PATH', '')}"
 
 STATIC_LIB = static_library()
 # One object directory per torch build: its version, where it is installed.
@@ -70,7 +78,9 @@ setup(
             # loop compiles to a serial one without it (the blocks then ran on
             # one thread whatever torch.set_num_threads said); libgomp.so.1
             # is the one torch has already loaded.
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-fopenmp"],
+            # -g0: Python's own CFLAGS ask for debug information, which for
+            # torch's headers made the compile slower and the module 35 MB.
+            extra_compile_args=["-O2", "-g0", "-Wall", "-Wextra", "-fopenmp"],
             # The Rust standard library inside the static library needs these
             # system libraries; --exclude-libs keeps its symbols private.
             extra_link_args=[

@@ -762,6 +762,8 @@ mod tests {
             0x7f80_0000u32,
             0xff80_0000,
             0x7fc0_0001,
+            0x7f80_0001,
+            0xff80_ffff,
             0xffff_ffff,
             0x7f7f_ffff,
             0x3f80_8000,

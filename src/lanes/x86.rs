@@ -233,32 +233,50 @@ pub(super) unsafe fn bf16_bits16(v: __m512) -> __m256i {
 }
 
 /// bf16 round-to-nearest-even of eight lanes, as `dtype::bf16_bits_rne`, in
-/// the low 16 bits of each 32-bit lane (the upper bits zero).
+/// the upper half of each 32-bit lane (the lower half is left over).
 #[inline(always)]
 unsafe fn bf16_round8(v: __m256) -> __m256i {
     // SAFETY: called only inside an AVX2 context (see `Lanes::enter`).
     unsafe {
         let x = _mm256_castps_si256(v);
-        let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff));
-        let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
-        let hi = _mm256_srli_epi32::<16>(x);
-        let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
-            _mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)),
-            lsb,
-        ));
-        let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x0040));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        // Ties to even: add 0x7fff, plus 1 when the kept part is odd.
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+        let rounded = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
+        // NaN keeps its sign and payload, made quiet.
+        let quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000));
         _mm256_blendv_epi8(rounded, quiet, nan)
     }
 }
 
-/// `bf16_round8`'s eight results packed.
+/// `bf16_round8` of `a` then `b`: sixteen bf16 in order, in one register
+/// (one pack and one lane permute for the sixteen, not two of each per eight).
 #[inline(always)]
-unsafe fn bf16_bits8(v: __m256) -> __m128i {
+unsafe fn bf16_bits8x2(a: __m256, b: __m256) -> __m256i {
     // SAFETY: called only inside an AVX2 context (see `Lanes::enter`).
     unsafe {
-        let r = bf16_round8(v);
-        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r))
+        let (ra, rb) = (
+            _mm256_srli_epi32::<16>(bf16_round8(a)),
+            _mm256_srli_epi32::<16>(bf16_round8(b)),
+        );
+        // packus interleaves the two by 128-bit lane: a0 b0 a1 b1 -> a0 a1 b0 b1.
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(ra, rb))
+    }
+}
+
+/// Stores `lo` then `hi` (one 64-byte line) at `p`, streaming with `STREAM`
+/// when aligned.
+#[inline(always)]
+unsafe fn put_line2<const STREAM: bool>(p: *mut __m256i, lo: __m256i, hi: __m256i) {
+    // SAFETY: called with 64 writable bytes at p; AVX present.
+    unsafe {
+        if STREAM && (p as usize).is_multiple_of(64) {
+            _mm256_stream_si256(p, lo);
+            _mm256_stream_si256(p.add(1), hi);
+        } else {
+            _mm256_storeu_si256(p, lo);
+            _mm256_storeu_si256(p.add(1), hi);
+        }
     }
 }
 
@@ -329,9 +347,10 @@ impl Lanes for Avx2 {
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
         // SAFETY: 32 writable bytes; AVX2 present.
         unsafe {
-            let p = dst.as_mut_ptr() as *mut __m128i;
-            _mm_storeu_si128(p, bf16_bits8(self.0));
-            _mm_storeu_si128(p.add(1), bf16_bits8(self.1));
+            _mm256_storeu_si256(
+                dst.as_mut_ptr() as *mut __m256i,
+                bf16_bits8x2(self.0, self.1),
+            );
         }
     }
     #[inline(always)]
@@ -349,14 +368,11 @@ impl Lanes for Avx2 {
     fn put2_bf16<const STREAM: bool>(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {
         // SAFETY: 64 writable bytes; streamed only when 64-byte aligned; AVX2 present.
         unsafe {
-            let p = dst.as_mut_ptr() as *mut __m128i;
-            let v = [
-                bf16_bits8(self.0),
-                bf16_bits8(self.1),
-                bf16_bits8(hi.0),
-                bf16_bits8(hi.1),
-            ];
-            put_line4::<STREAM>(p, v);
+            put_line2::<STREAM>(
+                dst.as_mut_ptr() as *mut __m256i,
+                bf16_bits8x2(self.0, self.1),
+                bf16_bits8x2(hi.0, hi.1),
+            );
         }
     }
     #[inline(always)]
@@ -374,7 +390,12 @@ impl Lanes for Avx2 {
     fn round_bf16(self) -> Self {
         // SAFETY: AVX2 present.
         unsafe {
-            let w = |h: __m256| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bf16_round8(h)));
+            let w = |h: __m256| {
+                _mm256_castsi256_ps(_mm256_and_si256(
+                    bf16_round8(h),
+                    _mm256_set1_epi32(-0x1_0000),
+                ))
+            };
             Avx2(w(self.0), w(self.1))
         }
     }

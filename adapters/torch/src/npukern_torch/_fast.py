@@ -22,7 +22,12 @@ _ENABLED = os.environ.get("NPK_TORCH_FAST_CALL", "1") != "0"
 # argument that path would treat otherwise. None with the fast caller off.
 rms_norm_module = _C.rms_norm_module if _ENABLED else None
 add_rms_norm_module = _C.add_rms_norm_module if _ENABLED else None
-is_compiling = torch.compiler.is_compiling
+# Dynamo folds this to True while it traces (it cannot trace the C caller);
+# eagerly it is one Python call returning False, where
+# torch.compiler.is_compiling makes two (0.1 us a call). torch.export's
+# non-strict mode runs the Python for real under a torch function mode, which
+# the C caller hands to the overload itself.
+is_compiling = torch.compiler.is_dynamo_compiling
 
 
 def eager(overload):
@@ -35,8 +40,6 @@ def eager(overload):
         if _ENABLED else None
     if fast is None:
         return overload
-    is_compiling = torch.compiler.is_compiling
-
     # Positional arguments only (the package's own callers): a ``**kwargs``
     # dict per call measured 0.15 us. The C caller itself hands keywords on.
     def call(*args):

@@ -8,7 +8,7 @@ import torch
 
 from . import _casting
 from ._composite import rotate_half
-from ._fast import eager
+from ._fast import eager, is_compiling
 
 ops = torch.ops.npukern
 # The overloads, called eagerly without the torch.ops door (_fast.py).
@@ -22,6 +22,11 @@ _geglu_op = eager(ops.geglu.default)
 _gelu_mul_op = eager(ops.gelu_mul.default)
 _rotary_mul_op = eager(ops.rotary_mul.default)
 _rope_qk_op = eager(ops.rope_qk.default)
+# The decode-sized norms' C callers themselves, for the default numerics:
+# one Python frame less per call (0.1 us of a 1x4096 call). None with the
+# fast caller off.
+_rms_norm_fast = getattr(_rms_norm_op, "fast", None)
+_add_rms_norm_fast = getattr(_add_rms_norm_op, "fast", None)
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *, casting: str = "torch", offset=None):
@@ -32,6 +37,8 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float = 1e-6, *, casting
     shape with those dims set to 1. gamma is x's dtype or float32 (or, with
     "llama", any dtype torch promotes with x)."""
     if casting == "torch" and offset is None:  # the default numerics: the op itself, one Python frame less
+        if _rms_norm_fast is not None and not is_compiling():
+            return _rms_norm_fast(x, gamma, eps, 0.0, False)
         return _rms_norm_op(x, gamma, eps, 0.0, False)
     offset, cast_before_gamma = _casting.resolve(casting, offset)
     return _rms_norm(x, gamma, eps, offset, cast_before_gamma)
@@ -51,6 +58,8 @@ def add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, eps: f
     RMSNorm of x_sum in `casting`'s numerics, in one pass (the residual add
     before a LLaMA block's norm)."""
     if casting == "torch" and offset is None:
+        if _add_rms_norm_fast is not None and not is_compiling():
+            return _add_rms_norm_fast(x1, x2, gamma, eps, 0.0, False)
         return _add_rms_norm_op(x1, x2, gamma, eps, 0.0, False)
     offset, cast_before_gamma = _casting.resolve(casting, offset)
     return _add_rms_norm(x1, x2, gamma, eps, offset, cast_before_gamma)
