@@ -136,6 +136,18 @@ const c10::TypedOperatorHandle<T3(const at::Tensor &, const at::Tensor &, const 
   return handle;
 }
 
+// The norms called unboxed through the dispatcher, the GIL released.
+T2 rms_norm_nogil(PyObject *const *args, double eps, double offset, bool cbg) {
+  pybind11::gil_scoped_release no_gil;
+  return rms_norm_op().call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), eps, offset, cbg);
+}
+
+T3 add_rms_norm_nogil(PyObject *const *args, double eps, double offset, bool cbg) {
+  pybind11::gil_scoped_release no_gil;
+  return add_rms_norm_op().call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]),
+                                THPVariable_Unpack(args[2]), eps, offset, cbg);
+}
+
 // A tuple of the tensors, wrapped (nullptr with a Python error on failure).
 template <size_t N>
 PyObject *wrap_all(std::array<at::Tensor, N> &&ts) {
@@ -165,21 +177,12 @@ PyObject *call(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObjec
     bool cbg = false;
     if (fast->unboxed == Unboxed::RmsNorm && nargs == 5 && plain_tensor(args[0]) && plain_tensor(args[1]) &&
         norm_scalars(args + 2, &eps, &offset, &cbg)) {
-      T2 out;
-      {
-        pybind11::gil_scoped_release no_gil;
-        out = rms_norm_op().call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), eps, offset, cbg);
-      }
+      T2 out = rms_norm_nogil(args, eps, offset, cbg);
       return wrap_all<2>({std::move(std::get<0>(out)), std::move(std::get<1>(out))});
     }
     if (fast->unboxed == Unboxed::AddRmsNorm && nargs == 6 && plain_tensor(args[0]) && plain_tensor(args[1]) &&
         plain_tensor(args[2]) && norm_scalars(args + 3, &eps, &offset, &cbg)) {
-      T3 out;
-      {
-        pybind11::gil_scoped_release no_gil;
-        out = add_rms_norm_op().call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]),
-                                     THPVariable_Unpack(args[2]), eps, offset, cbg);
-      }
+      T3 out = add_rms_norm_nogil(args, eps, offset, cbg);
       return wrap_all<3>({std::move(std::get<0>(out)), std::move(std::get<1>(out)), std::move(std::get<2>(out))});
     }
   }
@@ -295,13 +298,7 @@ PyObject *rms_norm_module(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 5 || at::impl::torch_function_mode_enabled() || !norm_scalars(args + 2, &eps, &offset, &cbg) ||
       !module_takes({args[0]}, args[1], cbg))
     Py_RETURN_NOTIMPLEMENTED;
-  const at::Tensor &x = THPVariable_Unpack(args[0]), &gamma = THPVariable_Unpack(args[1]);
-  at::Tensor y;
-  {
-    pybind11::gil_scoped_release no_gil;
-    y = std::get<0>(rms_norm_op().call(x, gamma, eps, offset, cbg));
-  }
-  return THPVariable_Wrap(std::move(y));
+  return THPVariable_Wrap(std::get<0>(rms_norm_nogil(args, eps, offset, cbg)));
   END_HANDLE_TH_ERRORS
 }
 
@@ -315,16 +312,8 @@ PyObject *add_rms_norm_module(PyObject *, PyObject *const *args, Py_ssize_t narg
   if (nargs != 6 || at::impl::torch_function_mode_enabled() || !norm_scalars(args + 3, &eps, &offset, &cbg) ||
       !module_takes({args[0], args[1]}, args[2], cbg))
     Py_RETURN_NOTIMPLEMENTED;
-  const at::Tensor &x = THPVariable_Unpack(args[0]), &res = THPVariable_Unpack(args[1]);
-  const at::Tensor &gamma = THPVariable_Unpack(args[2]);
-  at::Tensor y, x_sum;
-  {
-    pybind11::gil_scoped_release no_gil;
-    auto out = add_rms_norm_op().call(x, res, gamma, eps, offset, cbg);
-    y = std::move(std::get<0>(out));
-    x_sum = std::move(std::get<2>(out));
-  }
-  return wrap_all<2>({std::move(y), std::move(x_sum)});
+  T3 out = add_rms_norm_nogil(args, eps, offset, cbg);
+  return wrap_all<2>({std::move(std::get<0>(out)), std::move(std::get<2>(out))});
   END_HANDLE_TH_ERRORS
 }
 
