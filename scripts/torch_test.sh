@@ -111,7 +111,12 @@ if [ ${#HF_FILES[@]} -eq 0 ]; then
   exit 1
 fi
 # The two runs side by side (pytest is mostly one core each), the pinned
-# one's output printed whole after the other's.
+# one's output printed whole after the other's. Their OpenMP threads (torch's
+# intra-op pool, and at::parallel_for, npukern's runner here) sleep when idle
+# instead of spinning: two processes of two spinning threads each on two
+# cores (three with the fuzz runs beside) made every parallel region wait for
+# a descheduled spinner, and a 0.8 s test took 61 s.
+export OMP_WAIT_POLICY=PASSIVE
 PIN_LOG=$(mktemp)
 PIN_TMP=$(mktemp -d) # its own pytest base temp: two sessions never share one
 trap 'rm -rf "$PIN_LOG" "$PIN_TMP"' EXIT
