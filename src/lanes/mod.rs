@@ -265,7 +265,7 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// elementwise loops 2 KiB, which L1 holds beside the rows being
     /// computed, and on a Zen 5 the L2 hint left the next row's loads
     /// missing (f32 norms 10-15% slower, 16-bit no better;
-    /// docs/performance.md). The norms' separate-pass loops (f32) prefetch
+    /// docs/architecture.md, "Measured choices"). The norms' separate-pass loops (f32) prefetch
     /// the whole next row; what L1 cannot hold of it stays in L2.
     #[inline(always)]
     fn prefetch(p: *const u8) {

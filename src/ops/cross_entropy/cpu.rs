@@ -686,7 +686,7 @@ unsafe fn pass1_groups_body<
     // (which reads the next row itself): the row after it, unless rows are
     // wide; then a few KiB ahead in the next row, since three rows in
     // flight beside two cache rows overflow a 1 MiB L2 (measured on
-    // Cascade Lake: docs/performance.md, "Wide rows' prefetch").
+    // Cascade Lake: docs/architecture.md, "Wide rows' prefetch").
     let wide = n * core::mem::size_of::<T>() > WIDE_ROW_BYTES;
     let ahead = match (NEXT, wide) {
         (true, false) => 2 * n,

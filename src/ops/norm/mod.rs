@@ -319,7 +319,7 @@ pub(crate) fn lines_agree<L: Lanes, T: Float, G: Float>() -> bool {
 /// Whether a row's pass 2 carries the next row's pass 1 (`fused_row!`) for
 /// data of type `T`, or the two passes run one after the other with pass 2
 /// prefetching the next row. Both give the same bits. Measured on a Zen 5
-/// (docs/performance.md): carrying pays for 16-bit data, whose widening
+/// (docs/architecture.md, "Measured choices"): carrying pays for 16-bit data, whose widening
 /// and rounding make pass 2 long enough to hide the next row's sum under;
 /// for f32 the separate passes were faster (RmsNormGrad f32 1.48-1.66 ->
 /// 1.23-1.30 of a copy, RmsNorm and AddRmsNorm f32 ~0.1 less): a whole row
