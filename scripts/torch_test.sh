@@ -7,12 +7,12 @@
 # only transformers and kernels pinned as a pair, the main environment's
 # packages (torch, the adapter) after them on its path. The static library
 # is rebuilt so the extension links the current code, the adapter
-# reinstalled, then all of adapters/torch/tests with the newest
-# transformers and, with the pinned pair, the test files whose behaviour
-# depends on those versions (the Hugging Face drop-in and the `kernels`
-# route: every test file that imports transformers, kernels, hf_models or
-# npukern_torch.hf): three pytest runs side by side (those files with each
-# version, the files that use torch alone with the newest).
+# reinstalled, then two pytest runs side by side: all of adapters/torch/tests
+# with the newest transformers, and with the pinned pair the test files
+# whose behaviour depends on those versions (the Hugging Face drop-in and
+# the `kernels` route: every test file that imports transformers, kernels,
+# hf_models or npukern_torch.hf). The other files use torch alone: one run
+# covers them.
 #
 #   scripts/torch_test.sh           # all of the above
 #   scripts/torch_test.sh --setup   # only the environment (venv, torch,
@@ -110,47 +110,25 @@ if [ ${#HF_FILES[@]} -eq 0 ]; then
   echo "no test file imports transformers: failing" >&2
   exit 1
 fi
-# The other files, which use torch alone (one run covers them).
-mapfile -t TORCH_FILES < <(cd "$ROOT" && for f in adapters/torch/tests/test_*.py; do
-  printf '%s\n' "${HF_FILES[@]}" | grep -qxF "$f" || echo "$f"
-done)
-if [ ${#TORCH_FILES[@]} -eq 0 ]; then
-  echo "no test file uses torch alone: failing" >&2
-  exit 1
-fi
-# Three pytest runs side by side (each mostly one core; the newest
-# transformers' run split in two by those file lists, so that the adapter's
-# tests take the cores the two runs and the fuzz runs beside left half idle):
-# the version-dependent files with the pinned pair, the same files with the
-# newest transformers, the torch-only files. The last one's output is
-# printed as it runs, the others' whole after it. Their OpenMP threads
-# (torch's intra-op pool, and at::parallel_for, npukern's runner here) sleep
-# when idle instead of spinning: processes of two spinning threads each on
-# two cores made every parallel region wait for a descheduled spinner, and a
-# 0.8 s test took 61 s.
+# The two runs side by side (pytest is mostly one core each), the pinned
+# one's output printed whole after the other's. Their OpenMP threads (torch's
+# intra-op pool, and at::parallel_for, npukern's runner here) sleep when idle
+# instead of spinning: two processes of two spinning threads each on two
+# cores (three with the fuzz runs beside) made every parallel region wait for
+# a descheduled spinner, and a 0.8 s test took 61 s.
 export OMP_WAIT_POLICY=PASSIVE
-SIDE=$(mktemp -d) # the side runs' logs and pytest base temps: no two sessions share one
-trap 'rm -rf "$SIDE"' EXIT
-NEWEST=$("$PY" -c 'import transformers; print(transformers.__version__)')
-side_names=("with $HF_PINS ($PIN_VENV)" "with transformers $NEWEST, no kernels")
-side_pys=("$PIN_PY" "$PY")
-side_pids=()
-for i in 0 1; do
-  echo "== pytest ${side_names[$i]}, beside the next run: ${HF_FILES[*]##*/}"
-  mkdir "$SIDE/tmp$i"
-  run_suite "${side_pys[$i]}" --basetemp="$SIDE/tmp$i" "${HF_FILES[@]}" >"$SIDE/log$i" 2>&1 &
-  side_pids+=($!)
-done
-echo "== pytest with transformers $NEWEST, the files that use torch alone: ${TORCH_FILES[*]##*/}"
+PIN_LOG=$(mktemp)
+PIN_TMP=$(mktemp -d) # its own pytest base temp: two sessions never share one
+trap 'rm -rf "$PIN_LOG" "$PIN_TMP"' EXIT
+echo "== pytest with $HF_PINS ($PIN_VENV), beside the next run: ${HF_FILES[*]##*/}"
+run_suite "$PIN_PY" --basetemp="$PIN_TMP" "${HF_FILES[@]}" >"$PIN_LOG" 2>&1 &
+PIN_PID=$!
+echo "== pytest adapters/torch/tests (transformers $("$PY" -c 'import transformers; print(transformers.__version__)'), no kernels)"
 status=0
-run_suite "$PY" "${TORCH_FILES[@]}" || status=$?
-side_status=(0 0)
-for i in 0 1; do
-  wait "${side_pids[$i]}" || side_status[i]=$?
-  echo "== pytest ${side_names[$i]} (the version-dependent files), its output:"
-  cat "$SIDE/log$i"
-done
-[ "$status" -eq 0 ] || { echo "FAIL: pytest of the torch-only files (status $status)" >&2; exit "$status"; }
-for i in 0 1; do
-  [ "${side_status[$i]}" -eq 0 ] || { echo "FAIL: pytest ${side_names[$i]} (status ${side_status[$i]})" >&2; exit "${side_status[$i]}"; }
-done
+run_suite "$PY" adapters/torch/tests || status=$?
+pin_status=0
+wait "$PIN_PID" || pin_status=$?
+echo "== the pinned run ($HF_PINS), its output:"
+cat "$PIN_LOG"
+[ "$status" -eq 0 ] || { echo "FAIL: pytest with the newest transformers (status $status)" >&2; exit "$status"; }
+[ "$pin_status" -eq 0 ] || { echo "FAIL: pytest with $HF_PINS (status $pin_status)" >&2; exit "$pin_status"; }

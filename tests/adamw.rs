@@ -464,6 +464,39 @@ fn nonfinite_norm_and_found_inf_skip_the_step() {
 }
 
 #[test]
+fn a_nonfinite_param_leaves_its_decoupled_moments_finite() {
+    // torch's AdamW decays p and never adds it to g: an infinite or NaN
+    // param keeps the moments a finite one gets (the kernel once formed
+    // g + p * 0: NaN).
+    let mut rng = Rng(9);
+    let f32s = (DType::F32, DType::F32, DType::F32);
+    for bad in [f64::INFINITY, f64::NEG_INFINITY, f64::NAN] {
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            let finite = State::new(&mut rng, &[40], f32s, false, false, 3);
+            let mut s = finite.clone();
+            let mut pv = s.p[0].f64s();
+            pv[21] = bad;
+            s.p[0] = Owned::from_f64(DType::F32, &pv);
+            let mut o = options(&mut rng, 3, 0);
+            o.weight_decay = 0.1;
+            let cpu = Cpu::new(Threads::new(1)).with_isa(isa);
+            let exec = Exec::new(&cpu);
+            let mut want = finite;
+            want.run(&exec, &o).unwrap();
+            s.run(&exec, &o).unwrap();
+            // Every moment as with a finite param: bit for bit.
+            assert_eq!(s.m[0].bits(), want.m[0].bits(), "{isa:?} {bad}");
+            assert_eq!(s.v[0].bits(), want.v[0].bits(), "{isa:?} {bad}");
+            let p = s.p[0].f64s()[21];
+            assert_eq!(p.is_nan(), bad.is_nan(), "{isa:?} {bad}: {p}");
+            if !bad.is_nan() {
+                assert_eq!(p, bad, "{isa:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn ten_steps_track_f64_adamw() {
     // bf16 params with f32 masters vs f64 AdamW carried in f64: the masters
     // stay within a few f32 ulp per step of the f64 trajectory.

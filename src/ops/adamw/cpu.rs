@@ -173,7 +173,10 @@ struct K<L> {
     omb2: L,
     eps: L,
     decay: L,
-    l2: L,
+    /// L2 mode's weight decay; `None` when decoupled, so that `g` is not
+    /// formed as `g + p * 0` (NaN for an infinite or NaN `p`, where torch's
+    /// moments stay finite).
+    l2: Option<L>,
     scale: L,
     sign: L,
     coef: L,
@@ -194,7 +197,11 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         omb2: L::splat(k.one_minus_beta2),
         eps: L::splat(k.eps),
         decay: L::splat(k.decay),
-        l2: L::splat(k.l2),
+        l2: if k.l2 != 0.0 {
+            Some(L::splat(k.l2))
+        } else {
+            None
+        },
         scale: L::splat(k.grad_scale),
         sign: L::splat(k.sign),
         coef: L::splat(k.clip_coef),
@@ -317,7 +324,10 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
         Some(w) => L::load(w),
         None => P::load::<L>(p),
     };
-    let gv = gv.add(pv.mul(c.l2));
+    let gv = match c.l2 {
+        Some(l2) => gv.add(pv.mul(l2)),
+        None => gv,
+    };
     pv = pv.mul(c.decay);
     let mv = M::load::<L>(m).mul(c.b1).add(gv.mul(c.omb1));
     let vv = M::load::<L>(v).mul(c.b2).add(gv.mul(gv).mul(c.omb2));
