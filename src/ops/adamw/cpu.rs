@@ -173,9 +173,9 @@ struct K<L> {
     omb2: L,
     eps: L,
     decay: L,
-    /// L2 mode's weight decay; `None` when decoupled, so that `g` is not
-    /// formed as `g + p * 0` (NaN for an infinite or NaN `p`, where torch's
-    /// moments stay finite).
+    /// L2 mode's weight decay; `None` when decoupled or zero (torch adds
+    /// the term only then), so that `g` is not formed as `g + p * 0` (NaN
+    /// for an infinite or NaN `p`, where torch's moments stay finite).
     l2: Option<L>,
     scale: L,
     sign: L,

@@ -81,7 +81,11 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
                 None => p[i].to_f64(),
             };
             if l2 {
-                gi += pi * o.weight_decay;
+                // torch adds the term only for a nonzero decay (as the
+                // kernel): p * 0 would be NaN for an infinite p.
+                if o.weight_decay != 0.0 {
+                    gi += pi * o.weight_decay;
+                }
             } else {
                 pi *= 1.0 - o.lr * o.weight_decay;
             }
