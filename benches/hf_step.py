@@ -7,8 +7,11 @@ gradients dropped after it (``zero_grad(set_to_none=True)``), the model built
 from a tiny config in the process (no download). The driver alternates stock
 and patched processes ``--runs`` times and prints, per variant, the median
 step time (each process: ``--warmup`` steps, then the median of ``--steps``)
-and the peak resident memory above the model's (``ru_maxrss`` minus the RSS
-after building the model and one warm-up step's inputs).
+the peak resident memory above the model's (``ru_maxrss`` minus the RSS
+after building the model and one warm-up step's inputs), and the peak above
+the interpreter before the model was built (``peak total``: the model, the
+optimizer's state and the step; what to compare when the variants hold the
+model in different dtypes, as ``--recipe trainer`` does).
 
 Run (one core, the issues' shared figure):
     taskset -c 0 python benches/hf_step.py --hidden 1024 --layers 2 --seq 512 --vocab 32000 --threads 1
@@ -51,6 +54,7 @@ def child(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    before_model = rss_bytes()
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate or int(args.hidden * 8 / 3 // 256 * 256),
                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                       num_key_value_heads=max(1, args.hidden // 256), vocab_size=args.vocab,
@@ -109,6 +113,7 @@ def child(args):
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {"variant": args.child, "ms": statistics.median(times) * 1e3, "extra_mib": (peak - base) / 2**20,
+           "total_mib": (peak - before_model) / 2**20,
            "threads": torch.get_num_threads(), "counts": counts, "torch": torch.__version__,
            "parts": {k: statistics.median(v) * 1e3 for k, v in parts.items()}}
     if args.profile:
@@ -137,19 +142,21 @@ def driver(args):
             results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
     ms = {v: statistics.median(r["ms"] for r in rs) for v, rs in results.items()}
     mem = {v: statistics.median(r["extra_mib"] for r in rs) for v, rs in results.items()}
+    tot = {v: statistics.median(r["total_mib"] for r in rs) for v, rs in results.items()}
     first = results["patched"][0]
     print(f"hidden {args.hidden}, {args.layers} layers, seq {args.seq} x batch {args.batch}, vocab {args.vocab}, "
           f"bf16, sdpa, {first['threads']} thread(s), torch {first['torch']}; patched counts {first['counts']}")
     print(f"recipe {args.recipe}")
     print(f"{'variant':16} {'step ms (median of ' + str(args.runs) + ' processes)':>38} {'all runs':>24} "
-          f"{'fwd+bwd':>8} {'clip':>6} {'opt':>6} {'peak extra MiB':>16}")
+          f"{'fwd+bwd':>8} {'clip':>6} {'opt':>6} {'peak extra MiB':>16} {'peak total MiB':>15}")
     for v in variants:
         runs = ", ".join(f"{r['ms']:.0f}" for r in results[v])
         pm = {k: statistics.median(r["parts"][k] for r in results[v]) for k in ("fwd_bwd", "clip", "opt")}
         print(f"{v:16} {ms[v]:38.1f} {runs:>24} {pm['fwd_bwd']:8.1f} {pm['clip']:6.1f} {pm['opt']:6.1f} "
-              f"{mem[v]:16.0f}")
+              f"{mem[v]:16.0f} {tot[v]:15.0f}")
     for v in variants[1:]:
-        print(f"{v} / stock: time {ms[v] / ms['stock']:.3f}, peak extra memory {mem[v] / mem['stock']:.3f}")
+        print(f"{v} / stock: time {ms[v] / ms['stock']:.3f}, peak extra memory {mem[v] / mem['stock']:.3f}, "
+              f"peak total memory {tot[v] / tot['stock']:.3f}")
 
 
 def main():

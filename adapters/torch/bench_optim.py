@@ -6,9 +6,11 @@ AdamW, in one process on the threads given (pin with taskset):
 Rows: npukern (bf16 params, f32 masters and moments, bf16 grads), the same
 with max_grad_norm (clip + step: two reads of the gradients), npukern and
 torch fused on float32 params; each beside `dst.copy_(src)` of the bytes the
-step reads (and writes back). Medians of --reps. With --deepspeed, also
+step reads (and writes back). Every row and copy interleaved rep by rep,
+medians of --reps. With --deepspeed, also
 DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, AdamW mode, float32 params; needs
-`pip install deepspeed`, whose CPUAdam extension builds on first use)."""
+`pip install deepspeed`, whose CPUAdam extension builds on first use and
+needs `ninja` on PATH: run with the venv's `bin` first on PATH)."""
 
 import argparse
 import statistics
@@ -20,14 +22,21 @@ import npukern_torch  # noqa: F401
 from npukern_torch.optim import AdamW
 
 
-def median_ms(f, reps):
-    f()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def interleaved_ms(fns, reps):
+    """Median ms of each callable, the callables interleaved rep by rep
+    (rotating who goes first): this VM's bandwidth drifts by tens of
+    percent within a minute, so rows timed one after the other compare
+    the moments they ran in as much as the code."""
+    for f in fns.values():
         f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    ts = {k: [] for k in fns}
+    items = list(fns.items())
+    for r in range(reps):
+        for k, f in items[r % len(items):] + items[:r % len(items)]:
+            t = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
 
 def deepspeed_adam(ps):
@@ -45,12 +54,12 @@ def main():
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     n = a.numel
-    rows = []
+    fns, floors = {}, {}
 
-    def copy_ms(nbytes):
+    def copy_fn(nbytes):
         src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
         dst = torch.empty_like(src).zero_()
-        return median_ms(lambda: dst.copy_(src), a.reps)
+        return lambda: dst.copy_(src)
 
     # bf16 params + f32 masters/moments: reads grad 2 + master 4 + m 4 + v 4,
     # writes param 2 + master 4 + m 4 + v 4 bytes per element.
@@ -58,19 +67,21 @@ def main():
         p = torch.nn.Parameter(torch.randn(n).bfloat16())
         p.grad = (torch.randn(n) * 1e-3).bfloat16()
         o = AdamW([p], lr=1e-4, master_weights=True, max_grad_norm=clip)
-        o.step()
-        t = median_ms(o.step, a.reps)
-        c = copy_ms(14 * n + (2 * n if clip else 0))
-        rows.append((f"npukern bf16+master{' +clip' if clip else ''}", t, c))
+        name = f"npukern bf16+master{' +clip' if clip else ''}"
+        fns[name] = o.step
+        floors[name] = f"copy {14 + (2 if clip else 0)} B"
     for name, make in (
         ("npukern f32", lambda ps: AdamW(ps, lr=1e-4)),
         ("torch fused f32", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
     ) + ((("deepspeed cpu_adam f32", deepspeed_adam),) if a.deepspeed else ()):
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n) * 1e-3
-        o = make([p])
-        o.step()
-        rows.append((name, median_ms(o.step, a.reps), copy_ms(16 * n)))
+        fns[name] = make([p]).step
+        floors[name] = "copy 16 B"
+    for b in (14, 16):
+        fns[f"copy {b} B"] = copy_fn(b * n)
+    ms = interleaved_ms(fns, a.reps)
+    rows = [(k, ms[k], ms[floors[k]]) for k in floors]
     print(f"{n} elements, {a.threads} thread(s), torch {torch.__version__}, npukern ISA {npukern_torch.detected_isa}")
     print(f"{'row':<28} {'ms':>8} {'copy ms':>8} {'ratio':>6}")
     for name, t, c in rows:

@@ -8,6 +8,12 @@
 //! - `f32`: float32 params, grads and moments (reads 16, writes 12 bytes):
 //!   floor 14 bytes.
 //!
+//! The `f32` group also times `rmw_floor`: one loop over the same four
+//! streams that reads params, grads and both moments and writes params and
+//! moments back with one addition each — the step's traffic with no
+//! arithmetic, the floor an in-place step can reach on this core (a copy
+//! into a second buffer is not one: it fetches the lines it writes).
+//!
 //! The elements (2^24) are split over 8 tensors of mixed sizes. Ratio to
 //! report: `adamw / copy_floor` (an in-place update writes back lines it has
 //! just read, which a copy into a cold buffer must first fetch, so the step
@@ -103,6 +109,9 @@ fn run<P: Float, G: Float>(
         max_exp_avg_sqs: &mut [],
         masters: &mut w,
     };
+    if name == "f32" {
+        rmw_floor(&mut grp);
+    }
     let exec = Exec::cpu();
     // lr 0: the values stay put over any number of iterations (same work).
     let o = AdamWOptions {
@@ -117,6 +126,28 @@ fn run<P: Float, G: Float>(
         b.iter(|| adamw(&exec, black_box(&mut t), &o, &mut ws).unwrap())
     });
     grp.finish();
+}
+
+/// The f32 step's traffic without its arithmetic (see the module docs).
+fn rmw_floor(grp: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    let mut p: Aligned<f32> = data(ELEMS, 1);
+    let g: Aligned<f32> = data(ELEMS, 2);
+    let mut m: Aligned<f32> = zeros(ELEMS);
+    let mut v: Aligned<f32> = zeros(ELEMS);
+    grp.bench_function("rmw_floor", |b| {
+        b.iter(|| {
+            for (((p, g), m), v) in p
+                .iter_mut()
+                .zip(black_box(&*g).iter())
+                .zip(m.iter_mut())
+                .zip(v.iter_mut())
+            {
+                *p += g;
+                *m += g;
+                *v += g;
+            }
+        })
+    });
 }
 
 fn benches(c: &mut Criterion) {
