@@ -167,6 +167,7 @@ def test_opcheck(i):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.torch_only
 def test_compile_fullgraph():
     def block(x, w_gate, w_up, q, k, cos, sin):
         h = F.silu_mul(x @ w_gate, x @ w_up)
