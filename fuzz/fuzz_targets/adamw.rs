@@ -239,7 +239,11 @@ fn options(b: &mut Bytes<'_>) -> Options {
             1 => (1 << 53) + b.below(2) as u64,
             _ => 1 + b.below(1000) as u64,
         },
-        max_grad_norm: if b.bool() { r(b) * 4.0 } else { f64::from(b.f32()) },
+        max_grad_norm: if b.bool() {
+            r(b) * 4.0
+        } else {
+            f64::from(b.f32())
+        },
         grad_scale: if b.bool() { 1024.0 } else { b.f32() },
         found_inf: if b.one_in(3) { b.f32() } else { 0.0 },
         flags,
@@ -303,7 +307,11 @@ fn run(c: &Case, o: &Options, isa: u32, blocks: u32, short: bool) -> (i32, i32, 
     // (an over-long shape is refused before any data is read).
     let s = unsafe { npk_adamw_workspace_size(&t, o, &e, &mut ws) };
     let bytes = if s == 0 { ws } else { 1 << 12 };
-    let bytes = if short { bytes.saturating_sub(1) } else { bytes };
+    let bytes = if short {
+        bytes.saturating_sub(1)
+    } else {
+        bytes
+    };
     let mut w = vec![0u8; bytes.min(64 << 20)];
     let mut r = Report {
         grad_norm: -1.0,
@@ -338,7 +346,10 @@ fn go(b: &mut Bytes<'_>) {
             continue;
         }
         assert!(
-            c.lists[G].iter().zip(&after.lists[G]).all(|(x, y)| x.bytes == y.bytes),
+            c.lists[G]
+                .iter()
+                .zip(&after.lists[G])
+                .all(|(x, y)| x.bytes == y.bytes),
             "a gradient was written"
         );
         let skip = o.flags & FOUND_INF != 0 && o.found_inf != 0.0
@@ -350,7 +361,8 @@ fn go(b: &mut Bytes<'_>) {
         match &first {
             None => first = Some((r, after)),
             Some((r0, a0)) => {
-                let nan_same = |x: f64, y: f64| x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan();
+                let nan_same =
+                    |x: f64, y: f64| x.to_bits() == y.to_bits() || x.is_nan() && y.is_nan();
                 assert!(
                     nan_same(r.grad_norm, r0.grad_norm) && r.stepped == r0.stepped,
                     "reports differ across ISAs: {r:?} vs {r0:?}"

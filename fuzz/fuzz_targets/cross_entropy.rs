@@ -75,7 +75,16 @@ impl<T: Float, I: Element> Case<T, I> {
                     let mut ws =
                         vec![0u8; cross_entropy_fused_workspace_size(exec, x, t, &self.o)?];
                     let xm = TensorMut::new(&mut dx, &self.xd)?;
-                    cross_entropy_fused(exec, xm, t, &self.g, &self.o, &mut loss, Some(&mut lse), &mut ws)
+                    cross_entropy_fused(
+                        exec,
+                        xm,
+                        t,
+                        &self.g,
+                        &self.o,
+                        &mut loss,
+                        Some(&mut lse),
+                        &mut ws,
+                    )
                 }
             }
         })();
@@ -87,10 +96,18 @@ fn go<T: Float, I: Element + TryFrom<i64>>(b: &mut Bytes<'_>) {
     let rows = b.below(6);
     let small = b.bool();
     let cols = b.below(if small { 40 } else { CAP / rows.max(1) + 1 });
-    let xd = if b.one_in(16) { vec![rows * cols] } else { vec![rows, cols] };
+    let xd = if b.one_in(16) {
+        vec![rows * cols]
+    } else {
+        vec![rows, cols]
+    };
     let tame = b.bool();
     let x: Vec<T> = some_values(b, rows * cols, tame);
-    let ignore = if b.bool() { -100 } else { b.below(8) as i64 - 4 };
+    let ignore = if b.bool() {
+        -100
+    } else {
+        b.below(8) as i64 - 4
+    };
     let nt = if b.one_in(16) { rows + 1 } else { rows };
     let tgt: Vec<I> = (0..nt)
         .map(|_| {
@@ -100,7 +117,9 @@ fn go<T: Float, I: Element + TryFrom<i64>>(b: &mut Bytes<'_>) {
                 2 => -(b.below(3) as i64),
                 _ => b.below(cols.max(1)) as i64,
             };
-            I::try_from(v).ok().unwrap_or_else(|| I::try_from(0).ok().unwrap())
+            I::try_from(v)
+                .ok()
+                .unwrap_or_else(|| I::try_from(0).ok().unwrap())
         })
         .collect();
     let w = b.bool().then(|| {
@@ -122,7 +141,15 @@ fn go<T: Float, I: Element + TryFrom<i64>>(b: &mut Bytes<'_>) {
         1
     };
     let g = (0..ng).map(|i| 0.5 + i as f32 * 0.25).collect();
-    let c = Case::<T, I> { x, xd, tgt, w, g, o, mode };
+    let c = Case::<T, I> {
+        x,
+        xd,
+        tgt,
+        w,
+        g,
+        o,
+        mode,
+    };
     let (want, rl, rs, rd) = c.run(&Exec::reference());
     let mut first: Option<(Vec<f32>, Vec<f32>, Vec<T>)> = None;
     for isa in isas() {
@@ -136,7 +163,11 @@ fn go<T: Float, I: Element + TryFrom<i64>>(b: &mut Bytes<'_>) {
             assert_eq!(r, want, "{isa:?} outcome");
             if r.is_err() {
                 assert!(l.iter().chain(&s).all(|v| *v == POISON), "written on error");
-                let untouched = if c.mode == 2 { c.x.clone() } else { vec![T::from_f32(POISON); c.x.len()] };
+                let untouched = if c.mode == 2 {
+                    c.x.clone()
+                } else {
+                    vec![T::from_f32(POISON); c.x.len()]
+                };
                 assert_same(&d, &untouched, "dlogits on error");
                 continue;
             }
