@@ -93,6 +93,10 @@ pub use ops::grad_stats::{
     grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw,
     ClipGradNormOptions, GradSummary, GradTensor, GradTensorMut, GradTiling,
 };
+pub use ops::matmul::{
+    matmul, matmul_workspace_size, MatmulCall, MatmulOptions, MatmulTiling, MATMUL_KC, MATMUL_MC,
+    MATMUL_NC,
+};
 pub use ops::norm::{RmsNormOptions, Rounding};
 pub use ops::rms_norm::{rms_norm, rms_norm_workspace_size, RmsNormCall};
 pub use ops::rms_norm_grad::{

@@ -20,6 +20,7 @@ use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
 use crate::ops::geglu::GegluCall;
 use crate::ops::geglu_grad::GegluGradCall;
 use crate::ops::grad_stats::{ClipGradNormCall, GradStatsCall};
+use crate::ops::matmul::MatmulCall;
 use crate::ops::rms_norm::RmsNormCall;
 use crate::ops::rms_norm_grad::RmsNormGradCall;
 use crate::ops::rope::RopeCall;
@@ -89,6 +90,8 @@ pub struct npk_foreign_backend {
     /// under `error_if_nonfinite`: nothing scaled) and writes `*call->report`.
     pub clip_grad_norm:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const ClipGradNormCall) -> RawStatus>,
+    /// Matmul (ABI 2.8).
+    pub matmul: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const MatmulCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -136,6 +139,7 @@ impl npk_foreign_backend {
             adamw: None,
             grad_stats: None,
             clip_grad_norm: None,
+            matmul: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -170,6 +174,7 @@ impl npk_foreign_backend {
                 Op::AdamW(c) => self.adamw.map(|f| f(ctx, c)),
                 Op::GradStats(c) => self.grad_stats.map(|f| f(ctx, c)),
                 Op::ClipGradNorm(c) => self.clip_grad_norm.map(|f| f(ctx, c)),
+                Op::Matmul(c) => self.matmul.map(|f| f(ctx, c)),
             }
         }
     }

@@ -315,6 +315,34 @@ fn erf_body<L: Lanes>(x: L) -> L {
     x.select_lt(zero, zero.sub(t), t)
 }
 
+/// IEEE fusedMultiplyAdd `a * b + c` rounded once, in software (the
+/// portable lanes' `mul_add`; no_std has no `f32::mul_add`). The product of
+/// two f32 is exact in f64; the f64 sum is made round-to-odd (its error,
+/// from TwoSum, sets the last bit), and a round-to-odd value with 53 >=
+/// 24 + 2 bits rounds to f32 exactly as the exact sum would.
+pub fn fma_f32(a: f32, b: f32, c: f32) -> f32 {
+    let p = a as f64 * b as f64;
+    let q = c as f64;
+    let s = p + q;
+    if !s.is_finite() {
+        return s as f32;
+    }
+    let bb = s - p;
+    let e = (p - (s - bb)) + (q - bb);
+    let bits = s.to_bits();
+    let s = if e != 0.0 && bits & 1 == 0 {
+        // s is not zero here (a sum that rounds to 0 is exact).
+        if (e > 0.0) == (s > 0.0) {
+            f64::from_bits(bits + 1)
+        } else {
+            f64::from_bits(bits - 1)
+        }
+    } else {
+        s
+    };
+    s as f32
+}
+
 /// `erf x` in f64 for the golden models: `2/sqrt(pi) e^{-x^2} sum_n 2^n
 /// x^{2n+1} / (1 3 .. (2n+1))` (every term positive: no cancellation),
 /// summed until the terms stop counting; +-1 beyond |x| = 6 (erfc(6) is

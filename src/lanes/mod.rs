@@ -287,6 +287,11 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn div(self, o: Self) -> Self;
     /// Lane-wise IEEE square root.
     fn sqrt(self) -> Self;
+    /// Lane-wise fused `self * b + c`, rounded once (IEEE fusedMultiplyAdd)
+    /// on every ISA: hardware FMA on AVX2, AVX-512 and NEON, an exact
+    /// software form on the portable lanes (`math::fma_f32`). The matmul's
+    /// one rounding per product is this, so its bits are the same on all.
+    fn mul_add(self, b: Self, c: Self) -> Self;
     /// Lane-wise minimum. Which operand a lane holding NaN yields, and which
     /// zero wins, are the ISA's (callers discard or normalize such lanes).
     fn min(self, o: Self) -> Self;

@@ -125,6 +125,18 @@ impl Lanes for Portable {
         Portable(self.0.sqrt(), self.1.sqrt())
     }
     #[inline(always)]
+    fn mul_add(self, b: Self, c: Self) -> Self {
+        // wide's mul_add is a multiply then an add without FMA hardware:
+        // two roundings. The exact software form keeps one.
+        let f = |x: f32x8, y: f32x8, z: f32x8| {
+            let (x, y, z) = (x.to_array(), y.to_array(), z.to_array());
+            f32x8::from(core::array::from_fn::<f32, 8, _>(|i| {
+                super::math::fma_f32(x[i], y[i], z[i])
+            }))
+        };
+        Portable(f(self.0, b.0, c.0), f(self.1, b.1, c.1))
+    }
+    #[inline(always)]
     fn min(self, o: Self) -> Self {
         Portable(self.0.fast_min(o.0), self.1.fast_min(o.1))
     }

@@ -459,6 +459,16 @@ impl Lanes for Avx2 {
         unsafe { Avx2(_mm256_sqrt_ps(self.0), _mm256_sqrt_ps(self.1)) }
     }
     #[inline(always)]
+    fn mul_add(self, b: Self, c: Self) -> Self {
+        // SAFETY: FMA present (this level's context enables it).
+        unsafe {
+            Avx2(
+                _mm256_fmadd_ps(self.0, b.0, c.0),
+                _mm256_fmadd_ps(self.1, b.1, c.1),
+            )
+        }
+    }
+    #[inline(always)]
     fn min(self, o: Self) -> Self {
         // SAFETY: AVX present.
         unsafe { Avx2(_mm256_min_ps(self.0, o.0), _mm256_min_ps(self.1, o.1)) }
@@ -687,6 +697,11 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     fn sqrt(self) -> Self {
         // SAFETY: AVX-512F present.
         unsafe { Self(_mm512_sqrt_ps(self.0)) }
+    }
+    #[inline(always)]
+    fn mul_add(self, b: Self, c: Self) -> Self {
+        // SAFETY: AVX-512F present.
+        unsafe { Self(_mm512_fmadd_ps(self.0, b.0, c.0)) }
     }
     #[inline(always)]
     fn min(self, o: Self) -> Self {

@@ -102,6 +102,7 @@ pub mod embedding_dense_grad;
 pub mod geglu;
 pub mod geglu_grad;
 pub mod grad_stats;
+pub mod matmul;
 pub mod rms_norm;
 pub mod rms_norm_grad;
 pub mod rope;
@@ -135,6 +136,8 @@ operators! {
     GradStats = 11 => grad_stats::GradStatsCall, "grad_stats";
     /// `clip_grad_norm_` over a tensor list (`ClipGradNormCall`).
     ClipGradNorm = 12 => grad_stats::ClipGradNormCall, "clip_grad_norm";
+    /// Matmul (`MatmulCall`).
+    Matmul = 13 => matmul::MatmulCall, "matmul";
 }
 
 pub mod elementwise;

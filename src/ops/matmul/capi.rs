@@ -1,0 +1,128 @@
+//! `npk_matmul_workspace_size` / `npk_matmul`: a skin over
+//! `ops::matmul::{plan, prepare}` (the shared shape is `capi::skin`). Like
+//! aclnnMatmulGetWorkspaceSize, the size call takes the output's
+//! descriptor too: its dtype is part of the plan.
+
+use core::ffi::c_void;
+
+use crate::capi::skin::{self, CapiCall, CapiOp};
+use crate::capi::types::{npk_exec, npk_status, read_tensor};
+use crate::error::Result;
+use crate::ops::matmul::{plan, prepare, MatmulCall, MatmulOptions};
+use crate::tensor::RawTensor;
+use crate::tiling::UbConfig;
+
+/// Options of Matmul. NULL options = `{ 0, 0, 0 }`. ABI 2.8.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct npk_matmul_options {
+    /// Nonzero: a is stored `[K, M]`.
+    pub trans_a: u32,
+    /// Nonzero: b is stored `[N, K]` (a Linear layer's weight).
+    pub trans_b: u32,
+    /// Nonzero: `c += a b` into an f32 c (c's value starts each sum).
+    pub accumulate: u32,
+}
+
+/// Reads optional Matmul options (NULL = defaults).
+///
+/// # Safety
+/// `p` is NULL or points to a readable `npk_matmul_options`.
+unsafe fn read_matmul_options(p: *const npk_matmul_options) -> MatmulOptions {
+    if p.is_null() {
+        return MatmulOptions::default();
+    }
+    // SAFETY: non-NULL and readable (caller); every field is a plain number.
+    let o = unsafe { p.read_unaligned() };
+    MatmulOptions {
+        trans_a: o.trans_a != 0,
+        trans_b: o.trans_b != 0,
+        accumulate: o.accumulate != 0,
+    }
+}
+
+/// Matmul's C skin.
+struct Skin;
+
+impl CapiOp for Skin {
+    type Args = (
+        *const RawTensor,
+        *const RawTensor,
+        *const npk_matmul_options,
+        *const RawTensor,
+    );
+    type Inputs = (RawTensor, RawTensor, MatmulOptions, RawTensor);
+
+    unsafe fn read((a, b, opts, c): Self::Args) -> Result<Self::Inputs> {
+        // SAFETY: every pointer is NULL or valid (this function's contract).
+        unsafe {
+            Ok((
+                read_tensor(a, "a")?,
+                read_tensor(b, "b")?,
+                read_matmul_options(opts),
+                read_tensor(c, "c")?,
+            ))
+        }
+    }
+
+    fn plan((a, b, opts, c): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
+        Ok(plan(a, b, c.dtype, opts, ub)?.workspace_bytes)
+    }
+}
+
+impl CapiCall for Skin {
+    type Outputs = ();
+    type Call = MatmulCall;
+
+    unsafe fn prepare(
+        (a, b, opts, c): Self::Inputs,
+        _: (),
+        ub: &UbConfig,
+    ) -> Result<MatmulCall> {
+        prepare(&a, &b, &opts, &c, ub)
+    }
+}
+
+/// Workspace bytes `npk_matmul` needs (the same arguments as the run; `c`'s
+/// data is not read): one packing arena per worker (`exec`'s `blocks`, at
+/// most one per 168 x 512 output tile), about 0.7 MiB each (1.4 MiB with a
+/// 16-bit c and K > 256).
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type.
+#[no_mangle]
+pub unsafe extern "C" fn npk_matmul_workspace_size(
+    a: *const RawTensor,
+    b: *const RawTensor,
+    opts: *const npk_matmul_options,
+    c: *const RawTensor,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe { skin::workspace_size::<Skin>((a, b, opts, c), exec, workspace_bytes) }
+}
+
+/// `c = op(a) op(b)` (`c += ...` with `opts->accumulate`, c f32): a `[M, K]`
+/// (`[K, M]` with `trans_a`), b `[K, N]` (`[N, K]` with `trans_b`), one
+/// dtype of f32, f16, bf16; c `[M, N]`, a's dtype or f32. f32 inside, one
+/// FMA per product with k ascending, one rounding: the same bits on every
+/// ISA and thread count. c may not overlap a or b. On error nothing is
+/// written.
+///
+/// # Safety
+/// Every pointer is NULL or valid for its type, and every tensor's `data`
+/// points to a buffer of its shape and dtype, live for the call.
+#[no_mangle]
+pub unsafe extern "C" fn npk_matmul(
+    a: *const RawTensor,
+    b: *const RawTensor,
+    opts: *const npk_matmul_options,
+    c: *const RawTensor,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
+    // SAFETY: every pointer is NULL or valid (this function's contract).
+    unsafe { skin::launch::<Skin>((a, b, opts, c), (), workspace, workspace_bytes, exec) }
+}

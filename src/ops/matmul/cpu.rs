@@ -1,0 +1,202 @@
+//! Matmul on the CPU: BLIS's loops around the one microkernel. Per tile
+//! (a worker's, see `plan.rs`): K slices of `kc`; per slice, b's slice
+//! packed once (`kc x nc`), then per `mc` block of rows a's slice, and the
+//! microkernel over A micro-panels (outer: one stays in L1) and B
+//! micro-panels (inner: the packed slice streams from L2). The sums carry
+//! from slice to slice in f32 (in c itself when it is f32, else in the
+//! arena's partials), so each element is one chain of FMAs, k ascending.
+
+use super::pack::{pack, Mat};
+use super::ukernel::{Micro, Tile};
+use super::*;
+use crate::lanes::detect::Available;
+use crate::lanes::dispatch_isa;
+use crate::ops::{dispatch_xg, run_blocks};
+use crate::runner::Runner;
+use crate::workspace::Workspace;
+
+/// Runs the plan on the CPU.
+///
+/// # Safety
+/// `call` was built by `prepare` and its workspace checked by `launch`.
+pub(crate) unsafe fn cpu(call: &MatmulCall, isa: Available, runner: &dyn Runner) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        dispatch_isa!(isa, L => dispatch_xg!(call.a.dtype, call.c.dtype, run::<L>(call, runner)))
+    }
+}
+
+/// What every tile needs, copied into registers.
+#[derive(Clone, Copy)]
+struct Kern<T, O> {
+    a: Mat<T>,
+    b: Mat<T>,
+    c: *mut O,
+    trans_a: bool,
+    trans_b: bool,
+    accumulate: bool,
+    t: MatmulTiling,
+    ws: Workspace,
+}
+
+// SAFETY: the pointers are the call's tensors and workspace; tiles write
+// disjoint parts of c and each worker its own arena.
+unsafe impl<T, O> Sync for Kern<T, O> {}
+
+unsafe fn run<L: Tile, T: Float, O: Float>(call: &MatmulCall, runner: &dyn Runner) {
+    let t = call.tiling;
+    let (m, n, k) = (t.m as usize, t.n as usize, t.k as usize);
+    let c = call.c.data as *mut O;
+    if k == 0 {
+        // An empty sum: zeros, or c as it is.
+        if call.accumulate == 0 {
+            for i in 0..m * n {
+                // SAFETY: c holds m x n.
+                unsafe { *c.add(i) = O::from_f32(0.0) };
+            }
+        }
+        return;
+    }
+    let Ok(ws) = Workspace::new(call.workspace, call.workspace_bytes, t.workspace_bytes) else {
+        return;
+    };
+    let kern = Kern::<T, O> {
+        a: Mat {
+            p: call.a.data as *const T,
+            ld: if call.trans_a != 0 { m } else { k },
+        },
+        b: Mat {
+            p: call.b.data as *const T,
+            ld: if call.trans_b != 0 { k } else { n },
+        },
+        c,
+        trans_a: call.trans_a != 0,
+        trans_b: call.trans_b != 0,
+        accumulate: call.accumulate != 0,
+        t,
+        ws,
+    };
+    let kp = &kern;
+    run_blocks!(plain runner, t.flags, t.blocks, |w| worker::<L, T, O>(kp, w))
+}
+
+/// Worker `w`'s tiles, `w, w + blocks, ...`.
+///
+/// # Safety
+/// Inside `L::enter`; the call's contract.
+#[inline(always)]
+unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
+    let k = &{ *k };
+    let t = &k.t;
+    // SAFETY: worker w's arena, inside the checked workspace, used by it
+    // alone.
+    let arena = unsafe {
+        k.ws.region(w * t.arena_bytes as usize, t.arena_bytes as usize / 4)
+            .as_mut_ptr()
+    };
+    let mut tile = w;
+    while tile < t.tiles() {
+        // SAFETY: the tile is inside c; the arena is this worker's.
+        unsafe { one_tile::<L, T, O>(k, tile, arena) };
+        tile += t.blocks as usize;
+    }
+}
+
+/// One output tile, all of K.
+///
+/// # Safety
+/// As `worker`; `arena` holds `t.arena_bytes`.
+#[inline(always)]
+unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, arena: *mut f32) {
+    let t = &k.t;
+    let (r0, r1, c0, c1) = t.tile(tile);
+    let (kk, kc, mc, nc) = (t.k as usize, t.kc as usize, t.mc as usize, t.nc as usize);
+    let (mr, nr) = (L::MR, L::NR);
+    // SAFETY: the arena's regions (plan.rs).
+    let (ap, bp, cp) = unsafe {
+        (
+            arena,
+            arena.add(t.b_offset as usize / 4),
+            arena.add(t.c_offset as usize / 4),
+        )
+    };
+    let ldc = t.n as usize;
+    let partials = t.c_partials != 0;
+    let mut p0 = 0;
+    while p0 < kk {
+        let ks = kc.min(kk - p0);
+        let (first, last) = (p0 == 0, p0 + ks == kk);
+        // SAFETY: b's slice is inside b; bp holds kc x nc.
+        unsafe { pack::<L, T>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp) };
+        let mut i0 = r0;
+        while i0 < r1 {
+            let rows = mc.min(r1 - i0);
+            // SAFETY: a's block is inside a; ap holds mc x kc.
+            unsafe { pack::<L, T>(k.a, k.trans_a, i0, rows, p0, ks, mr, ap) };
+            for ir in (0..rows).step_by(mr) {
+                let i = i0 + ir;
+                for jr in (0..c1 - c0).step_by(nr) {
+                    let j = c0 + jr;
+                    // The sums so far: c's own value (accumulate), the last
+                    // slice's (in c when f32, else in the partials), or none.
+                    let (ci, cj) = (i - r0, j - c0);
+                    // SAFETY: every pointer below is inside its buffer: c
+                    // (i, j), the partials (ci, cj) of the mt x nc tile.
+                    let (init, ldi) = unsafe {
+                        if first && !k.accumulate {
+                            (core::ptr::null(), 0)
+                        } else if partials && !first {
+                            (cp.add(ci * nc + cj) as *const f32, nc)
+                        } else {
+                            (k.c.add(i * ldc + j) as *const f32, ldc)
+                        }
+                    };
+                    // SAFETY: the panels just packed.
+                    let (a, b) = unsafe { (ap.add(ir * ks), bp.add(jr * ks)) };
+                    let (rows, cols) = (mr.min(r1 - i), nr.min(c1 - j));
+                    if last {
+                        let u = Micro::<O> {
+                            kc: ks,
+                            a,
+                            b,
+                            init,
+                            ldi,
+                            // SAFETY: inside c.
+                            dst: unsafe { k.c.add(i * ldc + j) },
+                            ldd: ldc,
+                            rows,
+                            cols,
+                        };
+                        // SAFETY: inside L's context; the block's buffers.
+                        unsafe { L::micro(&u) };
+                    } else {
+                        // A slice before the last: f32 sums, in the partials
+                        // (16-bit c) or in c (f32 c: O is f32).
+                        let (dst, ldd) = if partials {
+                            // SAFETY: inside the partials.
+                            (unsafe { cp.add(ci * nc + cj) }, nc)
+                        } else {
+                            // SAFETY: inside c.
+                            (unsafe { k.c.add(i * ldc + j) } as *mut f32, ldc)
+                        };
+                        let u = Micro::<f32> {
+                            kc: ks,
+                            a,
+                            b,
+                            init,
+                            ldi,
+                            dst,
+                            ldd,
+                            rows,
+                            cols,
+                        };
+                        // SAFETY: as above.
+                        unsafe { L::micro(&u) };
+                    }
+                }
+            }
+            i0 += rows;
+        }
+        p0 += ks;
+    }
+}

@@ -1,0 +1,108 @@
+//! Matmul (aclnnMatmul's analog): `c = op(a) op(b)` with `op` the identity
+//! or the transpose, a and b f32, f16 or bf16 (one dtype), c a's dtype or
+//! f32. Inside, every product is accumulated in f32 by one fused
+//! multiply-add, `k` ascending from 0 (or from c's value, `accumulate`),
+//! and the result is rounded once to c's dtype. That order is fixed by K
+//! alone, and the FMA is exact on every ISA (`Lanes::mul_add`), so c has the
+//! same bits on every ISA, thread count and plan.
+//!
+//! The kernel is BLIS's: cache blocks from `plan.rs` (output tiles over the
+//! workers, K in `kc` slices, `mc`-row A blocks), operands widened to f32
+//! while packing (`pack.rs`), and one register-blocked microkernel per lanes
+//! type (`ukernel.rs`), the only ISA-specific part.
+
+#[cfg(feature = "capi")]
+pub(crate) mod capi;
+pub(crate) mod cpu;
+mod pack;
+mod plan;
+pub(crate) mod reference;
+mod ukernel;
+
+pub(crate) use plan::{plan, prepare};
+pub use plan::{MatmulTiling, MATMUL_KC, MATMUL_MC, MATMUL_NC};
+
+use core::ffi::c_void;
+
+use super::{launch_into, op_call, workspace_len, Exec};
+use crate::dtype::Float;
+use crate::error::Result;
+use crate::tensor::{RawTensor, TensorRef};
+
+/// Options of Matmul (`npk_matmul_options`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MatmulOptions {
+    /// a is stored `[K, M]` (`op(a) = a^T`).
+    pub trans_a: bool,
+    /// b is stored `[N, K]` (`op(b) = b^T`: torch's `Linear.weight`).
+    pub trans_b: bool,
+    /// `c += a b` into an f32 c: c's value starts each element's sum (a
+    /// weight gradient accumulated over micro-batches).
+    pub accumulate: bool,
+}
+
+/// The validated arguments of one Matmul (`npk_matmul_call`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MatmulCall {
+    /// `[M, K]`, or `[K, M]` with `trans_a`.
+    pub a: RawTensor,
+    /// `[K, N]`, or `[N, K]` with `trans_b`; a's dtype.
+    pub b: RawTensor,
+    /// `[M, N]`, a's dtype or f32 (f32 with `accumulate`).
+    pub c: RawTensor,
+    /// 1: a is transposed.
+    pub trans_a: u32,
+    /// 1: b is transposed.
+    pub trans_b: u32,
+    /// 1: c's value starts the sum.
+    pub accumulate: u32,
+    /// The plan: output tiles, cache blocks, per-worker packing arenas.
+    pub tiling: MatmulTiling,
+    /// The caller's workspace (the packing arenas).
+    pub workspace: *mut c_void,
+    /// Its size in bytes.
+    pub workspace_bytes: usize,
+}
+
+op_call!(MatmulCall, |c| c.tiling.m == 0 || c.tiling.n == 0, [a, b, c]);
+
+/// Workspace bytes `matmul` needs: one packing arena per worker (`blocks`
+/// of `exec.ub`, at most one per output tile).
+pub fn matmul_workspace_size<T: Float>(
+    exec: &Exec<'_>,
+    a: TensorRef<'_, T>,
+    b: TensorRef<'_, T>,
+    out_dtype: crate::dtype::DType,
+    opts: &MatmulOptions,
+) -> Result<usize> {
+    let t = plan(&a.raw(), &b.raw(), out_dtype, opts, &exec.ub)?;
+    workspace_len(t.workspace_bytes)
+}
+
+/// `c = op(a) op(b)` (or `c += ...` with `opts.accumulate`): a `[M, K]` (or
+/// `[K, M]`), b `[K, N]` (or `[N, K]`), c `[M, N]` row-major, c's element
+/// type a's or f32. On error nothing is written.
+pub fn matmul<T: Float, O: Float>(
+    exec: &Exec<'_>,
+    a: TensorRef<'_, T>,
+    b: TensorRef<'_, T>,
+    opts: &MatmulOptions,
+    c: &mut [O],
+    workspace: &mut [u8],
+) -> Result<()> {
+    let (ar, br) = (a.raw(), b.raw());
+    let (m, n) = plan::out_dims(&ar, &br, opts)?;
+    let shape = crate::tensor::Shape::new_named(&[m, n], "c")?;
+    if c.len() != shape.numel() {
+        return Err(crate::error::invalid_fmt!(
+            "c",
+            "length {} is not the {} elements of [{m}, {n}]",
+            c.len(),
+            shape.numel()
+        ));
+    }
+    let cr = RawTensor::from_parts(c.as_mut_ptr() as *mut c_void, O::DTYPE, &shape);
+    let call = prepare(&ar, &br, opts, &cr, &exec.ub)?;
+    launch_into(exec, call, workspace)
+}

@@ -1,0 +1,92 @@
+//! Packing: a slice of a or b widened to f32 into the microkernel's panel
+//! order, zero-padded to whole panels. Widening is exact, so packing sets
+//! no bit; the zero padding only feeds rows and columns that are never
+//! stored.
+
+use crate::dtype::Float;
+use crate::lanes::{Lanes, GROUP};
+
+/// A row-major matrix in memory: element `(i, j)` at `i * ld + j`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<T> {
+    pub p: *const T,
+    pub ld: usize,
+}
+
+impl<T: Float> Mat<T> {
+    /// Element `(i, j)` widened.
+    ///
+    /// # Safety
+    /// `(i, j)` is inside the matrix.
+    #[inline(always)]
+    unsafe fn at(&self, i: usize, j: usize) -> f32 {
+        // SAFETY: the caller's.
+        unsafe { (*self.p.add(i * self.ld + j)).to_f32() }
+    }
+}
+
+/// Packs `op(x)[r0 .. r0 + rows, p0 .. p0 + kc]` (op: the transpose when
+/// `trans`, x stored transposed) as panels of `w` rows: panel `q`, step `k`,
+/// row `r` at `(q * kc + k) * w + r`. This is A's packing (`w = MR`) and,
+/// with op(b)^T's rows (b's columns), B's (`w = NR`).
+///
+/// # Safety
+/// Inside `L::enter`; the block lies inside x; `dst` holds
+/// `ceil(rows / w) * w * kc` f32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pack<L: Lanes, T: Float>(
+    x: Mat<T>,
+    trans: bool,
+    r0: usize,
+    rows: usize,
+    p0: usize,
+    kc: usize,
+    w: usize,
+    dst: *mut f32,
+) {
+    let panels = rows.div_ceil(w);
+    for q in 0..panels {
+        let base = q * w;
+        let n = w.min(rows - base);
+        // SAFETY: the panel is inside dst.
+        let out = unsafe { core::slice::from_raw_parts_mut(dst.add(q * kc * w), kc * w) };
+        if trans {
+            // Stored [k][rows]: each step's w values are contiguous.
+            for k in 0..kc {
+                let o = &mut out[k * w..(k + 1) * w];
+                let mut r = 0;
+                while r + GROUP <= n {
+                    // SAFETY: 16 elements of row p0 + k inside x.
+                    let src = unsafe { &*(x.p.add((p0 + k) * x.ld + r0 + base + r) as *const [T; GROUP]) };
+                    let v: L = T::load(src);
+                    // SAFETY: r + 16 <= n <= w.
+                    v.store(unsafe { &mut *(o.as_mut_ptr().add(r) as *mut [f32; GROUP]) });
+                    r += GROUP;
+                }
+                for (rr, v) in o.iter_mut().enumerate().skip(r) {
+                    // SAFETY: inside x for rr < n.
+                    *v = if rr < n {
+                        unsafe { x.at(p0 + k, r0 + base + rr) }
+                    } else {
+                        0.0
+                    };
+                }
+            }
+        } else {
+            // Stored [rows][k]: read each row along k, write with stride w.
+            for r in 0..w {
+                if r < n {
+                    for k in 0..kc {
+                        // SAFETY: inside x.
+                        out[k * w + r] = unsafe { x.at(r0 + base + r, p0 + k) };
+                    }
+                } else {
+                    for k in 0..kc {
+                        out[k * w + r] = 0.0;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The microkernel: an `MR x NR` block of c held in registers while K runs,
+//! one fused multiply-add per product (`Lanes::mul_add`), k ascending. It is
+//! written once; `Tile` gives each lanes type its register blocking (the
+//! only per-ISA choice), sized to its register file:
+//! - AVX-512 (32 zmm): 14 x 32 = 28 accumulators, 2 B vectors, 1 broadcast;
+//! - AVX2 (16 ymm; a lanes value is 2 ymm): 6 x 16 = 12 + 2 + 1;
+//! - NEON (32 q; a value is 4 q): 6 x 16 = 24 + 4 + 1;
+//! - portable: 4 x 16 (its FMA is software; size matters little).
+
+use crate::dtype::Float;
+use crate::lanes::{Lanes, GROUP};
+
+/// One microkernel call: `dst[r][c] = init[r][c] + sum_k a[k][r] b[k][c]`
+/// over the `rows x cols` corner of the `MR x NR` block.
+pub(crate) struct Micro<D> {
+    /// K of this slice.
+    pub kc: usize,
+    /// The packed A micro-panel: `kc` groups of `MR` rows.
+    pub a: *const f32,
+    /// The packed B micro-panel: `kc` rows of `NR`.
+    pub b: *const f32,
+    /// The sums so far (f32, row stride `ldi`), or NULL to start at 0.
+    pub init: *const f32,
+    /// Row stride of `init`, in elements.
+    pub ldi: usize,
+    /// Where the block goes (row stride `ldd`), rounded once to `D`.
+    pub dst: *mut D,
+    /// Row stride of `dst`, in elements.
+    pub ldd: usize,
+    /// Valid rows (<= MR) and columns (<= NR).
+    pub rows: usize,
+    /// Valid columns.
+    pub cols: usize,
+}
+
+/// A lanes type's register blocking.
+pub(crate) trait Tile: Lanes {
+    /// Rows of the block (divides `MATMUL_MC`).
+    const MR: usize;
+    /// Columns of the block (a multiple of 16 dividing `MATMUL_NC`).
+    const NR: usize;
+
+    /// Runs the microkernel.
+    ///
+    /// # Safety
+    /// Inside `Self::enter`; the panels hold `kc * MR` and `kc * NR` f32,
+    /// `init` (when not NULL) and `dst` the `rows x cols` corner.
+    unsafe fn micro<D: Float>(u: &Micro<D>);
+}
+
+/// `Tile` for a lanes type with `MR` rows and `NG` groups of 16 columns.
+macro_rules! tile {
+    ($(#[$m:meta])* $t:ty, $mr:literal, $ng:literal) => {
+        $(#[$m])*
+        impl Tile for $t {
+            const MR: usize = $mr;
+            const NR: usize = $ng * GROUP;
+            #[inline(always)]
+            unsafe fn micro<D: Float>(u: &Micro<D>) {
+                // SAFETY: forwarded.
+                unsafe { micro::<Self, D, $mr, $ng>(u) }
+            }
+        }
+    };
+}
+
+tile!(crate::lanes::Portable, 4, 1);
+tile!(#[cfg(target_arch = "x86_64")] crate::lanes::Avx2, 6, 1);
+tile!(#[cfg(target_arch = "x86_64")] crate::lanes::Avx512, 14, 2);
+tile!(#[cfg(target_arch = "x86_64")] crate::lanes::Avx512Bf16, 14, 2);
+tile!(#[cfg(target_arch = "aarch64")] crate::lanes::Neon, 6, 1);
+tile!(#[cfg(target_arch = "aarch64")] crate::lanes::NeonBf16, 6, 1);
+
+/// A group of 16 f32 at `p`.
+///
+/// # Safety
+/// `p` is valid for 16 reads.
+#[inline(always)]
+unsafe fn group<'a>(p: *const f32) -> &'a [f32; GROUP] {
+    // SAFETY: the caller's.
+    unsafe { &*(p as *const [f32; GROUP]) }
+}
+
+/// Most f32 of any lanes type's block (`MR * NR`).
+const MAX_BLOCK: usize = 14 * 32;
+
+/// The microkernel body: a full block in place, a corner block through a
+/// full-size f32 buffer (read and written in full, copied in and out by the
+/// valid part only).
+///
+/// # Safety
+/// As `Tile::micro`.
+#[inline(always)]
+unsafe fn micro<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<D>) {
+    let nr = NG * GROUP;
+    if u.rows == MR && u.cols == nr {
+        // SAFETY: forwarded.
+        return unsafe { block::<L, D, MR, NG>(u) };
+    }
+    debug_assert!(MR * nr <= MAX_BLOCK);
+    let mut buf = [0f32; MAX_BLOCK];
+    for r in 0..u.rows {
+        for c in 0..u.cols {
+            if !u.init.is_null() {
+                // SAFETY: inside the valid corner.
+                buf[r * nr + c] = unsafe { *u.init.add(r * u.ldi + c) };
+            }
+        }
+    }
+    let p = buf.as_mut_ptr();
+    let full = Micro::<f32> {
+        kc: u.kc,
+        a: u.a,
+        b: u.b,
+        init: if u.init.is_null() { core::ptr::null() } else { p },
+        ldi: nr,
+        dst: p,
+        ldd: nr,
+        rows: MR,
+        cols: nr,
+    };
+    // SAFETY: the buffer holds a full block.
+    unsafe { block::<L, f32, MR, NG>(&full) };
+    for r in 0..u.rows {
+        for c in 0..u.cols {
+            // SAFETY: inside the valid corner.
+            unsafe { *u.dst.add(r * u.ldd + c) = D::from_f32(buf[r * nr + c]) };
+        }
+    }
+}
+
+/// A full `MR x NR` block.
+///
+/// # Safety
+/// As `Tile::micro`, with `rows == MR` and `cols == NR`.
+#[inline(always)]
+unsafe fn block<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<D>) {
+    let nr = NG * GROUP;
+    let mut acc = [[L::splat(0.0); NG]; MR];
+    if !u.init.is_null() {
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (g, v) in row.iter_mut().enumerate() {
+                // SAFETY: init holds MR x NR.
+                *v = L::load(unsafe { group(u.init.add(r * u.ldi + g * GROUP)) });
+            }
+        }
+    }
+    let (mut a, mut b) = (u.a, u.b);
+    for _ in 0..u.kc {
+        // SAFETY: the panels hold kc steps of MR and NR f32.
+        let bv: [L; NG] = core::array::from_fn(|g| L::load(unsafe { group(b.add(g * GROUP)) }));
+        for (r, row) in acc.iter_mut().enumerate() {
+            // SAFETY: as above.
+            let av = L::splat(unsafe { *a.add(r) });
+            for (v, bg) in row.iter_mut().zip(&bv) {
+                *v = av.mul_add(*bg, *v);
+            }
+        }
+        // SAFETY: one step further, still inside the panels (or one past).
+        unsafe {
+            a = a.add(MR);
+            b = b.add(nr);
+        }
+    }
+    for (r, row) in acc.iter().enumerate() {
+        for (g, v) in row.iter().enumerate() {
+            // SAFETY: dst holds MR x NR.
+            let d = unsafe { &mut *(u.dst.add(r * u.ldd + g * GROUP) as *mut [D; GROUP]) };
+            D::store::<L>(*v, d);
+        }
+    }
+}
