@@ -91,7 +91,8 @@ pub struct npk_foreign_backend {
     pub clip_grad_norm:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const ClipGradNormCall) -> RawStatus>,
     /// Matmul (ABI 2.8).
-    pub matmul: Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const MatmulCall) -> RawStatus>,
+    pub matmul:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const MatmulCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and

@@ -379,7 +379,9 @@ impl<const HW_BF16: bool> Lanes for NeonLanes<HW_BF16> {
     fn mul_add(self, b: Self, c: Self) -> Self {
         let (a, b, c) = (self.0, b.0, c.0);
         // SAFETY: value-only NEON intrinsic (NEON is this module's build condition).
-        NeonLanes(core::array::from_fn(|i| unsafe { vfmaq_f32(c[i], a[i], b[i]) }))
+        NeonLanes(core::array::from_fn(|i| unsafe {
+            vfmaq_f32(c[i], a[i], b[i])
+        }))
     }
     #[inline(always)]
     fn min(self, o: Self) -> Self {

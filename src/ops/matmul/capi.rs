@@ -74,11 +74,7 @@ impl CapiCall for Skin {
     type Outputs = ();
     type Call = MatmulCall;
 
-    unsafe fn prepare(
-        (a, b, opts, c): Self::Inputs,
-        _: (),
-        ub: &UbConfig,
-    ) -> Result<MatmulCall> {
+    unsafe fn prepare((a, b, opts, c): Self::Inputs, _: (), ub: &UbConfig) -> Result<MatmulCall> {
         prepare(&a, &b, &opts, &c, ub)
     }
 }

@@ -6,7 +6,7 @@
 //! from slice to slice in f32 (in c itself when it is f32, else in the
 //! arena's partials), so each element is one chain of FMAs, k ascending.
 
-use super::pack::{pack, Mat};
+use super::pack::{pack, pack_a_rows, Mat, KC};
 use super::ukernel::{Micro, Tile};
 use super::*;
 use crate::lanes::detect::Available;
@@ -131,8 +131,17 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
         let mut i0 = r0;
         while i0 < r1 {
             let rows = mc.min(r1 - i0);
+            // a stored [K, M] packs step-major ([k][MR]), a stored [M, K]
+            // row-major ([MR][KC]): either is a straight copy, no transpose.
             // SAFETY: a's block is inside a; ap holds mc x kc.
-            unsafe { pack::<L, T>(k.a, k.trans_a, i0, rows, p0, ks, mr, ap) };
+            unsafe {
+                if k.trans_a {
+                    pack::<L, T>(k.a, true, i0, rows, p0, ks, mr, ap)
+                } else {
+                    pack_a_rows::<L, T>(k.a, i0, rows, p0, ks, mr, ap)
+                }
+            };
+            let a_stride = if k.trans_a { ks } else { KC };
             for ir in (0..rows).step_by(mr) {
                 let i = i0 + ir;
                 for jr in (0..c1 - c0).step_by(nr) {
@@ -152,7 +161,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                         }
                     };
                     // SAFETY: the panels just packed.
-                    let (a, b) = unsafe { (ap.add(ir * ks), bp.add(jr * ks)) };
+                    let (a, b) = unsafe { (ap.add(ir * a_stride), bp.add(jr * ks)) };
                     let (rows, cols) = (mr.min(r1 - i), nr.min(c1 - j));
                     if last {
                         let u = Micro::<O> {
@@ -168,7 +177,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                             cols,
                         };
                         // SAFETY: inside L's context; the block's buffers.
-                        unsafe { L::micro(&u) };
+                        unsafe { micro::<L, O>(&u, k.trans_a) };
                     } else {
                         // A slice before the last: f32 sums, in the partials
                         // (16-bit c) or in c (f32 c: O is f32).
@@ -191,12 +200,28 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                             cols,
                         };
                         // SAFETY: as above.
-                        unsafe { L::micro(&u) };
+                        unsafe { micro::<L, f32>(&u, k.trans_a) };
                     }
                 }
             }
             i0 += rows;
         }
         p0 += ks;
+    }
+}
+
+/// The microkernel for A packed step-major (`trans_a`) or by rows.
+///
+/// # Safety
+/// As `Tile::micro`.
+#[inline(always)]
+unsafe fn micro<L: Tile, D: Float>(u: &Micro<D>, trans_a: bool) {
+    // SAFETY: forwarded.
+    unsafe {
+        if trans_a {
+            L::micro::<D, false>(u)
+        } else {
+            L::micro::<D, true>(u)
+        }
     }
 }

@@ -65,7 +65,11 @@ pub struct MatmulCall {
     pub workspace_bytes: usize,
 }
 
-op_call!(MatmulCall, |c| c.tiling.m == 0 || c.tiling.n == 0, [a, b, c]);
+op_call!(
+    MatmulCall,
+    |c| c.tiling.m == 0 || c.tiling.n == 0,
+    [a, b, c]
+);
 
 /// Workspace bytes `matmul` needs: one packing arena per worker (`blocks`
 /// of `exec.ub`, at most one per output tile).

@@ -152,7 +152,11 @@ pub(crate) fn plan(
     ub.validate()?;
     let (m, n, k) = operands(a, b, opts)?;
     if out != a.dtype && out != DType::F32 {
-        return Err(dtype_err!("c", "dtype {out} is neither a's ({}) nor f32", a.dtype));
+        return Err(dtype_err!(
+            "c",
+            "dtype {out} is neither a's ({}) nor f32",
+            a.dtype
+        ));
     }
     if opts.accumulate && out != DType::F32 {
         return Err(dtype_err!(
@@ -181,7 +185,8 @@ fn cut(m: usize, n: usize, k: usize, c16: bool, ub: &UbConfig) -> Result<MatmulT
     let blocks = tiles.clamp(1, ub.blocks.max(1) as usize);
     let c_partials = c16 && k > kc;
     let kk = k.clamp(1, kc);
-    let a_bytes = mc * kk * 4;
+    // A panels packed by rows keep the stride kc whatever the slice.
+    let a_bytes = mc * kc * 4;
     let b_bytes = kk * nc * 4;
     let c_bytes = if c_partials { mt * nc * 4 } else { 0 };
     let round = |x: usize| x.div_ceil(WORKSPACE_ALIGN) * WORKSPACE_ALIGN;
@@ -196,9 +201,7 @@ fn cut(m: usize, n: usize, k: usize, c16: bool, ub: &UbConfig) -> Result<MatmulT
             .and_then(|b| b.checked_add(WORKSPACE_ALIGN))
             .ok_or(ovf)?
     };
-    let macs = (m as u64)
-        .saturating_mul(n as u64)
-        .saturating_mul(k as u64);
+    let macs = (m as u64).saturating_mul(n as u64).saturating_mul(k as u64);
     let to32 = |v: usize, arg| u32::try_from(v).map_err(|_| Error::SizeOverflow { arg });
     Ok(MatmulTiling {
         m: m as u64,

@@ -7,6 +7,7 @@
 //! - NEON (32 q; a value is 4 q): 6 x 16 = 24 + 4 + 1;
 //! - portable: 4 x 16 (its FMA is software; size matters little).
 
+use super::pack::KC;
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -15,7 +16,8 @@ use crate::lanes::{Lanes, GROUP};
 pub(crate) struct Micro<D> {
     /// K of this slice.
     pub kc: usize,
-    /// The packed A micro-panel: `kc` groups of `MR` rows.
+    /// The packed A micro-panel: `kc` groups of `MR` rows, or (`AR`) `MR`
+    /// rows of stride `pack::KC`.
     pub a: *const f32,
     /// The packed B micro-panel: `kc` rows of `NR`.
     pub b: *const f32,
@@ -45,7 +47,7 @@ pub(crate) trait Tile: Lanes {
     /// # Safety
     /// Inside `Self::enter`; the panels hold `kc * MR` and `kc * NR` f32,
     /// `init` (when not NULL) and `dst` the `rows x cols` corner.
-    unsafe fn micro<D: Float>(u: &Micro<D>);
+    unsafe fn micro<D: Float, const AR: bool>(u: &Micro<D>);
 }
 
 /// `Tile` for a lanes type with `MR` rows and `NG` groups of 16 columns.
@@ -56,20 +58,45 @@ macro_rules! tile {
             const MR: usize = $mr;
             const NR: usize = $ng * GROUP;
             #[inline(always)]
-            unsafe fn micro<D: Float>(u: &Micro<D>) {
+            unsafe fn micro<D: Float, const AR: bool>(u: &Micro<D>) {
                 // SAFETY: forwarded.
-                unsafe { micro::<Self, D, $mr, $ng>(u) }
+                unsafe { micro::<Self, D, AR, $mr, $ng>(u) }
             }
         }
     };
 }
 
 tile!(crate::lanes::Portable, 4, 1);
-tile!(#[cfg(target_arch = "x86_64")] crate::lanes::Avx2, 6, 1);
-tile!(#[cfg(target_arch = "x86_64")] crate::lanes::Avx512, 14, 2);
-tile!(#[cfg(target_arch = "x86_64")] crate::lanes::Avx512Bf16, 14, 2);
-tile!(#[cfg(target_arch = "aarch64")] crate::lanes::Neon, 6, 1);
-tile!(#[cfg(target_arch = "aarch64")] crate::lanes::NeonBf16, 6, 1);
+tile!(
+    #[cfg(target_arch = "x86_64")]
+    crate::lanes::Avx2,
+    6,
+    1
+);
+tile!(
+    #[cfg(target_arch = "x86_64")]
+    crate::lanes::Avx512,
+    14,
+    2
+);
+tile!(
+    #[cfg(target_arch = "x86_64")]
+    crate::lanes::Avx512Bf16,
+    14,
+    2
+);
+tile!(
+    #[cfg(target_arch = "aarch64")]
+    crate::lanes::Neon,
+    6,
+    1
+);
+tile!(
+    #[cfg(target_arch = "aarch64")]
+    crate::lanes::NeonBf16,
+    6,
+    1
+);
 
 /// A group of 16 f32 at `p`.
 ///
@@ -91,11 +118,13 @@ const MAX_BLOCK: usize = 14 * 32;
 /// # Safety
 /// As `Tile::micro`.
 #[inline(always)]
-unsafe fn micro<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<D>) {
+unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: usize>(
+    u: &Micro<D>,
+) {
     let nr = NG * GROUP;
     if u.rows == MR && u.cols == nr {
         // SAFETY: forwarded.
-        return unsafe { block::<L, D, MR, NG>(u) };
+        return unsafe { block::<L, D, AR, MR, NG>(u) };
     }
     debug_assert!(MR * nr <= MAX_BLOCK);
     let mut buf = [0f32; MAX_BLOCK];
@@ -112,7 +141,11 @@ unsafe fn micro<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<
         kc: u.kc,
         a: u.a,
         b: u.b,
-        init: if u.init.is_null() { core::ptr::null() } else { p },
+        init: if u.init.is_null() {
+            core::ptr::null()
+        } else {
+            p
+        },
         ldi: nr,
         dst: p,
         ldd: nr,
@@ -120,7 +153,7 @@ unsafe fn micro<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<
         cols: nr,
     };
     // SAFETY: the buffer holds a full block.
-    unsafe { block::<L, f32, MR, NG>(&full) };
+    unsafe { block::<L, f32, AR, MR, NG>(&full) };
     for r in 0..u.rows {
         for c in 0..u.cols {
             // SAFETY: inside the valid corner.
@@ -134,7 +167,9 @@ unsafe fn micro<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<
 /// # Safety
 /// As `Tile::micro`, with `rows == MR` and `cols == NR`.
 #[inline(always)]
-unsafe fn block<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<D>) {
+unsafe fn block<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: usize>(
+    u: &Micro<D>,
+) {
     let nr = NG * GROUP;
     let mut acc = [[L::splat(0.0); NG]; MR];
     if !u.init.is_null() {
@@ -150,15 +185,15 @@ unsafe fn block<L: Lanes, D: Float, const MR: usize, const NG: usize>(u: &Micro<
         // SAFETY: the panels hold kc steps of MR and NR f32.
         let bv: [L; NG] = core::array::from_fn(|g| L::load(unsafe { group(b.add(g * GROUP)) }));
         for (r, row) in acc.iter_mut().enumerate() {
-            // SAFETY: as above.
-            let av = L::splat(unsafe { *a.add(r) });
+            // SAFETY: as above (row r of an AR panel at r * KC).
+            let av = L::splat(unsafe { *a.add(if AR { r * KC } else { r }) });
             for (v, bg) in row.iter_mut().zip(&bv) {
                 *v = av.mul_add(*bg, *v);
             }
         }
         // SAFETY: one step further, still inside the panels (or one past).
         unsafe {
-            a = a.add(MR);
+            a = a.add(if AR { 1 } else { MR });
             b = b.add(nr);
         }
     }
