@@ -4,7 +4,7 @@
 //! transposes: forward `x W^T`, dx `dy W`, dW `dy^T x`) on one thread,
 //! GFLOP/s and the fraction of the peak.
 //!
-//!   taskset -c 0 cargo run --release -p npukern-benches --bin matmul_peak [-- --isa avx2] [--quick]
+//!   taskset -c 0 cargo run --release -p npukern-benches --bin matmul_peak [-- --isa avx2] [--quick] [--filter dW]
 
 use npukern::*;
 use std::time::Instant;
@@ -69,6 +69,12 @@ fn fma_peak(_: Isa) -> Option<f64> {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    let filter = args
+        .iter()
+        .position(|a| a == "--filter")
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+        .unwrap_or_default();
     let isa = args
         .iter()
         .position(|a| a == "--isa")
@@ -105,10 +111,13 @@ fn main() {
     println!("| shape | M x K x N | dtype | ms | GFLOP/s | of peak |");
     println!("|---|---|---|---|---|---|");
     for &(name, m, k, n, ta, tb) in shapes {
-        if quick && n == 32000 || quick && k == 32000 {
+        if quick && (n == 32000 || k == 32000) || !name.contains(filter.as_str()) {
             continue;
         }
-        for dt in ["bf16", "f32"] {
+        for dt in ["bf16", "bf16>f32", "f32"] {
+            if std::env::var("NPK_DT").is_ok_and(|d| d != dt) {
+                continue;
+            }
             let o = MatmulOptions {
                 trans_a: ta,
                 trans_b: tb,

@@ -7,6 +7,7 @@
 //! arena's partials), so each element is one chain of FMAs, k ascending.
 
 use super::pack::{pack, pack_a_rows, Mat, KC};
+use super::plan::PARTIALS_PAD;
 use super::ukernel::{Micro, Tile};
 use super::*;
 use crate::lanes::detect::Available;
@@ -111,6 +112,9 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
     let t = &k.t;
     let (r0, r1, c0, c1) = t.tile(tile);
     let (kk, kc, mc, nc) = (t.k as usize, t.kc as usize, t.mc as usize, t.nc as usize);
+    // The partials' row stride: nc plus a line, so that the rows of a
+    // block do not share L1 sets (a 2 KiB stride put 14 rows in two).
+    let ldp = nc + PARTIALS_PAD;
     let (mr, nr) = (L::MR, L::NR);
     // SAFETY: the arena's regions (plan.rs).
     let (ap, bp, cp) = unsafe {
@@ -155,7 +159,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                         if first && !k.accumulate {
                             (core::ptr::null(), 0)
                         } else if partials && !first {
-                            (cp.add(ci * nc + cj) as *const f32, nc)
+                            (cp.add(ci * ldp + cj) as *const f32, ldp)
                         } else {
                             (k.c.add(i * ldc + j) as *const f32, ldc)
                         }
@@ -183,7 +187,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                         // (16-bit c) or in c (f32 c: O is f32).
                         let (dst, ldd) = if partials {
                             // SAFETY: inside the partials.
-                            (unsafe { cp.add(ci * nc + cj) }, nc)
+                            (unsafe { cp.add(ci * ldp + cj) }, ldp)
                         } else {
                             // SAFETY: inside c.
                             (unsafe { k.c.add(i * ldc + j) } as *mut f32, ldc)

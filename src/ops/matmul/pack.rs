@@ -50,36 +50,37 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
     dst: *mut f32,
 ) {
     let panels = rows.div_ceil(w);
-    for q in 0..panels {
-        let base = q * w;
-        let n = w.min(rows - base);
-        // SAFETY: the panel is inside dst.
-        let out = unsafe { core::slice::from_raw_parts_mut(dst.add(q * kc * w), kc * w) };
-        if trans {
-            // Stored [k][rows]: each step's w values are contiguous.
-            for k in 0..kc {
-                let o = &mut out[k * w..(k + 1) * w];
+    if trans {
+        // Stored [k][rows]: each step's row of x is read once, in order
+        // (panel by panel it was strided: a TLB miss a step), and its w-wide
+        // pieces go to the panels.
+        for k in 0..kc {
+            // SAFETY: row p0 + k, columns r0 .. r0 + rows are inside x.
+            let src = unsafe { core::slice::from_raw_parts(x.p.add((p0 + k) * x.ld + r0), rows) };
+            for q in 0..panels {
+                let base = q * w;
+                let n = w.min(rows - base);
+                // SAFETY: step k of panel q is inside dst.
+                let o = unsafe { core::slice::from_raw_parts_mut(dst.add((q * kc + k) * w), w) };
                 let mut r = 0;
                 while r + GROUP <= n {
-                    // SAFETY: 16 elements of row p0 + k inside x.
-                    let src = unsafe {
-                        &*(x.p.add((p0 + k) * x.ld + r0 + base + r) as *const [T; GROUP])
-                    };
-                    let v: L = T::load(src);
-                    // SAFETY: r + 16 <= n <= w.
+                    // SAFETY: 16 elements at base + r in src, r in o.
+                    let v: L =
+                        T::load(unsafe { &*(src.as_ptr().add(base + r) as *const [T; GROUP]) });
                     v.store(unsafe { &mut *(o.as_mut_ptr().add(r) as *mut [f32; GROUP]) });
                     r += GROUP;
                 }
                 for (rr, v) in o.iter_mut().enumerate().skip(r) {
-                    // SAFETY: inside x for rr < n.
-                    *v = if rr < n {
-                        unsafe { x.at(p0 + k, r0 + base + rr) }
-                    } else {
-                        0.0
-                    };
+                    *v = if rr < n { src[base + rr].to_f32() } else { 0.0 };
                 }
             }
-        } else {
+        }
+    } else {
+        for q in 0..panels {
+            let base = q * w;
+            let n = w.min(rows - base);
+            // SAFETY: the panel is inside dst.
+            let out = unsafe { core::slice::from_raw_parts_mut(dst.add(q * kc * w), kc * w) };
             // SAFETY: as above.
             unsafe { pack_rows(x, r0 + base, n, p0, kc, w, out) };
         }

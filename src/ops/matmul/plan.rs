@@ -24,6 +24,8 @@ pub const MATMUL_KC: u32 = 256;
 /// Columns of an output tile and of a packed B slice (`kc x nc` f32 =
 /// 512 KiB, L2), a multiple of every microkernel's column count (32, 16).
 pub const MATMUL_NC: u32 = 512;
+/// f32 past `nc` in each row of the partial sums (their row stride).
+pub(crate) const PARTIALS_PAD: usize = 16;
 /// At most this many `mc` blocks make a tile's rows.
 const MAX_MC_PER_TILE: usize = 4;
 /// Calls of at most this many multiply-adds run on the calling thread.
@@ -188,7 +190,11 @@ fn cut(m: usize, n: usize, k: usize, c16: bool, ub: &UbConfig) -> Result<MatmulT
     // A panels packed by rows keep the stride kc whatever the slice.
     let a_bytes = mc * kc * 4;
     let b_bytes = kk * nc * 4;
-    let c_bytes = if c_partials { mt * nc * 4 } else { 0 };
+    let c_bytes = if c_partials {
+        mt * (nc + PARTIALS_PAD) * 4
+    } else {
+        0
+    };
     let round = |x: usize| x.div_ceil(WORKSPACE_ALIGN) * WORKSPACE_ALIGN;
     let b_offset = round(a_bytes);
     let c_offset = b_offset + round(b_bytes);

@@ -13,6 +13,7 @@ use crate::lanes::{Lanes, GROUP};
 
 /// One microkernel call: `dst[r][c] = init[r][c] + sum_k a[k][r] b[k][c]`
 /// over the `rows x cols` corner of the `MR x NR` block.
+#[derive(Clone, Copy)]
 pub(crate) struct Micro<D> {
     /// K of this slice.
     pub kc: usize,
@@ -111,9 +112,11 @@ unsafe fn group<'a>(p: *const f32) -> &'a [f32; GROUP] {
 /// Most f32 of any lanes type's block (`MR * NR`).
 const MAX_BLOCK: usize = 14 * 32;
 
-/// The microkernel body: a full block in place, a corner block through a
-/// full-size f32 buffer (read and written in full, copied in and out by the
-/// valid part only).
+/// The microkernel body. An f32 full block is summed in place; any other
+/// (a corner, or a 16-bit c) through a full-size f32 buffer on the stack,
+/// then copied out by the valid part, rounded once. So `block` has one
+/// instantiation per A layout: with the 16-bit store inside it, LLVM kept
+/// the accumulators on the stack (a store per FMA, half speed; measured).
 ///
 /// # Safety
 /// As `Tile::micro`.
@@ -122,38 +125,74 @@ unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: u
     u: &Micro<D>,
 ) {
     let nr = NG * GROUP;
-    if u.rows == MR && u.cols == nr {
-        // SAFETY: forwarded.
-        return unsafe { block::<L, D, AR, MR, NG>(u) };
+    let full = u.rows == MR && u.cols == nr;
+    if full && D::DTYPE == crate::dtype::DType::F32 {
+        let u = Micro::<f32> {
+            kc: u.kc,
+            a: u.a,
+            b: u.b,
+            init: u.init,
+            ldi: u.ldi,
+            dst: u.dst as *mut f32,
+            ldd: u.ldd,
+            rows: u.rows,
+            cols: u.cols,
+        };
+        // SAFETY: forwarded (D is f32); a function of its own, in the
+        // caller's ISA context.
+        return unsafe {
+            crate::lanes::enter_apart::<L, _>(
+                #[inline(always)]
+                || block::<L, AR, MR, NG>(&u),
+            )
+        };
     }
     debug_assert!(MR * nr <= MAX_BLOCK);
     let mut buf = [0f32; MAX_BLOCK];
-    for r in 0..u.rows {
-        for c in 0..u.cols {
-            if !u.init.is_null() {
+    let p = buf.as_mut_ptr();
+    let init = if u.init.is_null() {
+        core::ptr::null()
+    } else if full {
+        u.init
+    } else {
+        for r in 0..u.rows {
+            for c in 0..u.cols {
                 // SAFETY: inside the valid corner.
                 buf[r * nr + c] = unsafe { *u.init.add(r * u.ldi + c) };
             }
         }
-    }
-    let p = buf.as_mut_ptr();
-    let full = Micro::<f32> {
+        p as *const f32
+    };
+    let whole = Micro::<f32> {
         kc: u.kc,
         a: u.a,
         b: u.b,
-        init: if u.init.is_null() {
-            core::ptr::null()
-        } else {
-            p
-        },
-        ldi: nr,
+        init,
+        ldi: if full { u.ldi } else { nr },
         dst: p,
         ldd: nr,
         rows: MR,
         cols: nr,
     };
     // SAFETY: the buffer holds a full block.
-    unsafe { block::<L, f32, AR, MR, NG>(&full) };
+    unsafe {
+        crate::lanes::enter_apart::<L, _>(
+            #[inline(always)]
+            || block::<L, AR, MR, NG>(&whole),
+        )
+    };
+    if full {
+        for r in 0..MR {
+            for g in 0..NG {
+                // SAFETY: inside buf (MR x NR).
+                let v = L::load(unsafe { group(p.add(r * nr + g * GROUP)) });
+                // SAFETY: dst holds MR x NR.
+                let d = unsafe { &mut *(u.dst.add(r * u.ldd + g * GROUP) as *mut [D; GROUP]) };
+                D::store::<L>(v, d);
+            }
+        }
+        return;
+    }
     for r in 0..u.rows {
         for c in 0..u.cols {
             // SAFETY: inside the valid corner.
@@ -167,9 +206,7 @@ unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: u
 /// # Safety
 /// As `Tile::micro`, with `rows == MR` and `cols == NR`.
 #[inline(always)]
-unsafe fn block<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: usize>(
-    u: &Micro<D>,
-) {
+unsafe fn block<L: Lanes, const AR: bool, const MR: usize, const NG: usize>(u: &Micro<f32>) {
     let nr = NG * GROUP;
     let mut acc = [[L::splat(0.0); NG]; MR];
     if !u.init.is_null() {
@@ -200,8 +237,7 @@ unsafe fn block<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: u
     for (r, row) in acc.iter().enumerate() {
         for (g, v) in row.iter().enumerate() {
             // SAFETY: dst holds MR x NR.
-            let d = unsafe { &mut *(u.dst.add(r * u.ldd + g * GROUP) as *mut [D; GROUP]) };
-            D::store::<L>(*v, d);
+            v.store(unsafe { &mut *(u.dst.add(r * u.ldd + g * GROUP) as *mut [f32; GROUP]) });
         }
     }
 }
