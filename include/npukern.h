@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 7
+#define NPK_ABI_VERSION_MINOR 8
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -1654,6 +1654,122 @@ typedef struct npk_clip_grad_norm_call {
 } npk_clip_grad_norm_call;
 
 /**
+ * Matmul's tiling plan (its TilingData).
+ */
+typedef struct MatmulTiling {
+  /**
+   * Rows of c.
+   */
+  uint64_t m;
+  /**
+   * Columns of c.
+   */
+  uint64_t n;
+  /**
+   * The summed dimension.
+   */
+  uint64_t k;
+  /**
+   * Rows of a packed A block.
+   */
+  uint32_t mc;
+  /**
+   * The K slice.
+   */
+  uint32_t kc;
+  /**
+   * Columns of a tile and of a packed B slice.
+   */
+  uint32_t nc;
+  /**
+   * Rows of a tile (a multiple of `mc`).
+   */
+  uint32_t mt;
+  /**
+   * Tiles down c.
+   */
+  uint32_t tiles_m;
+  /**
+   * Tiles across c.
+   */
+  uint32_t tiles_n;
+  /**
+   * Workers (blocks), each with its arena: `min(ub.blocks, tiles)`.
+   */
+  uint32_t blocks;
+  /**
+   * `NORM_FLAG_SERIAL` for a small call.
+   */
+  uint32_t flags;
+  /**
+   * 1: the arena holds the tile's f32 partial sums (16-bit c, K > kc).
+   */
+  uint32_t c_partials;
+  /**
+   * Padding (0).
+   */
+  uint32_t reserved;
+  /**
+   * Bytes of one worker's arena (64-byte multiple).
+   */
+  uint64_t arena_bytes;
+  /**
+   * Offset of the packed B slice in the arena (A is at 0).
+   */
+  uint64_t b_offset;
+  /**
+   * Offset of the partial sums in the arena.
+   */
+  uint64_t c_offset;
+  /**
+   * Workspace bytes: the arenas plus alignment slack.
+   */
+  uint64_t workspace_bytes;
+} MatmulTiling;
+
+/**
+ * The validated arguments of one Matmul (`npk_matmul_call`).
+ */
+typedef struct MatmulCall {
+  /**
+   * `[M, K]`, or `[K, M]` with `trans_a`.
+   */
+  struct npk_tensor a;
+  /**
+   * `[K, N]`, or `[N, K]` with `trans_b`; a's dtype.
+   */
+  struct npk_tensor b;
+  /**
+   * `[M, N]`, a's dtype or f32 (f32 with `accumulate`).
+   */
+  struct npk_tensor c;
+  /**
+   * 1: a is transposed.
+   */
+  uint32_t trans_a;
+  /**
+   * 1: b is transposed.
+   */
+  uint32_t trans_b;
+  /**
+   * 1: c's value starts the sum.
+   */
+  uint32_t accumulate;
+  /**
+   * The plan: output tiles, cache blocks, per-worker packing arenas.
+   */
+  struct MatmulTiling tiling;
+  /**
+   * The caller's workspace (the packing arenas).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} MatmulCall;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -1747,6 +1863,11 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*clip_grad_norm)(void *ctx,
                                const struct npk_clip_grad_norm_call *call);
+  /**
+   * Matmul (ABI 2.8).
+   */
+  npk_status (*matmul)(void *ctx,
+                       const struct MatmulCall *call);
 } npk_foreign_backend;
 
 /**
@@ -1931,6 +2052,24 @@ typedef struct npk_geglu_options {
    */
   uint32_t activate_left;
 } npk_geglu_options;
+
+/**
+ * Options of Matmul. NULL options = `{ 0, 0, 0 }`. ABI 2.8.
+ */
+typedef struct npk_matmul_options {
+  /**
+   * Nonzero: a is stored `[K, M]`.
+   */
+  uint32_t trans_a;
+  /**
+   * Nonzero: b is stored `[N, K]` (a Linear layer's weight).
+   */
+  uint32_t trans_b;
+  /**
+   * Nonzero: `c += a b` into an f32 c (c's value starts each sum).
+   */
+  uint32_t accumulate;
+} npk_matmul_options;
 
 /**
  * Options of RmsNormGrad. NULL options = `{ 0.0f, 0 }`.
@@ -2401,6 +2540,42 @@ enum npk_status npk_clip_grad_norm(const struct npk_tensor *tensors,
                                    void *workspace,
                                    size_t workspace_bytes,
                                    const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_matmul` needs (the same arguments as the run; `c`'s
+ * data is not read): one packing arena per worker (`exec`'s `blocks`, at
+ * most one per 168 x 512 output tile), about 0.7 MiB each (1.4 MiB with a
+ * 16-bit c and K > 256).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_matmul_workspace_size(const struct npk_tensor *a,
+                                          const struct npk_tensor *b,
+                                          const struct npk_matmul_options *opts,
+                                          const struct npk_tensor *c,
+                                          const struct npk_exec *exec,
+                                          size_t *workspace_bytes);
+
+/**
+ * `c = op(a) op(b)` (`c += ...` with `opts->accumulate`, c f32): a `[M, K]`
+ * (`[K, M]` with `trans_a`), b `[K, N]` (`[N, K]` with `trans_b`), one
+ * dtype of f32, f16, bf16; c `[M, N]`, a's dtype or f32. f32 inside, one
+ * FMA per product with k ascending, one rounding: the same bits on every
+ * ISA and thread count. c may not overlap a or b. On error nothing is
+ * written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_matmul(const struct npk_tensor *a,
+                           const struct npk_tensor *b,
+                           const struct npk_matmul_options *opts,
+                           const struct npk_tensor *c,
+                           void *workspace,
+                           size_t workspace_bytes,
+                           const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`
