@@ -2,7 +2,8 @@
 //! (every dtype pairing, merge-N and split-D rows, specials, embedding with
 //! duplicates / padding / scaling / sharding / accumulation, gradient health,
 //! cross-entropy forward / backward / fused with every option, SwiGLU and
-//! GeGLU forward and backward fused and eager, AdamW over tensor lists)
+//! GeGLU forward and backward fused and eager, AdamW over tensor lists,
+//! Matmul)
 //! under every ISA this machine has, each output hashed bit for bit and
 //! compared with `tests/data/bit_hashes.txt`. The file is produced on
 //! x86_64; scripts/cross.sh runs this test on aarch64 too (the NEON lanes,
@@ -530,6 +531,44 @@ fn geglu_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
     }
 }
 
+/// Matmul: both transposes, a 16-bit and an f32 c, accumulate; shapes with
+/// corner blocks and K over one slice (257 > 256); specials in a.
+fn matmul_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
+    let exec = Exec::new(cpu);
+    for (si, (m, n, k)) in [(17usize, 45usize, 257usize), (3, 33, 40)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng(seed * 100 + si as u64);
+        let a: Vec<T> = data(&mut rng, m * k, si == 1);
+        let b: Vec<T> = vec_of(k * n, || rng.uniform(-2.0, 2.0));
+        let c0: Vec<f32> = vec_of(m * n, || rng.uniform(-8.0, 8.0));
+        for (ta, tb) in [(false, false), (false, true), (true, false)] {
+            let ad = if ta { [k, m] } else { [m, k] };
+            let bd = if tb { [n, k] } else { [k, n] };
+            let (at, bt) = (
+                TensorRef::new(&a, &ad).unwrap(),
+                TensorRef::new(&b, &bd).unwrap(),
+            );
+            let case = format!("{}.{m}x{n}x{k}.t{}{}", dname::<T>(), ta as u8, tb as u8);
+            let mut o = MatmulOptions {
+                trans_a: ta,
+                trans_b: tb,
+                accumulate: false,
+            };
+            let mut ws = vec![0u8; matmul_workspace_size(&exec, at, bt, T::DTYPE, &o).unwrap()];
+            let mut c = vec![T::from_f64(0.0); m * n];
+            matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
+            run.out(&format!("matmul.{case}.c"), &c);
+            o.accumulate = true;
+            let mut ws = vec![0u8; matmul_workspace_size(&exec, at, bt, DType::F32, &o).unwrap()];
+            let mut c = c0.clone();
+            matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
+            run.out(&format!("matmul.{case}.accumulate"), &c);
+        }
+    }
+}
+
 fn run_all(isa: Isa) -> Run {
     let cpu = Cpu::new(Serial).with_isa(isa);
     let mut run = Run::default();
@@ -553,6 +592,9 @@ fn run_all(isa: Isa) -> Run {
     geglu_case::<f32>(&mut run, &cpu, 17);
     geglu_case::<bf16>(&mut run, &cpu, 18);
     geglu_case::<f16>(&mut run, &cpu, 19);
+    matmul_case::<f32>(&mut run, &cpu, 24);
+    matmul_case::<bf16>(&mut run, &cpu, 25);
+    matmul_case::<f16>(&mut run, &cpu, 26);
     use adamw_cases::adamw_case;
     let (clip_ams, l2) = (ADAMW_CLIP | ADAMW_AMSGRAD, ADAMW_L2 | ADAMW_MAXIMIZE);
     adamw_case::<bf16, bf16, f32>(

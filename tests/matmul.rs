@@ -237,9 +237,7 @@ fn nan_and_inf_propagate_and_subnormals_are_kept() {
         let cpu = Cpu::new(Serial).with_isa(isa);
         let mut got = vec![0f32; m * n];
         case.run(&Exec::new(&cpu), &mut got).unwrap();
-        for j in 0..n {
-            assert!(got[j].is_nan(), "{isa}: NaN row");
-        }
+        assert!(got[..n].iter().all(|v| v.is_nan()), "{isa}: NaN row");
         assert!(got[n + 7].is_nan(), "{isa}: Inf * 0");
         assert!(got[n + 8].is_infinite());
         for j in 0..4 {
@@ -264,13 +262,14 @@ fn bad_input_is_refused_and_nothing_is_written() {
     let a6 = TensorRef::new(&a, &[6]).unwrap();
     let e = Exec::cpu();
     let mut ws = vec![0u8; 1 << 22];
-    let cases: [(
-        TensorRef<'_, f32>,
-        TensorRef<'_, f32>,
+    type Bad<'a> = (
+        TensorRef<'a, f32>,
+        TensorRef<'a, f32>,
         MatmulOptions,
         usize,
-        &str,
-    ); 5] = [
+        &'static str,
+    );
+    let cases: [Bad<'_>; 5] = [
         (a23, b43, MatmulOptions::default(), 8, "b"),
         (a23, b26, MatmulOptions::default(), 12, "b"),
         (a6, b34, MatmulOptions::default(), 4, "a"),

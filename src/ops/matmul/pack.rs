@@ -67,6 +67,7 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
                     // SAFETY: 16 elements at base + r in src, r in o.
                     let v: L =
                         T::load(unsafe { &*(src.as_ptr().add(base + r) as *const [T; GROUP]) });
+                    // SAFETY: r + 16 <= n <= w.
                     v.store(unsafe { &mut *(o.as_mut_ptr().add(r) as *mut [f32; GROUP]) });
                     r += GROUP;
                 }
@@ -152,6 +153,7 @@ pub(crate) unsafe fn pack_a_rows<L: Lanes, T: Float>(
         while k + GROUP <= ks {
             // SAFETY: 16 elements at k in both.
             let v: L = T::load(unsafe { &*(src.as_ptr().add(k) as *const [T; GROUP]) });
+            // SAFETY: k + 16 <= ks.
             v.store(unsafe { &mut *(out.as_mut_ptr().add(k) as *mut [f32; GROUP]) });
             k += GROUP;
         }
