@@ -1656,7 +1656,7 @@ typedef struct npk_clip_grad_norm_call {
 /**
  * Matmul's tiling plan (its TilingData).
  */
-typedef struct MatmulTiling {
+typedef struct npk_matmul_tiling {
   /**
    * Rows of c.
    */
@@ -1725,12 +1725,12 @@ typedef struct MatmulTiling {
    * Workspace bytes: the arenas plus alignment slack.
    */
   uint64_t workspace_bytes;
-} MatmulTiling;
+} npk_matmul_tiling;
 
 /**
  * The validated arguments of one Matmul (`npk_matmul_call`).
  */
-typedef struct MatmulCall {
+typedef struct npk_matmul_call {
   /**
    * `[M, K]`, or `[K, M]` with `trans_a`.
    */
@@ -1758,7 +1758,7 @@ typedef struct MatmulCall {
   /**
    * The plan: output tiles, cache blocks, per-worker packing arenas.
    */
-  struct MatmulTiling tiling;
+  struct npk_matmul_tiling tiling;
   /**
    * The caller's workspace (the packing arenas).
    */
@@ -1767,7 +1767,7 @@ typedef struct MatmulCall {
    * Its size in bytes.
    */
   size_t workspace_bytes;
-} MatmulCall;
+} npk_matmul_call;
 
 /**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
@@ -1867,7 +1867,7 @@ typedef struct npk_foreign_backend {
    * Matmul (ABI 2.8).
    */
   npk_status (*matmul)(void *ctx,
-                       const struct MatmulCall *call);
+                       const struct npk_matmul_call *call);
 } npk_foreign_backend;
 
 /**
