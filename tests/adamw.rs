@@ -591,7 +591,18 @@ fn bad_input_is_refused_and_changes_nothing() {
             },
         ),
         ("max_exp_avg_sqs", AdamWOptions { flags: 0, ..ok }),
-    ] {
+    ]
+    .into_iter()
+    .chain([0.0f32, -2.0, f32::NAN, f32::INFINITY].map(|g| {
+        (
+            "grad_scale",
+            AdamWOptions {
+                flags: ADAMW_AMSGRAD | ADAMW_GRAD_SCALE,
+                grad_scale: g,
+                ..ok
+            },
+        )
+    })) {
         let e = err_of(&mut base.clone(), &o);
         assert_eq!(arg(&e), name, "{e:?}");
     }

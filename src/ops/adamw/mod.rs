@@ -198,6 +198,16 @@ impl AdamWOptions {
                 ));
             }
         }
+        // A zero, negative, infinite or NaN scale would step every param to
+        // NaN or uphill with a success status (issue 58): AMP's scale is a
+        // finite positive number.
+        if self.has(ADAMW_GRAD_SCALE) && !(self.grad_scale.is_finite() && self.grad_scale > 0.0) {
+            return Err(invalid_fmt!(
+                "grad_scale",
+                "{} is not a finite number > 0",
+                self.grad_scale
+            ));
+        }
         if self.flags & !KNOWN_FLAGS != 0 {
             return Err(invalid_fmt!(
                 "flags",
