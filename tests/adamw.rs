@@ -149,7 +149,7 @@ fn model(s: &State, o: &AdamWOptions) -> Want {
         coef = o.clip_coef as f64;
     }
     if has(ADAMW_CLIP) {
-        if norm.is_finite() {
+        if norm.is_finite() && (norm as f32).is_finite() {
             coef = clip_coefficient(norm, o.max_grad_norm) as f64;
         } else {
             stepped = false;
@@ -461,6 +461,25 @@ fn nonfinite_norm_and_found_inf_skip_the_step() {
             assert!(!r.grad_norm.is_finite());
         }
     }
+    // Finite gradients whose norm is past f32's range (16 of 1e38: 4e38):
+    // the norm reads inf in f32, and the step is skipped as for inf.
+    let f32s = (DType::F32, DType::F32, DType::F32);
+    let mut s = State::new(&mut rng, &[40], f32s, false, false, 2);
+    let mut gv = s.g[0].f64s();
+    for v in &mut gv[..16] {
+        *v = 1e38;
+    }
+    s.g[0] = Owned::from_f64(DType::F32, &gv);
+    let o = AdamWOptions {
+        flags: ADAMW_CLIP,
+        max_grad_norm: 1.0,
+        ..AdamWOptions::new(1e-3)
+    };
+    let before = s.clone();
+    let r = s.run(&Exec::cpu(), &o).unwrap();
+    assert!(r.grad_norm.is_finite() && (r.grad_norm as f32).is_infinite());
+    assert_eq!(r.stepped, 0);
+    assert_eq!(before, s);
 }
 
 #[test]

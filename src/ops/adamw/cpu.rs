@@ -28,7 +28,10 @@ pub(crate) unsafe fn decide(call: &AdamWCall, norm: impl FnOnce() -> f64) -> Opt
         // The unscaled gradients' norm: AMP's scale divides it out.
         let n = norm() / (call.consts.grad_scale as f64).abs();
         reported = n;
-        if n.is_finite() {
+        // Finite in f64 but past f32's range is a norm that reads inf as
+        // torch's float32 norm (and our grad_norm tensor): skipped too, as
+        // the docs say of a non-finite norm (issue 58).
+        if n.is_finite() && (n as f32).is_finite() {
             coef = clip_coefficient(n, o.max_grad_norm);
         } else {
             go = false;
