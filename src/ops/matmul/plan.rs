@@ -187,11 +187,17 @@ fn cut(m: usize, n: usize, k: usize, c16: bool, ub: &UbConfig) -> Result<MatmulT
     let blocks = tiles.clamp(1, ub.blocks.max(1) as usize);
     let c_partials = c16 && k > kc;
     let kk = k.clamp(1, kc);
-    // A panels packed by rows keep the stride kc whatever the slice.
-    let a_bytes = mc * kc * 4;
-    let b_bytes = kk * nc * 4;
+    // Each buffer as large as this call can fill (a small matmul needs a
+    // small workspace: the embedded targets). A panels packed by rows keep
+    // the stride kc whatever the slice; their rows round up to 84, a
+    // multiple of every microkernel's MR; B's columns to 32 (every NR
+    // divides it).
+    let a_rows = mc.min(m.div_ceil(84) * 84);
+    let b_cols = nc.min(n.div_ceil(32) * 32);
+    let a_bytes = a_rows * kc * 4;
+    let b_bytes = kk * b_cols * 4;
     let c_bytes = if c_partials {
-        mt * (nc + PARTIALS_PAD) * 4
+        mt.min(m) * (nc + PARTIALS_PAD) * 4
     } else {
         0
     };
