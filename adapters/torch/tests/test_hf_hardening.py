@@ -204,7 +204,9 @@ def test_class_level_stand_in_takes_the_keywords_and_refuses_others():
         import transformers.models.gemma3.modeling_gemma3 as g3
         import transformers.models.llama.modeling_llama as ll
 
-        norm = g3.Gemma3RMSNorm(dim=16, eps=1e-5)
+        # Positional: the newest transformers renamed Gemma3RMSNorm's `dim`
+        # to `hidden_size` (the stand-in binds whichever stock signature).
+        norm = g3.Gemma3RMSNorm(16, eps=1e-5)
         assert norm.weight.shape == (16,) and norm.eps == 1e-5 and norm.casting == "gemma"
         assert ll.LlamaRMSNorm(hidden_size=8).variance_epsilon == 1e-6
         with pytest.raises(TypeError):
