@@ -98,15 +98,7 @@ pub fn matmul<T: Float, O: Float>(
     let (ar, br) = (a.raw(), b.raw());
     let (m, n) = plan::out_dims(&ar, &br, opts)?;
     let shape = crate::tensor::Shape::new_named(&[m, n], "c")?;
-    if c.len() != shape.numel() {
-        return Err(crate::error::invalid_fmt!(
-            "c",
-            "length {} is not the {} elements of [{m}, {n}]",
-            c.len(),
-            shape.numel()
-        ));
-    }
-    let cr = RawTensor::from_parts(c.as_mut_ptr() as *mut c_void, O::DTYPE, &shape);
+    let cr = crate::tensor::out_like(c, &shape, "c", "op(a) op(b)")?;
     let call = prepare(&ar, &br, opts, &cr, &exec.ub)?;
     launch_into(exec, call, workspace)
 }
