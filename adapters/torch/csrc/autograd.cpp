@@ -88,6 +88,8 @@ NPK_OP(cross_entropy_op, "cross_entropy",
 NPK_OP(cross_entropy_backward_op, "cross_entropy_backward",
        Tensor(const Tensor &, const Tensor &, const Tensor &, const Opt &, const Tensor &, int64_t, int64_t, double,
               double, double))
+NPK_OP(matmul_op, "matmul", Tensor(const Tensor &, const Tensor &, bool, bool, std::optional<at::ScalarType>))
+NPK_OP(linear_op, "linear", Tensor(const Tensor &, const Tensor &, const Opt &))
 
 // The differentiable float32 composites (npukern_torch/_composite.py).
 NPK_OP(rms_norm_grads_composite, "_rms_norm_grads_composite",
@@ -917,10 +919,104 @@ T2 cross_entropy(c10::DispatchKeySet ks, const Tensor &logits, const Tensor &tar
   return {out[0], lse};
 }
 
+// ---------------------------------------------------------------------------
+// Matmul and Linear: every product of the backward is npukern's matmul too
+// (dW = dy^T x summed over the tokens in f32, rounded once). A
+// create_graph=True backward runs torch's products instead (differentiable).
+
+// The gradients of c = op(a) op(b), each one matmul with the flags that read
+// the stored operands as they are (no transposed copies).
+T2 matmul_grads(const Tensor &dc, const Tensor &a, const Tensor &b, bool ta, bool tb, bool want_a, bool want_b) {
+  const Tensor g = dc.scalar_type() == a.scalar_type() ? dc : dc.to(a.scalar_type());
+  Tensor da, db;
+  if (want_a) da = ta ? matmul_op().call(b, g, tb, true, std::nullopt) : matmul_op().call(g, b, false, !tb, std::nullopt);
+  if (want_b) db = tb ? matmul_op().call(g, a, true, ta, std::nullopt) : matmul_op().call(a, g, !ta, false, std::nullopt);
+  return {da, db};
+}
+
+struct Matmul : Function<Matmul> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &a, const Tensor &b, bool ta, bool tb,
+                               std::optional<at::ScalarType> out_dtype) {
+    Below guard;
+    Tensor c = matmul_op().call(a, b, ta, tb, out_dtype);
+    ctx->save_for_backward({a, b});
+    ctx->saved_data["ta"] = ta;
+    ctx->saved_data["tb"] = tb;
+    return {c};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &a = saved[0], &b = saved[1], &dc = grads[0];
+    const bool ta = ctx->saved_data["ta"].toBool(), tb = ctx->saved_data["tb"].toBool();
+    if (building_graph({&dc, &a, &b})) {
+      const Tensor g = dc.to(a.scalar_type());
+      const Tensor A = ta ? a.t() : a, B = tb ? b.t() : b;
+      Tensor dA = g.mm(B.t()), dB = A.t().mm(g);
+      return {ta ? dA.t() : dA, tb ? dB.t() : dB, {}, {}, {}};
+    }
+    auto [da, db] = matmul_grads(dc, a, b, ta, tb, ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+    return {da, db, {}, {}, {}};
+  }
+};
+
+Tensor matmul(c10::DispatchKeySet ks, const Tensor &a, const Tensor &b, bool ta, bool tb,
+              std::optional<at::ScalarType> out_dtype) {
+  if (!recording({&a, &b})) {
+    Below guard;
+    return matmul_op().redispatch(ks & kBelow, a, b, ta, tb, out_dtype);
+  }
+  no_forward_ad("matmul", {&a, &b});
+  return Matmul::apply(a, b, ta, tb, out_dtype)[0];
+}
+
+struct Linear : Function<Linear> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &input, const Tensor &weight, const Opt &bias) {
+    Below guard;
+    Tensor y = linear_op().call(input, weight, bias);
+    ctx->save_for_backward({input, weight});
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    return {y};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &input = saved[0], &weight = saved[1], &dy = grads[0];
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const Tensor x = input.reshape({-1, in});
+    const Tensor g = dy.reshape({-1, out});
+    Tensor dx, dw, db;
+    if (building_graph({&dy, &input, &weight})) {
+      if (ctx->needs_input_grad(0)) dx = g.mm(weight).view(input.sizes());
+      if (ctx->needs_input_grad(1)) dw = g.t().mm(x);
+    } else {
+      // dx = dy W (W as stored), dW = dy^T x (dy read transposed).
+      if (ctx->needs_input_grad(0)) dx = matmul_op().call(g, weight, false, false, std::nullopt).view(input.sizes());
+      if (ctx->needs_input_grad(1)) dw = matmul_op().call(g, x, true, false, std::nullopt);
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2))
+      db = g.sum(0, false, at::kFloat).to(dy.scalar_type());
+    return {dx, dw, db};
+  }
+};
+
+Tensor linear(c10::DispatchKeySet ks, const Tensor &input, const Tensor &weight, const Opt &bias) {
+  const Tensor none;
+  const Tensor *bp = bias.has_value() ? &*bias : &none;
+  if (!recording({&input, &weight, bp})) {
+    Below guard;
+    return linear_op().redispatch(ks & kBelow, input, weight, bias);
+  }
+  no_forward_ad("linear", {&input, &weight, bp});
+  return Linear::apply(input, weight, bias)[0];
+}
+
 }  // namespace npk_torch::grad
 
 TORCH_LIBRARY_IMPL(npukern, Autograd, m) {
   using namespace npk_torch::grad;
+  m.impl("matmul", TORCH_FN(matmul));
+  m.impl("linear", TORCH_FN(linear));
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("add_rms_norm_", TORCH_FN(add_rms_norm_));

@@ -108,6 +108,13 @@ TORCH_LIBRARY(npukern, m) {
         "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] masters, float lr, float beta1, float beta2, float eps, "
         "float weight_decay, int step, int flags, float max_grad_norm, float grad_scale, float found_inf, "
         "float clip_coef) -> Tensor");
+  // aclnnMatmul: c = op(a) op(b) (f32 FMA chains, k ascending, one rounding;
+  // c in a's dtype or float32); the accumulating form adds into a float32 c
+  // (a weight gradient's sums across micro-batches). linear is F.linear on
+  // it, its backward's dx and dW the same matmul.
+  m.def("matmul(Tensor a, Tensor b, bool trans_a=False, bool trans_b=False, ScalarType? out_dtype=None) -> Tensor");
+  m.def("matmul_accumulate_(Tensor(a!) c, Tensor a, Tensor b, bool trans_a=False, bool trans_b=False) -> ()");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(npukern, CPU, m) {
@@ -123,6 +130,9 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("grad_stats", &npk_torch::grad_stats);
   m.impl("clip_grad_norm_", &npk_torch::clip_grad_norm_);
   m.impl("adamw_", &npk_torch::adamw_);
+  m.impl("matmul", &npk_torch::matmul);
+  m.impl("matmul_accumulate_", &npk_torch::matmul_accumulate_);
+  m.impl("linear", &npk_torch::linear);
   m.impl("swiglu", &npk_torch::swiglu);
   m.impl("swiglu_backward", &npk_torch::swiglu_backward);
   m.impl("silu_mul", &npk_torch::silu_mul);

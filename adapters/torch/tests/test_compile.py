@@ -30,6 +30,14 @@ def samples():
         (ops.embedding_dense_backward_shard, (_r(2, 3, 7), idx, 4, 2, -1, False)),
         (ops.grad_stats, (grads,)),
         (ops.clip_grad_norm_, ([g.clone() for g in grads], 0.5, False)),
+        (ops.matmul, (_r(5, 7, grad=True), _r(7, 3, grad=True))),
+        (ops.matmul, (_r(7, 5, dtype=torch.bfloat16, grad=True), _r(3, 7, dtype=torch.bfloat16, grad=True), True,
+                      True)),
+        (ops.matmul, (_r(4, 6, dtype=torch.bfloat16), _r(6, 2, dtype=torch.bfloat16), False, False, torch.float32)),
+        (ops.matmul_accumulate_, (_r(4, 3), _r(4, 6, dtype=torch.bfloat16), _r(3, 6, dtype=torch.bfloat16), False,
+                                  True)),
+        (ops.linear, (_r(2, 3, 8, grad=True), _r(5, 8, grad=True), _r(5, grad=True))),
+        (ops.linear, (_r(6, 8, dtype=torch.bfloat16, grad=True), _r(5, 8, dtype=torch.bfloat16, grad=True))),
     ]
 
 

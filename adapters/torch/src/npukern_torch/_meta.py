@@ -181,3 +181,26 @@ def _cross_entropy_reduce(loss_rows, target, weight=None, reduction=2, ignore_in
 @torch.library.register_fake("npukern::cross_entropy_grad_scale")
 def _cross_entropy_grad_scale(target, weight=None, reduction=2, ignore_index=-100, grad=1.0):
     return target.new_empty((), dtype=torch.float32)
+
+
+def _product_shape(a, b, trans_a, trans_b):
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "npukern::matmul: a and b must be 2-D")
+    m, ka = (a.shape[1], a.shape[0]) if trans_a else (a.shape[0], a.shape[1])
+    kb, n = (b.shape[1], b.shape[0]) if trans_b else (b.shape[0], b.shape[1])
+    torch._check(ka == kb, lambda: f"npukern::matmul: a's summed dimension is {ka} and b's {kb}")
+    return m, n
+
+
+@torch.library.register_fake("npukern::matmul")
+def _matmul(a, b, trans_a=False, trans_b=False, out_dtype=None):
+    return a.new_empty(_product_shape(a, b, trans_a, trans_b), dtype=out_dtype or a.dtype)
+
+
+@torch.library.register_fake("npukern::matmul_accumulate_")
+def _matmul_accumulate_(c, a, b, trans_a=False, trans_b=False):
+    _product_shape(a, b, trans_a, trans_b)
+
+
+@torch.library.register_fake("npukern::linear")
+def _linear(input, weight, bias=None):
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))

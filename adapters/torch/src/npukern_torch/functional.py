@@ -4,9 +4,12 @@ writes x_sum over x1 instead). Each is differentiable in x (x1, x2) and
 gamma. ``casting`` and ``offset`` choose a model family's numerics (see
 ``_casting.py``)."""
 
+import contextlib
+
 import torch
 
 from . import _casting
+from . import route as _route
 from ._composite import rotate_half
 from ._fast import eager, is_compiling
 
@@ -22,6 +25,9 @@ _geglu_op = eager(ops.geglu.default)
 _gelu_mul_op = eager(ops.gelu_mul.default)
 _rotary_mul_op = eager(ops.rotary_mul.default)
 _rope_qk_op = eager(ops.rope_qk.default)
+_NULL = contextlib.nullcontext()
+_linear_op = eager(ops.linear.default)
+_matmul_op = eager(ops.matmul.default)
 # The decode-sized norms' C callers themselves, for the default numerics:
 # one Python frame less per call (0.1 us of a 1x4096 call). None with the
 # fast caller off.
@@ -169,3 +175,42 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, eager: bool = True)
                              eager)
         return qo.transpose(1, 2), ko.transpose(1, 2)
     return _rope_qk_op(q, k, cos, sin, eager)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, trans_a: bool = False, trans_b: bool = False,
+           out_dtype=None) -> torch.Tensor:
+    """aclnnMatmul: ``op(a) @ op(b)`` of 2-D CPU tensors of one dtype (float32,
+    bfloat16, float16), each element one float32 FMA chain over k ascending,
+    rounded once to ``out_dtype`` (a's dtype, or float32): the same bits on
+    every ISA and thread count. ``trans_a`` / ``trans_b`` read a stored
+    ``[K, M]`` / ``[N, K]``; a transposed view of a contiguous tensor is read
+    in place. Differentiable in both (the gradients are the same matmul)."""
+    return _matmul_op(a, b, trans_a, trans_b, out_dtype)
+
+
+def _linear_takes(input, weight, bias):
+    return (input.device.type == "cpu" and weight.device.type == "cpu" and input.dtype == weight.dtype
+            and input.dtype in _route.DTYPES and input.dim() >= 1 and weight.dim() == 2
+            and (bias is None or (bias.dtype == input.dtype and bias.device.type == "cpu"))
+            and type(input) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter))
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool = False) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` on npukern's matmul: ``y = x W^T + b``
+    in float32 FMA, rounded once (the bias starts each sum), and in the
+    backward ``dx = dy W`` and ``dW = dy^T x`` (summed over every token in
+    float32, rounded once), ``db`` summed in float32. Under CPU autocast the
+    operands are cast to its dtype first, as autocast's linear does. What the
+    kernel does not take (float64, non-CPU tensors, mixed dtypes, tensor
+    subclasses) runs ``F.linear``; so does every call when ``route`` is true
+    and :func:`npukern_torch.route.matmul_route` keeps torch's matmul for
+    that dtype on this CPU (what :func:`npukern_torch.hf.patch` passes)."""
+    if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        if input.dtype.is_floating_point and dt != torch.float64:
+            input, weight = input.to(dt), weight.to(dt)
+            bias = None if bias is None else bias.to(dt)
+    if not _linear_takes(input, weight, bias) or (route and not _route.matmul_route(input.dtype)):
+        return torch.nn.functional.linear(input, weight, bias)
+    with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else _NULL:
+        return _linear_op(input, weight, bias)

@@ -430,8 +430,9 @@ class _Forward:
     transformers module). Picklable and deep-copyable: it holds only the
     module and its kind, and rebuilds its function on load."""
 
-    def __init__(self, module, kind):
-        self.module, self.kind = module, kind
+    def __init__(self, module, kind, matmul="torch"):
+        # matmul: whose matmul the linear and loss kinds run ("auto": the route's rule).
+        self.module, self.kind, self.matmul = module, kind, matmul
         self._build()
 
     def _build(self):
@@ -449,14 +450,17 @@ class _Forward:
         if self.kind == "mlp":
             return _gated_mlp_forward(self.module, *args, **kwargs)
         if self.kind == "loss":
-            return _causal_lm_forward(self.module, *args, **kwargs)
+            return _causal_lm_forward(self.module, *args, matmul=self.matmul, **kwargs)
+        if self.kind == "linear":
+            m = self.module
+            return _F.linear(*args, m.weight, m.bias, route=self.matmul == "auto", **kwargs)
         return self.fn(self.module, *args, **kwargs)
 
     def __getstate__(self):
-        return {"module": self.module, "kind": self.kind}
+        return {"module": self.module, "kind": self.kind, "matmul": self.matmul}
 
     def __setstate__(self, state):
-        self.module, self.kind = state["module"], state["kind"]
+        self.module, self.kind, self.matmul = state["module"], state["kind"], state.get("matmul", "torch")
         self._build()
 
 
@@ -490,7 +494,7 @@ def _plain_linear(m):
             and m.weight.dtype.is_floating_point and not (m._forward_hooks or m._forward_pre_hooks))
 
 
-def _causal_lm_forward(model, *args, labels=None, **kwargs):
+def _causal_lm_forward(model, *args, labels=None, matmul="torch", **kwargs):
     """A causal LM's forward whose loss, when labels are given, is the fused
     linear cross-entropy (Hugging Face's ``ForCausalLMLoss``: labels shifted
     left, the last position ignored, or ``shift_labels`` as given; float32
@@ -529,7 +533,8 @@ def _causal_lm_forward(model, *args, labels=None, **kwargs):
     cap = getattr(model.config, "final_logit_softcapping", None)
     loss = _loss.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, shifted.reshape(-1),
                                       getattr(head, "bias", None), ignore,
-                                      "sum" if num_items is not None else "mean", softcap=cap or None)
+                                      "sum" if num_items is not None else "mean", softcap=cap or None,
+                                      matmul=matmul)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     # Rebuilt, not assigned: a ModelOutput's order is its fields' (loss
@@ -561,7 +566,7 @@ def _is_family_decoder(m):
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
-          rope: bool = True, loss: bool = True, add_rms_norm: bool = True) -> dict:
+          rope: bool = True, loss: bool = True, add_rms_norm: bool = True, linear=True) -> dict:
     """Swaps, in place and in this model alone, its RMSNorm modules of the
     supported families and its input embedding for npukern's, its gated
     MLPs' activation for npukern's SwiGLU (SiLU) or GeGLU (GELU, Gemma's)
@@ -576,7 +581,13 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     (stock forward bits; needs ``rms_norm``); ``loss``: a causal LM given ``labels`` computes
     its loss with the fused linear cross-entropy and returns ``logits=None``
     (without labels, or evaluating: ``model.eval()`` under ``torch.no_grad()``,
-    the logits and loss as before). Modules already patched are left alone (a second call
+    the logits and loss as before); ``linear``: the decoder layers' projections
+    (attention and MLP ``nn.Linear``) and the fused loss's LM head run their
+    forward and both backward products on npukern's matmul where
+    :func:`npukern_torch.route.matmul_route` says it is faster than torch's on
+    this CPU for the dtype they run in (True, the default: by that rule;
+    ``"npukern"``: always; False: torch's matmuls and the stock bits
+    everywhere). Modules already patched are left alone (a second call
     counts 0). An RMSNorm class it does not know is left alone and named in a
     warning. Embeddings with ``max_norm`` or ``sparse=True`` (which npukern
     does not take) are left alone. Every swapped path gives the stock
@@ -584,12 +595,20 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     to the stock composite for what the kernels do not take (float64,
     non-CPU tensors)."""
     norms, scaled_embeddings = _family_classes()
-    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
+    if linear not in (True, False, "npukern"):
+        raise ValueError(f"hf.patch: linear must be True, False or 'npukern', not {linear!r}")
+    matmul = {True: "auto", False: "torch", "npukern": "npukern"}[linear]
+    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0, "linear": 0}
+    projections = {id(p) for d in model.modules() if _is_family_decoder(d) for p in d.modules()
+                   if _plain_linear(p)} if linear else set()
     for m in model.modules():
         if "forward" in vars(m):
             continue  # patched already, or someone else's forward: not ours to replace
-        if loss and _is_causal_lm(m):
-            m.forward = _Forward(m, "loss")
+        if id(m) in projections:
+            m.forward = _Forward(m, "linear", matmul)
+            counts["linear"] += 1
+        elif loss and _is_causal_lm(m):
+            m.forward = _Forward(m, "loss", matmul)
             counts["loss"] += 1
         elif mlp and _is_gated_mlp(m):
             m.forward = _Forward(m, "mlp")
@@ -637,7 +656,7 @@ def unpatch(model: torch.nn.Module) -> dict:
     replaced (they share the same Parameters, so training since the patch is
     kept) and the MLPs' and attention layers' own forward; returns the
     counts."""
-    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0}
+    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0, "linear": 0}
     for m in model.modules():
         kind = _patched_kind(m)
         if kind is not None:

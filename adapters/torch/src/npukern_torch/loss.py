@@ -13,6 +13,7 @@ writes each gradient element with one rounding."""
 
 import torch
 
+from . import route as _route
 from ._dtypes import KERNEL_DTYPES, on_kernels
 
 ops = torch.ops.npukern
@@ -142,7 +143,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     return loss if autocast else loss.to(input.dtype)
 
 
-def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, softcap, chunk_bytes, want):
+def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, softcap, chunk_bytes, matmul, want):
     """The loss (0-dim float32) and its gradients in input, weight and bias
     (each None unless ``want`` says so), chunk by chunk."""
     want_input, want_weight, want_bias = want
@@ -163,6 +164,9 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
     sums = [None] * len(blocks)
     d_weight = None
     losses = torch.empty(n, dtype=torch.float32)
+    if _npukern_head(x, weight, bias, matmul):
+        return _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss, softcap, rows, want,
+                                  grad_scale, losses)
     for start in range(0, n, rows):
         xc = x[start:start + rows]
         logits = xc @ weight.t() if bias is None else torch.addmm(bias, xc, weight.t())
@@ -208,6 +212,43 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
     return total, d_input, d_weight, d_bias
 
 
+def _npukern_head(x, weight, bias, matmul):
+    """Whether the head's three products run on npukern's matmul: ``matmul``
+    is "npukern", or "auto" where :func:`npukern_torch.route.matmul_route`
+    takes the dtype on this CPU (a head without bias, one dtype)."""
+    if matmul == "torch" or bias is not None or x.dtype != weight.dtype or torch.compiler.is_compiling():
+        return False
+    return matmul == "npukern" or _route.matmul_route(x.dtype)
+
+
+def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss, softcap, rows, want, grad_scale,
+                       losses):
+    """:func:`_lce_grads` on npukern's matmul: each chunk's logits ``x W^T``
+    rounded once, its input gradient ``dlogits W``, and the weight gradient's
+    float32 sums accumulated by the kernel itself (``dlogits^T x`` added into
+    them, chunk after chunk, k ascending), rounded once at the end."""
+    want_input, want_weight, _ = want
+    n = x.shape[0]
+    d_input = torch.empty_like(x) if want_input else None
+    sums = torch.zeros(weight.shape, dtype=torch.float32) if want_weight else None
+    for start in range(0, n, rows):
+        xc = x[start:start + rows]
+        logits = ops.matmul(xc, weight, False, True)
+        loss, _lse = ops.cross_entropy_fused_(logits, t[start:start + rows], None, grad_scale, ignore_index,
+                                              float(label_smoothing), float(z_loss), softcap)
+        losses[start:start + rows] = loss
+        if d_input is not None:
+            d_input[start:start + rows] = ops.matmul(logits, weight, False, False)
+        if sums is not None:
+            ops.matmul_accumulate_(sums, logits, xc, True, False)
+        del logits
+    d_weight = None
+    if sums is not None:
+        d_weight = sums if weight.dtype == torch.float32 else sums.to(weight.dtype)
+    total = ops.cross_entropy_reduce(losses, t, None, red, ignore_index)
+    return total, d_input, d_weight, None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and every gradient chunk by chunk (the
     logits of a chunk turned into their gradient in place by the kernel);
@@ -223,13 +264,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, target, bias, ignore_index, red, label_smoothing, z_loss, softcap,
-                chunk_bytes):
+                chunk_bytes, matmul):
         hidden = input.shape[-1]
         x = input.reshape(-1, hidden)
         t = target.reshape(-1)
         if t.shape[0] != x.shape[0]:
             raise ValueError(f"linear_cross_entropy: target has {t.shape[0]} rows, input {x.shape[0]}")
-        ctx.args = (ignore_index, red, label_smoothing, z_loss, softcap, chunk_bytes)
+        ctx.args = (ignore_index, red, label_smoothing, z_loss, softcap, chunk_bytes, matmul)
         ctx.want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         total, d_input, d_weight, d_bias = _lce_grads(x, weight, t, bias, *ctx.args, want=ctx.want)
         ctx.shape = input.shape
@@ -261,11 +302,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # loss.backward(): the gradients as they are (no second copy of d_weight).
             ctx.grads = None
             di = d_input.reshape(ctx.shape) if d_input is not None else None
-            return di, d_weight, None, d_bias, None, None, None, None, None, None
+            return di, d_weight, None, d_bias, None, None, None, None, None, None, None
         di = (d_input * g.to(d_input.dtype)).reshape(ctx.shape) if d_input is not None else None
         dw = d_weight * g.to(d_weight.dtype) if d_weight is not None else None
         db = d_bias * g.to(d_bias.dtype) if d_bias is not None else None
-        return di, dw, None, db, None, None, None, None, None, None
+        return di, dw, None, db, None, None, None, None, None, None, None
 
 
 def _once_differentiable(grads, op):
@@ -289,7 +330,7 @@ def _once_differentiable(grads, op):
 
 
 def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                         label_smoothing=0.0, *, z_loss=0.0, softcap=None, chunk_bytes=None):
+                         label_smoothing=0.0, *, z_loss=0.0, softcap=None, chunk_bytes=None, matmul="torch"):
     """``cross_entropy(input @ weight.T + bias, target, ...)`` without the
     ``[N, V]`` logits: chunks of tokens whose logits (in input's dtype,
     ``chunk_bytes`` of them at most, default :data:`CHUNK_BYTES`) come from
@@ -297,7 +338,13 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     kernel; the input and weight (and bias) gradients are accumulated chunk
     by chunk (float32 for 16-bit weights, rounded once). Returns the float32
     loss (what Hugging Face's loss returns). Tied weights work (the
-    gradient adds to the embedding's)."""
+    gradient adds to the embedding's). ``matmul="npukern"`` runs the three
+    products (logits, input gradient, the weight gradient's float32 sums) on
+    npukern's matmul instead (a head without bias), ``"auto"`` where
+    :func:`npukern_torch.route.matmul_route` takes the dtype on this CPU
+    (what ``hf.patch`` passes); ``"torch"``, the default, keeps torch's."""
+    if matmul not in ("torch", "npukern", "auto"):
+        raise ValueError(f"linear_cross_entropy: matmul must be 'torch', 'npukern' or 'auto', not {matmul!r}")
     red = _reduction(reduction)
     if red == 0:
         raise ValueError("linear_cross_entropy: reduction='none' is not supported (use 'sum' or 'mean')")
@@ -315,7 +362,7 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
                 return linear_cross_entropy(input.to(dt), weight.to(dt), target,
                                             None if bias is None else bias.to(dt), ignore_index, reduction,
                                             label_smoothing, z_loss=z_loss, softcap=softcap,
-                                            chunk_bytes=chunk_bytes)
+                                            chunk_bytes=chunk_bytes, matmul=matmul)
     if (not on_kernels(input, weight) or input.dtype != weight.dtype
             or (bias is not None and bias.dtype != weight.dtype) or torch.is_autocast_enabled(dev)):
         # What the kernel does not take (float64, other devices, mixed dtypes,
@@ -327,5 +374,5 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
         return _composite(logits.float(), target.reshape(-1), None, ignore_index, reduction, label_smoothing, z_loss,
                           0.0)
     return _LinearCrossEntropy.apply(input, weight, target, bias, ignore_index, red, label_smoothing, z_loss,
-                                     cap, chunk_bytes or CHUNK_BYTES)
+                                     cap, chunk_bytes or CHUNK_BYTES, matmul)
 

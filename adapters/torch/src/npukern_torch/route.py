@@ -1,0 +1,97 @@
+"""Which matmuls npukern's kernel takes over from torch's on this CPU.
+
+The rule is by ISA, from measurements (docs/performance.md "Matmul"), not
+timed at import: a route that depended on a timing would change the bits of
+a model between two runs. npukern's matmul is float32 FMA on operands widened
+while packing, so it runs every dtype at the core's float32 FMA rate;
+torch's (oneDNN) runs bfloat16 at the rate of the bf16 instructions the CPU
+has:
+
+- AMX (Sapphire Rapids and later): oneDNN's tiles are many times the FMA
+  rate: torch keeps every matmul.
+- AVX512-BF16 on AMD (Zen 4, Zen 5): ``VDPBF16PS`` runs at twice the FMA
+  rate (231 against 115 GFLOP/s on one Zen 4 core) and oneDNN's bf16 ``mm``
+  reaches 187-204, npukern's 82-96: torch keeps bfloat16.
+- AVX512-BF16 on Intel without AMX (Cooper Lake, a Sapphire Rapids VM that
+  hides AMX): ``VDPBF16PS`` peaks at half the FMA rate there (86 against
+  172-178 GFLOP/s) and torch's bf16 ``mm`` ran at 82-84: npukern takes
+  bfloat16.
+- No BF16 instructions (AVX-512 Skylake/Cascade/Ice Lake, AVX2 Zen 2/3):
+  oneDNN converts in its own loops (the bf16 matmuls were 95.8% of a
+  Cascade Lake step): npukern takes bfloat16 and float16.
+- float32: torch's ``mm`` ran at npukern's rate (83-92 against 82-96
+  GFLOP/s on Zen 4): torch keeps float32 and its stock bits.
+
+``NPK_TORCH_MATMUL=npukern`` (every dtype the kernel takes) or ``=torch``
+(none) in the environment overrides the rule.
+"""
+
+import functools
+import os
+
+import torch
+
+#: The dtypes npukern's matmul computes.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu():
+    """(vendor, flags) of this CPU from /proc/cpuinfo; ("", set()) elsewhere."""
+    vendor, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+                if vendor and flags:
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def _rule(dtype):
+    """(npukern takes it, why) by the rule above."""
+    vendor, flags = _cpu()
+    if dtype not in DTYPES:
+        return False, f"{dtype} is not a dtype npukern's matmul computes"
+    if "amx_tile" in flags:
+        return False, "AMX: oneDNN's tiles run many times the FMA rate"
+    if dtype == torch.float32:
+        return False, "float32: torch's mm runs at npukern's rate, with the stock bits"
+    x86 = vendor in ("GenuineIntel", "AuthenticAMD")
+    if not x86:
+        return False, "not x86: torch's matmul is not known slower here (NEON's BFMMLA is not used by npukern)"
+    if dtype == torch.float16 and "avx512_fp16" in flags:
+        return False, "AVX512-FP16: the CPU multiplies float16 natively"
+    if dtype == torch.bfloat16 and "avx512_bf16" in flags and vendor == "AuthenticAMD":
+        return False, "AVX512-BF16 on AMD: VDPBF16PS runs at twice the FMA rate, and oneDNN uses it"
+    if dtype == torch.bfloat16 and "avx512_bf16" in flags:
+        return True, "AVX512-BF16 on Intel without AMX: VDPBF16PS runs at half the FMA rate"
+    if "avx2" not in flags or "fma" not in flags:
+        return False, "no AVX2 + FMA: npukern's portable kernel is not faster"
+    return True, f"no {dtype} instructions: torch converts in its own loops, npukern at the FMA rate"
+
+
+def matmul_route(dtype):
+    """Whether :func:`npukern_torch.linear` and the patched models' projections
+    run a ``dtype`` matmul on npukern's kernel (True) or torch's (False) on
+    this CPU; see the module's docs for the rule and ``NPK_TORCH_MATMUL``."""
+    forced = os.environ.get("NPK_TORCH_MATMUL", "").strip().lower()
+    if forced in ("npukern", "torch"):
+        return forced == "npukern" and dtype in DTYPES
+    return _RULE.get(dtype, False)
+
+
+# Read once (torch.compile traces a dict lookup, not /proc/cpuinfo).
+_RULE = {dt: _rule(dt)[0] for dt in DTYPES}
+
+
+def explain():
+    """What :func:`matmul_route` says for each dtype, and why: ``{dtype: (takes, why)}``."""
+    return {dt: (matmul_route(dt), _rule(dt)[1]) for dt in DTYPES}
