@@ -26,7 +26,10 @@ under ``torch.autocast("cpu", torch.bfloat16)``, ``clip_grad_norm_(1.0)``,
 ``torch.optim.AdamW(fused=True).step()``; ``patched`` holds the model in
 bf16, patched, and steps ``npukern_torch.optim.AdamW(master_weights=True,
 max_grad_norm=1.0)`` (no autocast, no separate clip); ``patched_autocast``
-is the patched model in Trainer's recipe with npukern's optimizer. Per
+is the patched model in Trainer's recipe with npukern's optimizer;
+``stock_f32`` is stock in float32 without autocast (clip, fused AdamW): what
+a user on a CPU whose bf16 matmul is slow also tries. ``--linear`` is
+``hf.patch``'s (``auto``: the route's rule). Per
 variant the step and its parts (forward + backward, clip, optimizer step):
     taskset -c 0 python benches/hf_step.py --recipe trainer --threads 1
 """
@@ -61,7 +64,7 @@ def child(args):
                       max_position_embeddings=max(2048, args.seq), tie_word_embeddings=args.tied,
                       attn_implementation="sdpa")
     trainer = args.recipe == "trainer"
-    f32_params = trainer and args.child in ("stock", "patched_autocast")
+    f32_params = trainer and args.child in ("stock", "patched_autocast", "stock_f32")
     model = LlamaForCausalLM(cfg).to(torch.float32 if f32_params else torch.bfloat16)
     model.train()
     counts = None
@@ -69,20 +72,20 @@ def child(args):
         import npukern_torch
         from npukern_torch import hf
 
-        counts = hf.patch(model)
+        counts = hf.patch(model, linear={"auto": True, "torch": False, "npukern": "npukern"}[args.linear])
         if npukern_torch.detected_isa is None:
             raise SystemExit("npukern_torch has no ISA")
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
 
     parts = {"fwd_bwd": [], "clip": [], "opt": []}
     opt = None
-    if trainer and args.child == "stock":
+    if trainer and args.child in ("stock", "stock_f32"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     elif trainer:
         from npukern_torch.optim import AdamW
 
         opt = AdamW(model.parameters(), lr=1e-5, master_weights=args.child == "patched", max_grad_norm=1.0)
-    autocast = trainer and args.child != "patched"
+    autocast = trainer and args.child not in ("patched", "stock_f32")
 
     def step():
         t0 = time.perf_counter()
@@ -90,7 +93,7 @@ def child(args):
             loss = model(x, labels=x).loss
         loss.backward()
         t1 = time.perf_counter()
-        if args.child == "stock" and trainer:
+        if args.child in ("stock", "stock_f32") and trainer:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         t2 = time.perf_counter()
         if opt is not None:
@@ -133,7 +136,8 @@ def driver(args):
             continue
         flag = "--" + k.replace("_", "-")
         passthrough += [flag] if v is True else [flag, str(v)]
-    variants = ("stock", "patched", "patched_autocast") if args.recipe == "trainer" else ("stock", "patched")
+    variants = ("stock", "patched", "patched_autocast", "stock_f32") if args.recipe == "trainer" \
+        else ("stock", "patched")
     results = {v: [] for v in variants}
     for _ in range(args.runs):
         for variant in variants:
@@ -174,7 +178,10 @@ def main():
     p.add_argument("--runs", type=int, default=3, help="processes per variant, alternating")
     p.add_argument("--recipe", choices=("fwdbwd", "trainer"), default="fwdbwd",
                    help="fwdbwd: forward + backward of a bf16 model; trainer: the whole step (see above)")
-    p.add_argument("--child", choices=("stock", "patched", "patched_autocast"), help="run one variant in this process")
+    p.add_argument("--child", choices=("stock", "patched", "patched_autocast", "stock_f32"),
+                   help="run one variant in this process")
+    p.add_argument("--linear", choices=("auto", "torch", "npukern"), default="auto",
+                   help="hf.patch's linear: the route's rule (auto), torch's matmuls, or npukern's always")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args()

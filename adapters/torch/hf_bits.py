@@ -24,7 +24,9 @@ DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 def logits_pair(fam, dtype, hidden=256, seed=0, vocab=1000, norms=True, tokens=(2, 64)):
     """(stock logits, patched logits) of a 2-layer `fam` model (head_dim 64,
     norm weights randomized around their init) built with `seed`; `norms`
-    False leaves the RMSNorm modules stock."""
+    False leaves the RMSNorm modules stock. The matmuls stay torch's
+    (``linear=False``): the bits measured are the other kernels'; a routed
+    matmul has its own summation order (docs/huggingface.md)."""
     C, M = F[fam]
     heads = max(1, hidden // 64)
     cfg = C(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
@@ -38,7 +40,7 @@ def logits_pair(fam, dtype, hidden=256, seed=0, vocab=1000, norms=True, tokens=(
                 mod.weight.add_(torch.randn(mod.weight.shape) * 0.3)
     m = m.to(dtype)
     p = copy.deepcopy(m)
-    hf.patch(p, rms_norm=norms)
+    hf.patch(p, rms_norm=norms, linear=False)
     x = torch.randint(0, vocab, tokens, generator=torch.Generator().manual_seed(seed + 1))
     with torch.no_grad():
         return m(x).logits, p(x).logits

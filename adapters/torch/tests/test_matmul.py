@@ -161,6 +161,10 @@ def test_linear_takes_what_f_linear_takes():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = F.linear(_r(3, 8), w.float())
     assert y.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # float64 is not cast by autocast: F.linear's float64 result.
+        d = F.linear(x, w)
+        assert d.dtype == torch.float64 and torch.equal(d, torch.nn.functional.linear(x, w))
     assert torch.equal(y, ops.linear(_r(3, 8).bfloat16(), w.float().bfloat16()))
 
 

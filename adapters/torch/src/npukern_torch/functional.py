@@ -195,6 +195,12 @@ def _linear_takes(input, weight, bias):
             and type(input) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter))
 
 
+def _autocast(t, dt):
+    if t is None or not t.dtype.is_floating_point or t.dtype == torch.float64 or t.device.type != "cpu":
+        return t
+    return t.to(dt)
+
+
 def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool = False) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` on npukern's matmul: ``y = x W^T + b``
     in float32 FMA, rounded once (the bias starts each sum), and in the
@@ -206,10 +212,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool 
     and :func:`npukern_torch.route.matmul_route` keeps torch's matmul for
     that dtype on this CPU (what :func:`npukern_torch.hf.patch` passes)."""
     if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # Autocast's rule: CPU floating tensors but float64 are cast.
         dt = torch.get_autocast_dtype("cpu")
-        if input.dtype.is_floating_point and dt != torch.float64:
-            input, weight = input.to(dt), weight.to(dt)
-            bias = None if bias is None else bias.to(dt)
+        input, weight, bias = (_autocast(t, dt) for t in (input, weight, bias))
     if not _linear_takes(input, weight, bias) or (route and not _route.matmul_route(input.dtype)):
         return torch.nn.functional.linear(input, weight, bias)
     with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else _NULL:
