@@ -1,9 +1,12 @@
 // AdamW / Adam over tensor lists: npk_adamw over the C ABI (what
 // npukern_torch.optim.AdamW steps with). One call updates a bucket of
 // params that share dtypes and a step count.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "glue.h"
@@ -39,6 +42,55 @@ struct FlatList {
   }
 };
 
+// One tensor's bytes: from its lowest to one past its highest element.
+struct Span {
+  uintptr_t lo, hi;
+  const char *list;
+  size_t index;
+  const at::Tensor *t;
+  bool written;
+};
+
+// Refuses, before anything is copied or written, a written tensor that
+// overlaps itself (an expanded view: its elements would be updated more
+// than once) or any other tensor of the call (two lists, or one param
+// listed twice: one update would be lost), strided views included (their
+// copies would hide the overlap from the library's own check). Reads may
+// share memory with reads. Spans sorted by their start; only pairs whose
+// spans intersect are asked exactly (at::get_overlap_status).
+void check_overlaps(const char *op, std::initializer_list<std::pair<const char *, at::TensorList>> lists,
+                    size_t written_lists) {
+  std::vector<Span> spans;
+  size_t li = 0;
+  for (const auto &[name, ts] : lists) {
+    const bool written = li++ < written_lists;
+    for (size_t i = 0; i < ts.size(); i++) {
+      const at::Tensor &t = ts[i];
+      check_cpu(t, op, name);
+      if (t.numel() == 0) continue;
+      if (written)
+        TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name, "[", i,
+                          "] overlaps itself (an expanded or self-overlapping view); every element it updates "
+                          "must be its own");
+      int64_t last = 0;
+      for (int64_t d = 0; d < t.dim(); d++) last += (t.size(d) - 1) * std::max<int64_t>(t.stride(d), 0);
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+      spans.push_back({lo, lo + static_cast<uintptr_t>((last + 1) * t.element_size()), name, i, &t, written});
+    }
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span &a, const Span &b) { return a.lo < b.lo; });
+  for (size_t i = 0; i < spans.size(); i++) {
+    for (size_t j = i + 1; j < spans.size() && spans[j].lo < spans[i].hi; j++) {
+      const Span &a = spans[i], &b = spans[j];
+      if (!a.written && !b.written) continue;
+      const at::MemOverlapStatus st = at::get_overlap_status(*a.t, *b.t);
+      TORCH_CHECK_VALUE(st == at::MemOverlapStatus::No, op, ": ", a.list, "[", a.index, "] and ", b.list, "[",
+                        b.index, "] share memory", st == at::MemOverlapStatus::TooHard ? " (interleaved views)" : "",
+                        "; each param, grad and state tensor must have its own");
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -48,6 +100,14 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   const char *op = "npukern::adamw_";
   TORCH_CHECK(step >= 1, op, ": step ", step, " is not >= 1");
   TORCH_CHECK(flags >= 0 && flags <= 0xffffffffLL, op, ": flags ", flags, " out of range");
+  check_overlaps(op,
+                 {{"params", params},
+                  {"exp_avgs", exp_avgs},
+                  {"exp_avg_sqs", exp_avg_sqs},
+                  {"max_exp_avg_sqs", max_exp_avg_sqs},
+                  {"masters", masters},
+                  {"grads", grads}},
+                 5);
   FlatList p(op, "params", params), g(op, "grads", grads), m(op, "exp_avgs", exp_avgs),
       v(op, "exp_avg_sqs", exp_avg_sqs), x(op, "max_exp_avg_sqs", max_exp_avg_sqs), w(op, "masters", masters);
   npk_adamw_tensors t{};

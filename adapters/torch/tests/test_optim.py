@@ -177,8 +177,9 @@ def test_bad_arguments():
         AdamW(m.parameters(), max_grad_norm=-1.0)
     with pytest.raises(ValueError):
         AdamW(m.parameters(), capturable=True)
-    p = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
-    p.grad = torch.randn(3, dtype=torch.float64)
+    # float64 steps (torch's own step: test_optim_trust.py); integer params do not.
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)
+    p.grad = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(TypeError):
         AdamW([p]).step()
 

@@ -149,17 +149,42 @@ class _KernelLse(torch.autograd.Function):
 
 
 def _step_of(power, beta, name):
-    """The step t with beta^(t-1) == power (torch_npu passes the previous
-    step's powers); ValueError when the power is no such power of beta."""
+    """The step t with beta^(t-1) nearest to power (torch_npu passes the
+    previous step's powers, exact or as float32 computes them), or None
+    when the power says nothing of the step: beta 0 past step 1, or a power
+    that underflowed to 0 (0.9^7199). ValueError when it is no power of a
+    beta at all."""
     p = float(power)
-    if beta == 0.0:
-        return 1 if p == 1.0 else 2
-    if not 0.0 < p <= 1.0 or not 0.0 < beta < 1.0:
-        raise ValueError(f"npu_apply_adam_w: {name} {p} is not a power of beta {beta}")
-    t = round(math.log(p) / math.log(beta)) + 1
-    if abs(beta ** (t - 1) - p) > 1e-6 * p:
-        raise ValueError(f"npu_apply_adam_w: {name} {p} is not an integer power of beta {beta}")
-    return t
+    if not 0.0 <= p <= 1.0 or not 0.0 <= beta < 1.0:
+        raise ValueError(f"npu_apply_adam_w: {name} {p} is not a power of beta {beta} (want 0 <= {name} <= 1)")
+    if p == 1.0:
+        return 1
+    if p == 0.0 or beta == 0.0:
+        return None
+    return max(1, round(math.log(p) / math.log(beta)) + 1)
+
+
+def _step_of_powers(beta1_power, beta2_power, beta1, beta2):
+    """The step both powers name (the one that still carries it when the
+    other has underflowed or its beta is 0); at most a step apart, as float32
+    powers can be; ValueError when they name different steps."""
+    t1 = _step_of(beta1_power, beta1, "beta1_power")
+    t2 = _step_of(beta2_power, beta2, "beta2_power")
+    if t1 is not None and t2 is not None and abs(t1 - t2) > 1:
+        raise ValueError(f"npu_apply_adam_w: beta1_power and beta2_power are powers of different steps ({t1} and "
+                         f"{t2})")
+    if t2 is not None:  # beta2 (0.999) underflows last and resolves a step best
+        return t2
+    if t1 is not None:
+        return t1
+    # Neither names it (a beta of 0, or a power underflowed to 0): any step
+    # whose powers are 0 too gives the same bias corrections (1).
+    return max([2] + [2 + math.ceil(math.log(5e-324) / math.log(b)) for b in (beta1, beta2) if b > 0.0])
+
+
+def _same_shape(fn, name, t, like):
+    if t.shape != like.shape:
+        raise ValueError(f"{fn}: {name} has shape {list(t.shape)}, param {list(like.shape)} (they must match)")
 
 
 def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, epsilon, grad, max_grad_norm=None,
@@ -170,19 +195,22 @@ def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, e
     powers (``beta^(t-1)``; the update uses ``beta^t``), and with ``amsgrad``
     ``max_grad_norm`` is the running maximum of ``v`` (a tensor like ``v``,
     updated in place). Decoupled weight decay ``var *= 1 - lr * weight_decay``.
-    The powers must be integer powers of the betas (npukern derives the step
-    from them and forms the bias corrections in float64); the denominator is
+    npukern derives the step from the powers (the nearest integer power:
+    exact float64 powers, float32 ones as MindSpeed passes them, a beta1
+    power that underflowed to 0 past step ~7 100 at 0.9, a beta of 0) and
+    forms the bias corrections in float64; the denominator is
     ``sqrt(v) / sqrt(1 - beta2^t) + eps`` (torch_npu: ``sqrt(v / (1 - beta2^t))
     + eps``, the same to rounding). Returns ``(var, m, v)``."""
     var, m, v = out
-    t = _step_of(beta1_power, float(beta1), "beta1_power")
-    if float(beta2) != 0.0 and _step_of(beta2_power, float(beta2), "beta2_power") != t:
-        raise ValueError("npu_apply_adam_w: beta1_power and beta2_power are powers of different steps")
+    t = _step_of_powers(beta1_power, beta2_power, float(beta1), float(beta2))
+    for name, x in (("grad", grad), ("m", m), ("v", v)):
+        _same_shape("npu_apply_adam_w", name, x, var)
     flags = (1 if amsgrad else 0) | (2 if maximize else 0)
     maxes = []
     if amsgrad:
         if not isinstance(max_grad_norm, torch.Tensor):
             raise TypeError("npu_apply_adam_w: amsgrad needs max_grad_norm, the running max of v (a tensor)")
+        _same_shape("npu_apply_adam_w", "max_grad_norm", max_grad_norm, var)
         maxes = [max_grad_norm]
     torch.ops.npukern.adamw_([var], [grad], [m], [v], maxes, [], float(lr), float(beta1), float(beta2),
                              float(epsilon), float(weight_decay), t, flags, 0.0, 1.0, 0.0, 1.0)
@@ -208,11 +236,14 @@ def npu_apply_fused_adamw_v2(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s
     if exp_avg.dtype != param.dtype or exp_avg_sq.dtype != param.dtype:
         raise TypeError("npu_apply_fused_adamw_v2: exp_avg and exp_avg_sq must have param's dtype "
                         f"({param.dtype}); got {exp_avg.dtype}, {exp_avg_sq.dtype}")
+    for name, x in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _same_shape("npu_apply_fused_adamw_v2", name, x, param)
     flags = (1 if amsgrad else 0) | (2 if maximize else 0)
     maxes, back = [], None
     if amsgrad:
         if not isinstance(max_exp_avg_sq, torch.Tensor):
             raise TypeError("npu_apply_fused_adamw_v2: amsgrad needs max_exp_avg_sq (a tensor)")
+        _same_shape("npu_apply_fused_adamw_v2", "max_exp_avg_sq", max_exp_avg_sq, param)
         if max_exp_avg_sq.dtype != exp_avg_sq.dtype:
             back, max_exp_avg_sq = max_exp_avg_sq, max_exp_avg_sq.to(exp_avg_sq.dtype)
         maxes = [max_exp_avg_sq]

@@ -54,21 +54,47 @@ def _sharded(t):
     return _DTENSOR is not None and isinstance(t, _DTENSOR) and any(pl.is_shard() for pl in t.placements)
 
 
+def _kernel_view(g):
+    """The rank's gradient as npukern's grad_stats reads it (complex as real
+    pairs), or None for float64, which it does not take."""
+    g = _local(g)
+    if g.is_complex():
+        g = torch.view_as_real(g)
+    return g if g.dtype in KERNEL_DTYPES else None
+
+
+def _stats(grads):
+    """[sum of squares, NaN count, Inf count] of local gradients, float64."""
+    total = torch.zeros(3, dtype=torch.float64)
+    kern = [v for v in (_kernel_view(g) for g in grads) if v is not None]
+    if kern:
+        total += torch.ops.npukern.grad_stats(kern)[:3]
+    for g in grads:
+        if _kernel_view(g) is None:  # float64: torch's own sums
+            g = _local(g)
+            g = torch.view_as_real(g) if g.is_complex() else g
+            total += torch.stack([g.double().square().sum(), g.isnan().sum().double(), g.isinf().sum().double()])
+    return total
+
+
 def _sum_sq(grads):
     """[sum of squares, NaN count, Inf count] over every gradient, in float64:
     a DTensor sharded across ranks (FSDP2) contributes its local shard and the
-    shards' sums are all-reduced once; other gradients are whole on each rank
-    (one process, or DDP after its all-reduce) and count once."""
-    sharded = [_local(g) for g in grads if _sharded(g)]
-    whole = [_local(g) for g in grads if not _sharded(g)]
-    total = torch.zeros(3, dtype=torch.float64)
-    if sharded:
-        s = torch.ops.npukern.grad_stats(sharded)[:3].clone()
-        group = next(g for g in grads if _sharded(g)).device_mesh.get_group()
-        torch.distributed.all_reduce(s, group=group)
+    shards' sums are all-reduced over the mesh dims it is sharded on (HSDP's
+    2-D mesh: its shard dim; the replicas hold the same gradients); other
+    gradients are whole on each rank (one process, or DDP after its
+    all-reduce) and count once."""
+    by_mesh = {}
+    for g in grads:
+        if _sharded(g):
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            by_mesh.setdefault((id(g.device_mesh), dims), (g.device_mesh, dims, []))[2].append(g)
+    total = _stats([g for g in grads if not _sharded(g)])
+    for mesh, dims, gs in by_mesh.values():
+        s = _stats(gs)
+        for d in dims:
+            torch.distributed.all_reduce(s, group=mesh.get_group(mesh_dim=d))
         total += s
-    if whole:
-        total += torch.ops.npukern.grad_stats(whole)[:3]
     return total
 
 
@@ -98,7 +124,10 @@ class AdamW(torch.optim.Optimizer):
         fused=None,
         master_weights=False,
         max_grad_norm=None,
+        decoupled_weight_decay=None,
     ):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= _value(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
@@ -124,19 +153,39 @@ class AdamW(torch.optim.Optimizer):
             capturable=False,
             differentiable=False,
             fused=fused,
+            # torch's Adam and AdamW key (AdamW: always True); each group's own rules its step.
+            decoupled_weight_decay=self._decoupled if decoupled_weight_decay is None else bool(decoupled_weight_decay),
         )
         super().__init__(params, defaults)
         self.master_weights = bool(master_weights)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_norm = None
+        self._hooks()
+
+    # What torch's Optimizer.__getstate__ drops (it keeps defaults, state and
+    # param groups): copy.deepcopy, pickle and torch.save keep these too.
+    _OWN = ("master_weights", "max_grad_norm", "grad_norm")
+
+    def _hooks(self):
         self.register_load_state_dict_pre_hook(AdamW._keep_float32)
         self.register_load_state_dict_post_hook(AdamW._restore_float32)
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update({k: self.__dict__.get(k) for k in self._OWN})
+        return state
+
     def __setstate__(self, state):
+        hooks = "_optimizer_load_state_dict_pre_hooks" in state
         super().__setstate__(state)
+        for k in self._OWN:
+            self.__dict__.setdefault(k, None if k != "master_weights" else False)
+        if not hooks:
+            self._hooks()
         for g in self.param_groups:
             g.setdefault("amsgrad", False)
             g.setdefault("maximize", False)
+            g.setdefault("decoupled_weight_decay", self._decoupled)
 
     # torch's load_state_dict casts every state tensor to its param's dtype,
     # which would round masters and float32 moments to bf16: keep them.
@@ -160,14 +209,28 @@ class AdamW(torch.optim.Optimizer):
             for n, t in saved.items():
                 if t.dtype == torch.float32 and st[n].dtype != torch.float32:
                     st[n] = t.to(p.device)
+        # Under master_weights a 16-bit param's master and moments are float32
+        # (the docs' promise), whatever the state came from: torch's AdamW
+        # casts a master it carried to the param's dtype, and its own state
+        # has 16-bit moments.
+        if opt.master_weights:
+            for p, st in opt.state.items():
+                if p.dtype in _SIXTEEN:
+                    for n in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                        if n in st and isinstance(st[n], torch.Tensor) and st[n].dtype != torch.float32:
+                            st[n] = st[n].float()
         opt._incoming = {}
 
     def _init_state(self, p, group):
         st = self.state[p]
         if st:
-            if self.master_weights and p.dtype in _SIXTEEN and "master" not in st:
-                # A torch AdamW state loaded into this optimizer.
-                st["master"] = p.detach().float()
+            if self.master_weights and p.dtype in _SIXTEEN:
+                if "master" not in st:
+                    # A torch AdamW state loaded into this optimizer.
+                    st["master"] = p.detach().float()
+                for n in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if n in st and st[n].dtype != torch.float32:
+                        st[n] = st[n].float()
             if group["amsgrad"] and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
             return st
@@ -194,12 +257,16 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step over every group. With ``max_grad_norm`` the norm is taken
-        once over all groups' gradients, and a non-finite one skips the step."""
+        """One step over every group. Every group is checked before anything
+        is written (a later group's bad lr or param leaves the earlier ones
+        and every step count as they were). With ``max_grad_norm`` the norm
+        is taken once over all groups' gradients, and a non-finite one skips
+        the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plans = [self._plan(group) for group in self.param_groups]
         grads = self._grads()
         coef = None
         if self.max_grad_norm is not None:
@@ -211,38 +278,57 @@ class AdamW(torch.optim.Optimizer):
                 return loss
             c = self.max_grad_norm / (norm + 1e-6)
             coef = float(torch.tensor(min(c, 1.0), dtype=torch.float32))
-        for group in self.param_groups:
-            self._step_group(group, coef)
+        for group, plan in zip(self.param_groups, plans):
+            self._run(group, plan, coef)
         return loss
 
-    def _step_group(self, group, coef):
+    def _plan(self, group):
+        """The group's buckets (params sharing dtypes and a step), checked:
+        nothing is written and no step count moves here."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = float(_value(lr))
+        if not lr >= 0.0 or lr == float("inf"):
+            raise ValueError(f"npukern_torch.optim.AdamW: lr {lr} is not a finite value >= 0")
         buckets = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if _local(p).device.type != "cpu" or p.dtype not in KERNEL_DTYPES or p.grad.dtype not in KERNEL_DTYPES:
+            local = _local(p)
+            if local.device.type != "cpu" or local.is_meta:
+                raise TypeError(f"npukern_torch.optim.AdamW: params must be CPU tensors (got one on {p.device})")
+            real = p.dtype.to_real() if p.is_complex() else p.dtype
+            if real not in KERNEL_DTYPES + (torch.float64,) or p.grad.dtype != p.dtype:
                 raise TypeError(
-                    f"npukern_torch.optim.AdamW: params and grads must be CPU float32/bfloat16/float16 "
-                    f"(got {p.dtype} on {p.device}, grad {p.grad.dtype})"
+                    f"npukern_torch.optim.AdamW: params must be float32/bfloat16/float16/float64 (or complex) "
+                    f"with grads of their dtype (got {p.dtype}, grad {p.grad.dtype})"
                 )
             st = self._init_state(p, group)
-            st["step"] += 1
-            key = (p.dtype, p.grad.dtype, st["exp_avg"].dtype, "master" in st, float(st["step"]))
+            key = (real, st["exp_avg"].dtype, "master" in st, float(st["step"]) + 1)
             buckets.setdefault(key, []).append((p, st))
+        return buckets
+
+    def _run(self, group, buckets, coef):
         b1, b2 = group["betas"]
+        decoupled = group.get("decoupled_weight_decay", self._decoupled)
         flags = (AMSGRAD if group["amsgrad"] else 0) | (MAXIMIZE if group["maximize"] else 0)
-        flags |= 0 if self._decoupled else L2
+        flags |= 0 if decoupled else L2
         if coef is not None:
             flags |= CLIP_COEF
-        for (_, _, _, has_master, step), items in buckets.items():
+        lr = float(_value(group["lr"]))
+        for (real, _, has_master, step), items in buckets.items():
+            if real == torch.float64:
+                self._run_float64(group, items, coef, decoupled)
+                continue
             torch.ops.npukern.adamw_(
-                [_local(p) for p, _ in items],
-                [_local(p.grad) for p, _ in items],
-                [_local(s["exp_avg"]) for _, s in items],
-                [_local(s["exp_avg_sq"]) for _, s in items],
-                [_local(s["max_exp_avg_sq"]) for _, s in items] if group["amsgrad"] else [],
-                [_local(s["master"]) for _, s in items] if has_master else [],
-                float(_value(group["lr"])),
+                [_flat(p) for p, _ in items],
+                [_flat(p.grad) for p, _ in items],
+                [_flat(s["exp_avg"]) for _, s in items],
+                [_flat(s["exp_avg_sq"]) for _, s in items],
+                [_flat(s["max_exp_avg_sq"]) for _, s in items] if group["amsgrad"] else [],
+                [_flat(s["master"]) for _, s in items] if has_master else [],
+                lr,
                 float(b1),
                 float(b2),
                 float(group["eps"]),
@@ -254,10 +340,37 @@ class AdamW(torch.optim.Optimizer):
                 0.0,
                 1.0 if coef is None else coef,
             )
+            for _, st in items:
+                st["step"] += 1
+
+    @staticmethod
+    def _run_float64(group, items, coef, decoupled):
+        """float64 (and complex128) params: torch's own single-tensor Adam (npukern's
+        kernel is float32 inside), the clip applied to a scaled copy of each gradient."""
+        from torch.optim.adam import adam
+
+        b1, b2 = group["betas"]
+        grads = [p.grad if coef is None else p.grad * coef for p, _ in items]
+        adam([p for p, _ in items], grads, [s["exp_avg"] for _, s in items], [s["exp_avg_sq"] for _, s in items],
+             [s["max_exp_avg_sq"] for _, s in items] if group["amsgrad"] else [],
+             [s["step"] for _, s in items], foreach=False, has_complex=any(p.is_complex() for p, _ in items),
+             decoupled_weight_decay=decoupled, amsgrad=group["amsgrad"], beta1=b1, beta2=b2, lr=group["lr"],
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+
+
+def _flat(t):
+    """The rank's elements as the kernel reads them: complex as its real
+    pairs (torch's AdamW steps ``view_as_real``), and flat when contiguous (any
+    number of dims; the op sees elements, not shapes)."""
+    t = _local(t)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(-1) if t.is_contiguous() else t
 
 
 class Adam(AdamW):
-    """Drop-in for :class:`torch.optim.Adam` (L2 weight decay, default 0),
+    """Drop-in for :class:`torch.optim.Adam` (L2 weight decay, default 0;
+    ``decoupled_weight_decay=True`` is AdamW's, as torch's Adam takes it),
     with :class:`AdamW`'s ``master_weights`` and ``max_grad_norm``."""
 
     _decoupled = False
