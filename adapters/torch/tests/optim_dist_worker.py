@@ -69,15 +69,20 @@ def ddp(rank, world):
             "grad_norm": float(opt.grad_norm), "ref_grad_norm": float(ref_opt.grad_norm)}
 
 
-def fsdp2(rank, world):
+def fsdp2(rank, world, mesh_shape=None):
     from torch.distributed.fsdp import fully_shard
 
     model = mlp(torch.float32)
     ref = mlp(torch.float32)
+    mesh = None
+    if mesh_shape is not None:  # HSDP: (replicate, shard)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
     opt, ref_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw)
     norms = []
@@ -104,7 +109,9 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        res = {"ddp": ddp, "fsdp2": fsdp2}[mode](rank, world)
+        modes = {"ddp": ddp, "fsdp2": fsdp2, "hsdp12": lambda r, w: fsdp2(r, w, (1, 2)),
+                 "hsdp21": lambda r, w: fsdp2(r, w, (2, 1))}
+        res = modes[mode](rank, world)
         res["ok"] = True
     except Exception as e:  # reported to the test, which shows it
         import traceback

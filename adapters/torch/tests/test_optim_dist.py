@@ -57,3 +57,13 @@ def test_fsdp2_within_bounds(tmp_path):
     for r in run("fsdp2", tmp_path):
         assert r["max_param_diff"] <= 1e-6, r
         assert r["max_norm_rel"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("mode", ["hsdp12", "hsdp21"])
+def test_hsdp_takes_the_norm_over_the_shard_dim(tmp_path, mode):
+    # fully_shard with a 2-D (replicate, shard) mesh: the norm's sums are
+    # all-reduced over the shard dim (get_group() without mesh_dim raised).
+    pytest.importorskip("torch.distributed.fsdp")
+    for r in run(mode, tmp_path):
+        assert r["max_param_diff"] <= 1e-6, r
+        assert r["max_norm_rel"] <= 1e-6, r
