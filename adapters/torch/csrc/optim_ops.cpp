@@ -135,7 +135,10 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
            [&](void *ws, size_t bytes) { return npk_adamw(&t, &o, &r, ws, bytes, call.exec()); });
   for (const FlatList *l : {&p, &m, &v, &x, &w}) l->copy_back();
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
-  out.data_ptr<double>()[0] = r.grad_norm;
+  // Without CLIP no norm is taken: 0, not the C ABI's NaN (a NaN output
+  // compares unequal to itself, and torch.library.opcheck's AOT check of the
+  // op failed on it).
+  out.data_ptr<double>()[0] = (flags & NPK_ADAMW_CLIP) ? r.grad_norm : 0.0;
   out.data_ptr<double>()[1] = static_cast<double>(r.stepped);
   return out;
 }
