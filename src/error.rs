@@ -215,7 +215,7 @@ impl fmt::Display for Error {
                 end,
             } => write!(
                 f,
-                "{arg}[{position}] = {value} is out of range (valid: {start}..{end})"
+                "{arg}[{position}] = {value} is out of range (want {start} <= {arg} < {end})"
             ),
             Error::WorkspaceTooSmall { needed, given } => {
                 write!(

@@ -661,7 +661,7 @@ fn bad_targets_are_refused_and_nothing_is_written() {
         let msg = format!("{}", r.unwrap_err());
         assert!(msg.contains(&format!("target[{row}] = {bad}")), "{msg}");
         // The valid range, so a caller sees what was expected.
-        assert!(msg.contains(&format!("valid: 0..{c}")), "{msg}");
+        assert!(msg.contains(&format!("<= target < {c}")), "{msg}");
     }
     // ignore_index may be any value, a valid class included.
     let k = Case {

@@ -531,16 +531,40 @@ def _causal_lm_forward(model, *args, labels=None, matmul="torch", **kwargs):
     shifted = shifted.to(hidden.device)
     num_items = kwargs.get("num_items_in_batch")
     cap = getattr(model.config, "final_logit_softcapping", None)
-    loss = _loss.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, shifted.reshape(-1),
-                                      getattr(head, "bias", None), ignore,
-                                      "sum" if num_items is not None else "mean", softcap=cap or None,
-                                      matmul=matmul)
+    try:
+        loss = _loss.linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, shifted.reshape(-1),
+                                          getattr(head, "bias", None), ignore,
+                                          "sum" if num_items is not None else "mean", softcap=cap or None,
+                                          matmul=matmul)
+    except IndexError as e:
+        raise _label_error(e, labels, shifted, kwargs.get("shift_labels") is None, head.weight.shape[0],
+                           ignore) from e
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     # Rebuilt, not assigned: a ModelOutput's order is its fields' (loss
     # first, so out[0] and the tuple form lead with the loss, as stock's).
     out = type(out)(loss=loss, **{k: v for k, v in out.items() if k not in ("loss", "logits")})
     return out if return_dict else out.to_tuple()
+
+
+def _label_error(e, labels, shifted, shifted_here, vocab, ignore):
+    """The kernel's out-of-range target (a flat position in the shifted
+    labels) as the user's own label: its index in ``labels`` (one place to
+    the right of the shifted one) and the valid range."""
+    import re
+
+    found = re.search(r"flat position (\d+)", str(e))
+    if found is None:
+        return e
+    flat = int(found.group(1))
+    at = list(divmod(flat, shifted.shape[-1])) if shifted.dim() > 1 else [flat]
+    if shifted_here:
+        at[-1] += 1  # shifted[..., j] is labels[..., j + 1]
+    src = labels if shifted_here else shifted
+    value = int(src[tuple(at)]) if src.dim() == len(at) else int(shifted.reshape(-1)[flat])
+    name = "labels" if shifted_here else "shift_labels"
+    return IndexError(f"{name}[{', '.join(map(str, at))}] = {value} is out of range (want 0 <= label < {vocab}, "
+                      f"or {ignore} to ignore it)")
 
 
 def _is_causal_lm(m):

@@ -20,6 +20,8 @@ float32 ulp of float64 AdamW per step (``tests/adamw.rs``). Not bitwise equal
 to torch's (whose vector code may fuse multiply-adds).
 """
 
+import warnings
+
 import torch
 
 from ._dtypes import KERNEL_DTYPES
@@ -161,6 +163,21 @@ class AdamW(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_norm = None
         self._hooks()
+        self._advise()
+
+    def _advise(self):
+        """Says once what a new user would otherwise not learn: masters asked
+        for with no 16-bit params, and float16 params without loss scaling."""
+        dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+        if self.master_weights and not dtypes & set(_SIXTEEN):
+            warnings.warn("npukern_torch.optim: master_weights=True keeps float32 masters of bfloat16/float16 "
+                          "params only, and these params are all " + ", ".join(sorted(map(str, dtypes))) +
+                          " (a float32 model, or peft's float32 LoRA adapters): it changes nothing here",
+                          stacklevel=3)
+        if torch.float16 in dtypes:
+            warnings.warn("npukern_torch.optim: float16 params: gradients below float16's range (6e-8) become 0 "
+                          "without loss scaling; scale the loss (torch.amp.GradScaler works with this optimizer) "
+                          "or train in bfloat16", stacklevel=3)
 
     # What torch's Optimizer.__getstate__ drops (it keeps defaults, state and
     # param groups): copy.deepcopy, pickle and torch.save keep these too.
