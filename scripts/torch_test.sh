@@ -44,6 +44,12 @@ if ! "$PY" -c "import torch, pytest, numpy, ninja" 2>/dev/null; then
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet torch pytest numpy ninja setuptools
 fi
+if ! "$PY" -c "import expecttest" 2>/dev/null; then
+  # torch.testing._internal (tests/test_optim_db.py: PyTorch's own optimizer
+  # inputs) imports it; torch's wheel does not depend on it.
+  echo "== installing expecttest into $VENV"
+  "$PY" -m pip install --quiet expecttest
+fi
 if ! "$PY" -c "import accelerate" 2>/dev/null; then
   # Trainer's own dependency: tests/test_hf_trainer.py runs Hugging Face's Trainer.
   echo "== installing accelerate into $VENV"

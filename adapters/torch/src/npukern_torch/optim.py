@@ -132,6 +132,8 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("Tensor lr must be 1-element")
         if not 0.0 <= _value(lr):
             raise ValueError(f"Invalid learning rate: {lr}")
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            raise ValueError("betas must be either both floats or both Tensors")
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if not 0.0 <= betas[0] < 1.0:
