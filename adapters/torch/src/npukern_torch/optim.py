@@ -208,10 +208,15 @@ class AdamW(torch.optim.Optimizer):
 
     # torch's load_state_dict casts every state tensor to its param's dtype,
     # which would round masters and float32 moments to bf16: keep them.
+    # References, not copies (a copy of every state tensor raised a resume's
+    # peak by the whole optimizer state; torch's own load copies nothing
+    # whose dtype already matches): only the float32 tensors torch would
+    # cast, the loaded dict's own, as torch's load keeps them.
     @staticmethod
     def _keep_float32(opt, state_dict):
         opt._incoming = {
-            k: {n: t.detach().clone() for n, t in s.items() if isinstance(t, torch.Tensor) and n != "step"}
+            k: {n: t for n, t in s.items()
+                if isinstance(t, torch.Tensor) and n != "step" and t.dtype == torch.float32}
             for k, s in state_dict["state"].items()
         }
         return None
