@@ -48,6 +48,7 @@ pub(crate) mod lanes;
 pub mod ops;
 pub mod runner;
 pub mod tensor;
+pub mod tensor_list;
 pub mod tiling;
 mod workspace;
 
@@ -88,6 +89,7 @@ pub use ops::geglu_grad::{
     geglu_grad, geglu_grad_workspace_size, gelu_mul_grad, gelu_mul_grad_workspace_size,
     GegluGradCall,
 };
+pub use tensor_list::{FlatTensor, FlatTensorMut};
 pub use ops::grad_stats::{
     clip_coefficient, clip_grad_norm, clip_grad_norm_raw, clip_grad_norm_workspace_size,
     grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw,

@@ -34,6 +34,7 @@
 pub mod exec;
 pub mod foreign;
 mod host_runner;
+pub(crate) mod list;
 pub(crate) mod skin;
 pub mod status;
 pub mod threads;

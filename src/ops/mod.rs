@@ -143,7 +143,8 @@ operators! {
 pub mod elementwise;
 pub(crate) mod gated;
 
-pub mod list;
+/// The tensor lists (`crate::tensor_list`), under their first name.
+pub use crate::tensor_list as list;
 pub mod norm;
 
 use crate::lanes::detect::Available;

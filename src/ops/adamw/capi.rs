@@ -9,9 +9,9 @@ use core::mem::size_of;
 
 use super::{plan, AdamWOptions, AdamWReport, Lists};
 use crate::capi::exec::{run, run_size};
+use crate::capi::list::{mark_first_bad, set_position, CList};
 use crate::capi::types::{npk_exec, npk_status};
 use crate::error::{Error, Result};
-use crate::ops::list::{mark_first_bad, set_position, CList};
 use crate::tensor::RawTensor;
 
 /// A tensor list: `count` descriptors at `tensors` (NULL only when

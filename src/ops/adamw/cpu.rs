@@ -8,8 +8,8 @@ use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
 use crate::lanes::{dispatch_isa, Lanes, GROUP};
 use crate::ops::grad_stats::{clip_coefficient, partials_of, stats_table};
-use crate::ops::list::ListSeg;
 use crate::runner::Runner;
+use crate::tensor_list::ListSeg;
 use half::{bf16, f16};
 
 /// The step's decision before the pass (shared with the reference model):

@@ -64,9 +64,9 @@ pub use plan::{AdamWConsts, AdamWTiling};
 use core::ffi::c_void;
 
 use super::grad_stats::{GradTensor, GradTensorMut};
-use super::list::{RoList, RwList, TensorList};
 use super::Exec;
 use crate::error::{invalid_fmt, Result};
+use crate::tensor_list::{RoList, RwList, TensorList};
 
 /// `AdamWOptions::flags`: keep the running max of `exp_avg_sq` (amsgrad;
 /// the max_exp_avg_sqs list is then required).
@@ -297,7 +297,7 @@ impl AdamWCall {
     ///
     /// # Safety
     /// The call comes from the front end (its tables are written and live).
-    pub(crate) unsafe fn tables<'a>(&self) -> [&'a [super::list::ListSeg]; 6] {
+    pub(crate) unsafe fn tables<'a>(&self) -> [&'a [crate::tensor_list::ListSeg]; 6] {
         // SAFETY: the caller's contract.
         unsafe {
             [

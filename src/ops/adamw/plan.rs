@@ -11,8 +11,8 @@ use super::{ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_GRAD_SCALE, ADAMW_L2};
 use crate::dtype::DType;
 use crate::error::{dtype_err, invalid, invalid_fmt, Error, Result};
 use crate::ops::grad_stats::GradTiling;
-use crate::ops::list::{disjoint, overlaps, ListSeg, ListSource, TensorList};
 use crate::ops::{Exec, Op};
+use crate::tensor_list::{disjoint, overlaps, ListSeg, ListSource, TensorList};
 use crate::tiling::{UbConfig, WORKSPACE_ALIGN};
 use crate::workspace::Workspace;
 

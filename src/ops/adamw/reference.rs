@@ -6,7 +6,7 @@ use super::plan::powi;
 use super::{AdamWCall, ADAMW_AMSGRAD, ADAMW_L2, ADAMW_MAXIMIZE};
 use crate::dtype::{DType, Float};
 use crate::ops::grad_stats::reference::stats;
-use crate::ops::list::{ListSeg, TableList};
+use crate::tensor_list::{ListSeg, TableList};
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
 

@@ -15,13 +15,13 @@ use core::ffi::c_void;
 use core::mem::size_of;
 
 use crate::capi::exec::run;
+use crate::capi::list::{mark_first_bad, CList};
 use crate::capi::skin::{self, CapiOp};
 use crate::capi::types::{npk_exec, npk_status};
 use crate::error::{Error, Result};
 use crate::ops::grad_stats::{
     clip_with, plan_of, stats_with, ClipGradNormOptions, GradSummary, OutRange, ARG,
 };
-use crate::ops::list::{mark_first_bad, CList};
 use crate::ops::Exec;
 use crate::tensor::RawTensor;
 use crate::tiling::UbConfig;

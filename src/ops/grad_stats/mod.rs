@@ -86,7 +86,6 @@ pub(crate) use plan::{plan_of, GradSource, ARG};
 pub(crate) use plan::{Partial, Seg};
 use plan::{RawList, RoList, RwList};
 
-use super::list::TensorList;
 use super::Op;
 use super::{dispatch_isa, Exec};
 use crate::dtype::DType;
@@ -94,6 +93,7 @@ use crate::error::{invalid, Error, Result};
 use crate::lanes::Lanes;
 use crate::runner::Runner;
 use crate::tensor::RawTensor;
+use crate::tensor_list::TensorList;
 use crate::workspace::{Dst, Workspace};
 
 /// PyTorch's clipping coefficient: `min(1, max_norm / (total_norm + 1e-6))`

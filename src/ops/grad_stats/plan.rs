@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::lanes::GROUP;
 use crate::tiling::{UbConfig, WORKSPACE_ALIGN};
 
-pub(crate) use crate::ops::list::{
+pub(crate) use crate::tensor_list::{
     ListSeg as Seg, ListSource as GradSource, RawList, RoList, RwList, ARG,
 };
 

@@ -5,7 +5,7 @@
 use super::plan::GradSource;
 use super::{ClipGradNormCall, GradCall, GradStatsCall, GradSummary};
 use crate::dtype::{DType, Float};
-use crate::ops::list::TableList;
+use crate::tensor_list::TableList;
 use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
 

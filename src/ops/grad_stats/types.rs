@@ -1,118 +1,13 @@
 //! The typed Rust views of the gradient-health operators: tensor lists, the
 //! summary they produce and the execution settings.
 
-use half::{bf16, f16};
-
-use crate::dtype::DType;
 use crate::lanes::sqrt_f64;
-use crate::tensor::TensorRef;
 
-/// One read-only gradient tensor. Its shape does not matter to these
-/// operators (every element counts once), so a flat slice is all they need.
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub enum GradTensor<'a> {
-    /// IEEE binary32 elements.
-    F32(&'a [f32]),
-    /// IEEE binary16 elements.
-    F16(&'a [f16]),
-    /// bfloat16 elements.
-    BF16(&'a [bf16]),
-}
-
-/// One writable gradient tensor (for `clip_grad_norm`, which scales in place).
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum GradTensorMut<'a> {
-    /// IEEE binary32 elements.
-    F32(&'a mut [f32]),
-    /// IEEE binary16 elements.
-    F16(&'a mut [f16]),
-    /// bfloat16 elements.
-    BF16(&'a mut [bf16]),
-}
-
-impl GradTensor<'_> {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            GradTensor::F32(_) => DType::F32,
-            GradTensor::F16(_) => DType::F16,
-            GradTensor::BF16(_) => DType::BF16,
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            GradTensor::F32(s) => s.len(),
-            GradTensor::F16(s) => s.len(),
-            GradTensor::BF16(s) => s.len(),
-        }
-    }
-
-    /// True when the tensor has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl GradTensorMut<'_> {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            GradTensorMut::F32(_) => DType::F32,
-            GradTensorMut::F16(_) => DType::F16,
-            GradTensorMut::BF16(_) => DType::BF16,
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            GradTensorMut::F32(s) => s.len(),
-            GradTensorMut::F16(s) => s.len(),
-            GradTensorMut::BF16(s) => s.len(),
-        }
-    }
-
-    /// True when the tensor has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// A read-only view of the same elements.
-    pub fn as_ref(&self) -> GradTensor<'_> {
-        match self {
-            GradTensorMut::F32(s) => GradTensor::F32(s),
-            GradTensorMut::F16(s) => GradTensor::F16(s),
-            GradTensorMut::BF16(s) => GradTensor::BF16(s),
-        }
-    }
-}
-
-macro_rules! grad_from {
-    ($t:ty, $v:ident) => {
-        impl<'a> From<&'a [$t]> for GradTensor<'a> {
-            fn from(s: &'a [$t]) -> Self {
-                GradTensor::$v(s)
-            }
-        }
-        impl<'a> From<&'a mut [$t]> for GradTensorMut<'a> {
-            fn from(s: &'a mut [$t]) -> Self {
-                GradTensorMut::$v(s)
-            }
-        }
-        impl<'a> From<TensorRef<'a, $t>> for GradTensor<'a> {
-            fn from(t: TensorRef<'a, $t>) -> Self {
-                GradTensor::$v(t.data())
-            }
-        }
-    };
-}
-grad_from!(f32, F32);
-grad_from!(f16, F16);
-grad_from!(bf16, BF16);
+/// A read-only gradient: the list element of `crate::tensor_list`
+/// (its name here since the gradient-health operators came first).
+pub use crate::tensor_list::FlatTensor as GradTensor;
+/// A writable gradient: `crate::tensor_list::FlatTensorMut`.
+pub use crate::tensor_list::FlatTensorMut as GradTensorMut;
 
 /// What `grad_stats` measures over all elements of all tensors
 /// (`npk_grad_summary`).

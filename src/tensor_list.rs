@@ -1,5 +1,7 @@
 //! Tensor lists, first-class: what the multi-tensor operators (gradient
 //! health, AdamW) take, as aclnn's foreach calls take an `aclTensorList`.
+//! Core, beside `tensor.rs`: it imports no operator and not the C layer
+//! (the C descriptor arrays are `capi::list`'s).
 //!
 //! A list is validated element by element through a `ListSource` (Rust
 //! slices, C descriptor arrays), then lowered into the caller's workspace as
@@ -16,10 +18,119 @@
 
 use core::ffi::c_void;
 
+use half::{bf16, f16};
+
 use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
-use crate::ops::grad_stats::{GradTensor, GradTensorMut};
-use crate::tensor::RawTensor;
+use crate::tensor::{RawTensor, TensorRef};
+
+/// One read-only tensor of a list: its elements as a flat slice (the list
+/// operators see elements, not shapes: every element counts once).
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub enum FlatTensor<'a> {
+    /// IEEE binary32 elements.
+    F32(&'a [f32]),
+    /// IEEE binary16 elements.
+    F16(&'a [f16]),
+    /// bfloat16 elements.
+    BF16(&'a [bf16]),
+}
+
+/// One writable tensor of a list (`clip_grad_norm` scales it in place;
+/// AdamW's params and moments).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum FlatTensorMut<'a> {
+    /// IEEE binary32 elements.
+    F32(&'a mut [f32]),
+    /// IEEE binary16 elements.
+    F16(&'a mut [f16]),
+    /// bfloat16 elements.
+    BF16(&'a mut [bf16]),
+}
+
+impl FlatTensor<'_> {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            FlatTensor::F32(_) => DType::F32,
+            FlatTensor::F16(_) => DType::F16,
+            FlatTensor::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            FlatTensor::F32(s) => s.len(),
+            FlatTensor::F16(s) => s.len(),
+            FlatTensor::BF16(s) => s.len(),
+        }
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl FlatTensorMut<'_> {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            FlatTensorMut::F32(_) => DType::F32,
+            FlatTensorMut::F16(_) => DType::F16,
+            FlatTensorMut::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            FlatTensorMut::F32(s) => s.len(),
+            FlatTensorMut::F16(s) => s.len(),
+            FlatTensorMut::BF16(s) => s.len(),
+        }
+    }
+
+    /// True when the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A read-only view of the same elements.
+    pub fn as_ref(&self) -> FlatTensor<'_> {
+        match self {
+            FlatTensorMut::F32(s) => FlatTensor::F32(s),
+            FlatTensorMut::F16(s) => FlatTensor::F16(s),
+            FlatTensorMut::BF16(s) => FlatTensor::BF16(s),
+        }
+    }
+}
+
+macro_rules! flat_from {
+    ($t:ty, $v:ident) => {
+        impl<'a> From<&'a [$t]> for FlatTensor<'a> {
+            fn from(s: &'a [$t]) -> Self {
+                FlatTensor::$v(s)
+            }
+        }
+        impl<'a> From<&'a mut [$t]> for FlatTensorMut<'a> {
+            fn from(s: &'a mut [$t]) -> Self {
+                FlatTensorMut::$v(s)
+            }
+        }
+        impl<'a> From<TensorRef<'a, $t>> for FlatTensor<'a> {
+            fn from(t: TensorRef<'a, $t>) -> Self {
+                FlatTensor::$v(t.data())
+            }
+        }
+    };
+}
+flat_from!(f32, F32);
+flat_from!(f16, F16);
+flat_from!(bf16, BF16);
 
 /// One row of a segment table (`npk_list_seg`): a non-empty tensor and where
 /// it starts in its list's flat element sequence.
@@ -106,13 +217,13 @@ pub(crate) trait ListSource {
 pub(crate) const ARG: &str = "tensors";
 
 /// A read-only Rust list.
-pub(crate) struct RoList<'l, 'a>(pub &'l [GradTensor<'a>], pub &'static str);
+pub(crate) struct RoList<'l, 'a>(pub &'l [FlatTensor<'a>], pub &'static str);
 /// A writable Rust list.
-pub(crate) struct RwList<'l, 'a>(pub &'l mut [GradTensorMut<'a>], pub &'static str);
+pub(crate) struct RwList<'l, 'a>(pub &'l mut [FlatTensorMut<'a>], pub &'static str);
 /// A Rust slice of C-style descriptors.
 pub(crate) struct RawList<'l>(pub &'l [RawTensor], pub &'static str);
 
-fn past(name: &'static str) -> Error {
+pub(crate) fn past(name: &'static str) -> Error {
     invalid(name, "index past the list")
 }
 
@@ -124,9 +235,9 @@ impl ListSource for RoList<'_, '_> {
         let t = self.0.get(i).ok_or(past(self.1))?;
         // Read-only pointers: no kernel writes through a read-only list.
         let p = match t {
-            GradTensor::F32(s) => s.as_ptr() as *mut c_void,
-            GradTensor::F16(s) => s.as_ptr() as *mut c_void,
-            GradTensor::BF16(s) => s.as_ptr() as *mut c_void,
+            FlatTensor::F32(s) => s.as_ptr() as *mut c_void,
+            FlatTensor::F16(s) => s.as_ptr() as *mut c_void,
+            FlatTensor::BF16(s) => s.as_ptr() as *mut c_void,
         };
         Ok((p, t.dtype(), t.len()))
     }
@@ -144,9 +255,9 @@ impl ListSource for RwList<'_, '_> {
         let t = self.0.get_mut(i).ok_or(past(name))?;
         let (dt, n) = (t.dtype(), t.len());
         let p = match t {
-            GradTensorMut::F32(s) => s.as_mut_ptr() as *mut c_void,
-            GradTensorMut::F16(s) => s.as_mut_ptr() as *mut c_void,
-            GradTensorMut::BF16(s) => s.as_mut_ptr() as *mut c_void,
+            FlatTensorMut::F32(s) => s.as_mut_ptr() as *mut c_void,
+            FlatTensorMut::F16(s) => s.as_mut_ptr() as *mut c_void,
+            FlatTensorMut::BF16(s) => s.as_mut_ptr() as *mut c_void,
         };
         Ok((p, dt, n))
     }
@@ -215,117 +326,5 @@ impl ListSource for TableList<'_> {
     fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
         let s = self.0.get(i).ok_or(past("tensors"))?;
         Ok((s.data, s.dtype, s.numel))
-    }
-}
-
-/// The C ABI's `const npk_tensor* tensors, size_t count` as a list named
-/// `name` (descriptors read one at a time: an invalid dtype value never
-/// becomes a Rust enum).
-#[cfg(feature = "capi")]
-#[derive(Clone, Copy)]
-pub(crate) struct CList {
-    p: *const RawTensor,
-    n: usize,
-    name: &'static str,
-}
-
-#[cfg(feature = "capi")]
-impl CList {
-    /// Checks the array's pointer and extent (not its descriptors).
-    pub(crate) fn new(p: *const RawTensor, n: usize, name: &'static str) -> Result<CList> {
-        if n == 0 {
-            return Ok(CList { p, n, name });
-        }
-        if p.is_null() {
-            return Err(Error::NullPointer { arg: name });
-        }
-        n.checked_mul(core::mem::size_of::<RawTensor>())
-            .filter(|&b| b <= isize::MAX as usize)
-            .and_then(|b| (p as usize).checked_add(b))
-            .ok_or(Error::SizeOverflow { arg: name })?;
-        Ok(CList { p, n, name })
-    }
-}
-
-#[cfg(feature = "capi")]
-impl ListSource for CList {
-    fn count(&self) -> usize {
-        self.n
-    }
-    fn get(&mut self, i: usize) -> Result<(*mut c_void, DType, usize)> {
-        if i >= self.n {
-            return Err(past(self.name));
-        }
-        // SAFETY: `CList::new` checked the array's extent; the caller of the
-        // exported function promises `count` readable descriptors.
-        let t = unsafe { crate::capi::types::read_tensor(self.p.add(i), self.name)? };
-        check_raw(&t, self.name, i)
-    }
-    fn name(&self) -> &'static str {
-        self.name
-    }
-}
-
-/// After a failed call: when one of `lists` is the argument the error
-/// names, points `detail->position` at its first bad tensor.
-///
-/// # Safety
-/// `exec` is NULL or readable with a NULL or writable `detail`; each list
-/// as for the exported function that read it.
-#[cfg(feature = "capi")]
-pub(crate) unsafe fn mark_first_bad(
-    exec: *const crate::capi::types::npk_exec,
-    lists: &mut [CList],
-) {
-    // SAFETY: forwarded.
-    let Some(detail) = (unsafe { detail_of(exec) }) else {
-        return;
-    };
-    // SAFETY: readable (caller); plain bytes.
-    let arg = unsafe { core::ptr::addr_of!((*detail).argument).read_unaligned() };
-    for l in lists {
-        let named = l
-            .name
-            .bytes()
-            .chain([0])
-            .zip(arg)
-            .all(|(a, b)| a as core::ffi::c_char == b);
-        if named {
-            if let Some(i) = first_bad(l) {
-                // SAFETY: forwarded.
-                unsafe { set_position(exec, i) };
-            }
-            return;
-        }
-    }
-}
-
-/// `exec->detail`, when both are non-NULL.
-///
-/// # Safety
-/// `exec` is NULL or readable.
-#[cfg(feature = "capi")]
-unsafe fn detail_of(
-    exec: *const crate::capi::types::npk_exec,
-) -> Option<*mut crate::capi::types::npk_error_detail> {
-    if exec.is_null() {
-        return None;
-    }
-    // SAFETY: readable (caller).
-    let d = unsafe { core::ptr::addr_of!((*exec).detail).read_unaligned() };
-    (!d.is_null()).then_some(d)
-}
-
-/// After a failed call: `detail->position = i` (the bad tensor's index in
-/// the list the error names).
-///
-/// # Safety
-/// `exec` is NULL or readable with a NULL or writable `detail`.
-#[cfg(feature = "capi")]
-pub(crate) unsafe fn set_position(exec: *const crate::capi::types::npk_exec, i: usize) {
-    // SAFETY: forwarded.
-    if let Some(d) = unsafe { detail_of(exec) } {
-        // SAFETY: writable (caller); a plain integer field.
-        unsafe { core::ptr::addr_of_mut!((*d).position).write_unaligned(i as i64) };
     }
 }
