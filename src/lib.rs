@@ -89,7 +89,6 @@ pub use ops::geglu_grad::{
     geglu_grad, geglu_grad_workspace_size, gelu_mul_grad, gelu_mul_grad_workspace_size,
     GegluGradCall,
 };
-pub use tensor_list::{FlatTensor, FlatTensorMut};
 pub use ops::grad_stats::{
     clip_coefficient, clip_grad_norm, clip_grad_norm_raw, clip_grad_norm_workspace_size,
     grad_stats, grad_stats_raw, grad_stats_workspace_size, grad_stats_workspace_size_raw,
@@ -118,6 +117,7 @@ pub use ops::{Exec, Op, OpId};
 pub use runner::Threads;
 pub use runner::{Runner, Serial};
 pub use tensor::{RawTensor, Shape, TensorMut, TensorRef, MAX_DIMS};
+pub use tensor_list::{FlatTensor, FlatTensorMut};
 pub use tiling::{
     EltTiling, EltUnit, EmbeddingTiling, NormTiling, OutputPages, UbConfig, NORM_FLAG_SERIAL,
     NORM_FLAG_STREAM, SERIAL_MAX_BYTES, STREAM_MIN_BYTES,

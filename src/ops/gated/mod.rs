@@ -5,6 +5,9 @@
 
 pub(crate) mod backward;
 pub(crate) mod forward;
+pub(crate) mod grad_api;
+#[cfg(feature = "capi")]
+pub(crate) mod grad_capi;
 
 use crate::dtype::Float;
 use crate::lanes::math::{erf, exp, exp_scale, silu_finish, silu_reduce, tanh, ExpArg};

@@ -3,63 +3,23 @@
 
 use core::ffi::c_void;
 
-use crate::capi::skin::{self, CapiCall, CapiOp};
-use crate::capi::types::{npk_exec, npk_status, read_opt_tensor, read_tensor};
+use crate::capi::skin;
+use crate::capi::types::{npk_exec, npk_status};
 use crate::error::Result;
+use crate::ops::gated::grad_capi::{GradCapi, GradSkin};
 use crate::ops::geglu::capi::{npk_geglu_options, read_geglu_options};
 use crate::ops::geglu::GegluOptions;
-use crate::ops::geglu_grad::{plan, prepare, GegluGradCall};
+use crate::ops::geglu_grad::Op;
 use crate::tensor::RawTensor;
-use crate::tiling::UbConfig;
 
-/// GeGluGrad's C skin.
-struct Skin;
+/// GeGluGrad's C skin: the gated family's (`ops::gated::grad_capi`).
+type Skin = GradSkin<Op>;
 
-impl CapiOp for Skin {
-    type Args = (
-        *const RawTensor,
-        *const RawTensor,
-        *const RawTensor,
-        *const npk_geglu_options,
-    );
-    type Inputs = (RawTensor, RawTensor, Option<RawTensor>, GegluOptions);
-
-    unsafe fn read((dy, a, b, opts): Self::Args) -> Result<Self::Inputs> {
-        // SAFETY: every pointer is NULL or valid (this function's contract).
-        unsafe {
-            Ok((
-                read_tensor(dy, "dy")?,
-                read_tensor(a, if b.is_null() { "x" } else { "gate" })?,
-                read_opt_tensor(b, "up")?,
-                read_geglu_options(opts)?,
-            ))
-        }
-    }
-
-    fn plan((dy, a, b, opts): &Self::Inputs, ub: &UbConfig) -> Result<u64> {
-        Ok(plan(dy, a, b.as_ref(), opts, ub)?.workspace_bytes)
-    }
-}
-
-impl CapiCall for Skin {
-    type Outputs = (*const RawTensor, *const RawTensor);
-    type Call = GegluGradCall;
-
-    unsafe fn prepare(
-        (dy, a, b, opts): Self::Inputs,
-        (da, db): Self::Outputs,
-        ub: &UbConfig,
-    ) -> Result<GegluGradCall> {
-        // `b` was read as None exactly when it is NULL (the split form).
-        let split = b.is_none();
-        // SAFETY: every pointer is NULL or valid (this function's contract).
-        let (da, db) = unsafe {
-            (
-                read_tensor(da, if split { "dx" } else { "dgate" })?,
-                read_opt_tensor(db, if split { "db" } else { "dup" })?,
-            )
-        };
-        prepare(&dy, &a, b.as_ref(), &opts, &da, db.as_ref(), ub)
+impl GradCapi for Op {
+    type COpts = npk_geglu_options;
+    unsafe fn read_options(p: *const npk_geglu_options) -> Result<GegluOptions> {
+        // SAFETY: NULL or valid (the trait's contract).
+        unsafe { read_geglu_options(p) }
     }
 }
 

@@ -14,11 +14,12 @@ pub(crate) use plan::{plan, prepare};
 use core::ffi::c_void;
 
 use super::elementwise::ElemRounding;
+use super::gated::grad_api;
 use super::geglu::{layout, GegluOptions, GeluApproximate};
-use super::{launch_into, op_call, workspace_len, Exec};
+use super::{op_call, Exec};
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::tensor::{out_like, RawTensor, TensorRef};
+use crate::tensor::{RawTensor, TensorRef};
 use crate::tiling::{EltTiling, UbConfig};
 
 /// The validated arguments of one GeGluGrad (`npk_geglu_grad_call`).
@@ -53,6 +54,8 @@ pub struct GegluGradCall {
 
 op_call!(GegluGradCall, |c| c.tiling.units == 0, [dy, a, b, da, db]);
 
+grad_api::grad_op!(GegluOptions, GegluGradCall);
+
 /// Workspace bytes `geglu_grad` needs (always 0).
 pub fn geglu_grad_workspace_size<T: Float>(
     exec: &Exec<'_>,
@@ -60,8 +63,7 @@ pub fn geglu_grad_workspace_size<T: Float>(
     x: TensorRef<'_, T>,
     opts: &GegluOptions,
 ) -> Result<usize> {
-    let t = plan(&dy.raw(), &x.raw(), None, opts, &exec.ub)?;
-    workspace_len(t.workspace_bytes)
+    grad_api::split_size::<Op, T>(exec, dy, x, opts)
 }
 
 /// The gradient of `geglu`: `dx` (x's shape) from `dy` (y's shape) and x.
@@ -74,9 +76,7 @@ pub fn geglu_grad<T: Float>(
     dx: &mut [T],
     workspace: &mut [u8],
 ) -> Result<()> {
-    let dxr = out_like(dx, x.shape(), "dx", "x")?;
-    let call = prepare(&dy.raw(), &x.raw(), None, opts, &dxr, None, &exec.ub)?;
-    launch_into(exec, call, workspace)
+    grad_api::split::<Op, T>(exec, dy, x, opts, dx, workspace)
 }
 
 /// Workspace bytes `gelu_mul_grad` needs (always 0).
@@ -87,8 +87,7 @@ pub fn gelu_mul_grad_workspace_size<T: Float>(
     up: TensorRef<'_, T>,
     opts: &GegluOptions,
 ) -> Result<usize> {
-    let t = plan(&dy.raw(), &gate.raw(), Some(&up.raw()), opts, &exec.ub)?;
-    workspace_len(t.workspace_bytes)
+    grad_api::pair_size::<Op, T>(exec, dy, gate, up, opts)
 }
 
 /// The gradients of `gelu_mul`: `dgate` and `dup` (gate's shape). On error
@@ -104,16 +103,5 @@ pub fn gelu_mul_grad<T: Float>(
     dup: &mut [T],
     workspace: &mut [u8],
 ) -> Result<()> {
-    let dar = out_like(dgate, gate.shape(), "dgate", "gate")?;
-    let dbr = out_like(dup, gate.shape(), "dup", "gate")?;
-    let call = prepare(
-        &dy.raw(),
-        &gate.raw(),
-        Some(&up.raw()),
-        opts,
-        &dar,
-        Some(&dbr),
-        &exec.ub,
-    )?;
-    launch_into(exec, call, workspace)
+    grad_api::pair::<Op, T>(exec, dy, gate, up, opts, dgate, dup, workspace)
 }

@@ -14,11 +14,12 @@ pub(crate) use plan::{plan, prepare};
 use core::ffi::c_void;
 
 use super::elementwise::ElemRounding;
+use super::gated::grad_api;
 use super::swiglu::{operands, SwigluOptions};
-use super::{launch_into, op_call, workspace_len, Exec};
+use super::{op_call, Exec};
 use crate::dtype::Float;
 use crate::error::Result;
-use crate::tensor::{out_like, RawTensor, TensorRef};
+use crate::tensor::{RawTensor, TensorRef};
 use crate::tiling::{EltTiling, UbConfig};
 
 /// The validated arguments of one SwiGluGrad (`npk_swiglu_grad_call`).
@@ -49,6 +50,8 @@ pub struct SwigluGradCall {
 
 op_call!(SwigluGradCall, |c| c.tiling.units == 0, [dy, a, b, da, db]);
 
+grad_api::grad_op!(SwigluOptions, SwigluGradCall);
+
 /// Workspace bytes `swiglu_grad` needs (always 0).
 pub fn swiglu_grad_workspace_size<T: Float>(
     exec: &Exec<'_>,
@@ -56,8 +59,7 @@ pub fn swiglu_grad_workspace_size<T: Float>(
     x: TensorRef<'_, T>,
     opts: &SwigluOptions,
 ) -> Result<usize> {
-    let t = plan(&dy.raw(), &x.raw(), None, opts, &exec.ub)?;
-    workspace_len(t.workspace_bytes)
+    grad_api::split_size::<Op, T>(exec, dy, x, opts)
 }
 
 /// The gradient of `swiglu`: `dx` (x's shape) from `dy` (y's shape) and x.
@@ -70,9 +72,7 @@ pub fn swiglu_grad<T: Float>(
     dx: &mut [T],
     workspace: &mut [u8],
 ) -> Result<()> {
-    let dxr = out_like(dx, x.shape(), "dx", "x")?;
-    let call = prepare(&dy.raw(), &x.raw(), None, opts, &dxr, None, &exec.ub)?;
-    launch_into(exec, call, workspace)
+    grad_api::split::<Op, T>(exec, dy, x, opts, dx, workspace)
 }
 
 /// Workspace bytes `silu_mul_grad` needs (always 0).
@@ -83,8 +83,7 @@ pub fn silu_mul_grad_workspace_size<T: Float>(
     up: TensorRef<'_, T>,
     opts: &SwigluOptions,
 ) -> Result<usize> {
-    let t = plan(&dy.raw(), &gate.raw(), Some(&up.raw()), opts, &exec.ub)?;
-    workspace_len(t.workspace_bytes)
+    grad_api::pair_size::<Op, T>(exec, dy, gate, up, opts)
 }
 
 /// The gradients of `silu_mul`: `dgate` and `dup` (gate's shape). On error
@@ -100,16 +99,5 @@ pub fn silu_mul_grad<T: Float>(
     dup: &mut [T],
     workspace: &mut [u8],
 ) -> Result<()> {
-    let dar = out_like(dgate, gate.shape(), "dgate", "gate")?;
-    let dbr = out_like(dup, gate.shape(), "dup", "gate")?;
-    let call = prepare(
-        &dy.raw(),
-        &gate.raw(),
-        Some(&up.raw()),
-        opts,
-        &dar,
-        Some(&dbr),
-        &exec.ub,
-    )?;
-    launch_into(exec, call, workspace)
+    grad_api::pair::<Op, T>(exec, dy, gate, up, opts, dgate, dup, workspace)
 }
