@@ -3,8 +3,11 @@
 // bits on every ISA and thread count).
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <utility>
 
@@ -39,8 +42,14 @@ void run_matmul(const char *op, const at::Tensor &a, bool trans_a, const at::Ten
   Call call(op);
   call.tensors({&a, &b, &c});
   if (fresh) call.outputs({&c});
-  call.run([&](size_t *bytes) { return npk_matmul_workspace_size(&at_, &bt, &o, &ct, call.exec(), bytes); },
-           [&](void *ws, size_t bytes) { return npk_matmul(&at_, &bt, &o, &ct, ws, bytes, call.exec()); });
+  // One block per torch thread: the plan cuts as many output tiles as there
+  // are blocks, and each tile packs its own b; the default 64 blocks cut
+  // 168-row tiles that repacked b four times as often (and took 64 arenas)
+  // on one thread. The bits do not depend on the blocks (k runs in one order).
+  npk_exec e = *call.exec();
+  e.blocks = static_cast<uint32_t>(std::max(1, at::get_num_threads()));
+  call.run([&](size_t *bytes) { return npk_matmul_workspace_size(&at_, &bt, &o, &ct, &e, bytes); },
+           [&](void *ws, size_t bytes) { return npk_matmul(&at_, &bt, &o, &ct, ws, bytes, &e); });
 }
 
 // The rows and columns of op(a) op(b), checked before c is allocated (the
