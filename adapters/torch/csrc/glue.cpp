@@ -317,11 +317,28 @@ at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t wri
   for (int64_t d : sizes)
     if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) return at::Tensor();
   if (bytes < kStreamMinBytes || written_bytes > bytes / 4) return at::Tensor();
-  void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return at::Tensor();
-  (void)madvise(p, bytes, MADV_NOHUGEPAGE);  // THP "always" would fault 2 MiB per row written
+  const long ps = sysconf(_SC_PAGESIZE);
+  // One huge page more than asked, so the table can start on a huge page.
+  size_t mapped = 0;
+  if (ps <= 0 || __builtin_add_overflow(bytes, size_t{kHugePage}, &mapped)) return at::Tensor();
+  void *base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return at::Tensor();
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(base);
+  void *p = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
+  // Whoever writes the untouched rows first (the clip's mul_, an optimizer's
+  // decay of the grad) pays its page faults: 2 MiB pages make that about a
+  // memset's cost (4 KiB pages: 3-4x one), and the kernel's hit rows fault
+  // at most the whole table once, what torch's zeros cost anyway. Read-only
+  // consumers (a norm, npukern's AdamW) see the zero page either way.
+  // Without huge pages at hand (a fault would compact memory inside the
+  // call), 4 KiB pages: THP "always" would otherwise fault 2 MiB per row.
+  const size_t huge = bytes / kHugePage;
+  const bool use_huge =
+      thp_usable() && huge > 0 && huge_pages_free(huge, static_cast<uintptr_t>(ps));
+  (void)madvise(p, bytes, use_huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
   return at::from_blob(
-      p, sizes, [bytes](void *q) { munmap(q, bytes); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
+      p, sizes, [base, mapped](void *) { munmap(base, mapped); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
 #else
   (void)sizes;
   (void)dtype;
