@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 8
+#define NPK_ABI_VERSION_MINOR 9
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -67,6 +67,12 @@
 /** Multiply each gradient by the caller's clip_coef (its norm over several
  * calls or ranks); not with NPK_ADAMW_CLIP. */
 #define NPK_ADAMW_CLIP_COEF 0x40u
+
+/** npk_adamw_formats.rounding (ABI 2.9; the same bits as the Rust ADAMW_SR_*). */
+/** bf16 moments (and amsgrad's maxima), rounded stochastically. */
+#define NPK_ADAMW_SR_MOMENTS 0x1u
+/** bf16 params without masters, rounded stochastically. */
+#define NPK_ADAMW_SR_PARAMS 0x2u
 
 /**
  * Which SIMD implementation the CPU backend uses.
@@ -184,6 +190,10 @@ typedef enum npk_dtype {
    * Signed 64-bit integer (indices).
    */
   NPK_I64 = 4,
+  /**
+   * Signed 16-bit integer: the low halves of AdamW's split masters (ABI 2.9).
+   */
+  NPK_I16 = 5,
 } npk_dtype;
 
 /**
@@ -1383,7 +1393,8 @@ typedef struct npk_adamw_result {
  * max_exp_avg_sqs, masters; an absent list's table is left unwritten),
  * `table_stride` bytes apart; then the host's overlap scratch (16 bytes per
  * tensor, plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
- * partial per block for the norm.
+ * partial per block for the norm; then, with stochastic rounding, one `u64`
+ * key per row (`AdamWState::keys_offset`).
  */
 typedef struct npk_adamw_tiling {
   /**
@@ -1428,6 +1439,30 @@ typedef struct npk_adamw_tiling {
    */
   uint64_t workspace_bytes;
 } npk_adamw_tiling;
+
+/**
+ * The formats as the call carries them (`npk_adamw_call`'s tail).
+ */
+typedef struct npk_adamw_state {
+  /**
+   * 1: the masters list holds split masters' low halves.
+   */
+  uint32_t split_masters;
+  /**
+   * `ADAMW_SR_*` bits.
+   */
+  uint32_t rounding;
+  /**
+   * The hash's seed.
+   */
+  uint64_t seed;
+  /**
+   * Offset of the per-row keys (one `u64` per non-empty tensor, in the
+   * tables' row order) from the aligned workspace start; 0 without
+   * stochastic rounding.
+   */
+  uint64_t keys_offset;
+} npk_adamw_state;
 
 /**
  * The validated arguments of one step (`npk_adamw_call`): the lowered
@@ -1482,6 +1517,11 @@ typedef struct npk_adamw_call {
    * Its size in bytes.
    */
   size_t workspace_bytes;
+  /**
+   * The state's formats (ABI 2.9; all zero: f32 masters, moments
+   * rounded to nearest).
+   */
+  struct npk_adamw_state state;
 } npk_adamw_call;
 
 /**
@@ -1956,6 +1996,43 @@ typedef struct npk_exec {
 } npk_exec;
 
 /**
+ * How one step stores its state (`npk_adamw_v2`, ABI 2.9): split masters,
+ * stochastic rounding. NULL, or every field but `struct_size` zero, is
+ * `npk_adamw`'s: f32 masters, moments rounded to nearest.
+ */
+typedef struct npk_adamw_formats {
+  /**
+   * `sizeof(npk_adamw_formats)` (lets the struct grow: a library reads
+   * the fields a caller was built with).
+   */
+  size_t struct_size;
+  /**
+   * 1: the masters list holds the i16 low halves of bf16 params' split
+   * masters (master = param bits << 16 + low, exact); 0: f32 masters.
+   */
+  uint32_t split_masters;
+  /**
+   * `NPK_ADAMW_SR_*` bits: bf16 moments / bf16 params without masters
+   * rounded stochastically.
+   */
+  uint32_t rounding;
+  /**
+   * The stochastic rounding hash's seed.
+   */
+  uint64_t seed;
+  /**
+   * NULL, or `keys_count` (= the params' count) keys: tensor `t`'s
+   * element `i` has key `keys[t] + i` (NULL: its flat index in the
+   * lists). A shard of a tensor passes its offset in the whole.
+   */
+  const uint64_t *keys;
+  /**
+   * How many keys.
+   */
+  size_t keys_count;
+} npk_adamw_formats;
+
+/**
  * Options of RmsNorm and AddRmsNorm. NULL options = `{ 1e-6, 0.0f,
  * NPK_ROUNDING_FUSED }`.
  */
@@ -2183,6 +2260,19 @@ enum npk_status npk_adamw_workspace_size(const struct npk_adamw_tensors *tensors
                                          size_t *workspace_bytes);
 
 /**
+ * Workspace bytes `npk_adamw_v2` needs (ABI 2.9; as
+ * `npk_adamw_workspace_size`, with the state's formats).
+ *
+ * # Safety
+ * As for `npk_adamw_workspace_size`; `formats` is NULL or readable.
+ */
+enum npk_status npk_adamw_v2_workspace_size(const struct npk_adamw_tensors *tensors,
+                                            const struct npk_adamw_options *options,
+                                            const struct npk_adamw_formats *formats,
+                                            const struct npk_exec *exec,
+                                            size_t *workspace_bytes);
+
+/**
  * One AdamW / Adam step over the lists (docs/operators.md, "AdamW"): params,
  * moments, maxima and masters updated in place, gradients read only. Params
  * and grads: f32 | f16 | bf16, one dtype per list; moments f32 or the
@@ -2201,6 +2291,25 @@ enum npk_status npk_adamw(const struct npk_adamw_tensors *tensors,
                           void *workspace,
                           size_t workspace_bytes,
                           const struct npk_exec *exec);
+
+/**
+ * One step with the state in `formats` (ABI 2.9; NULL: `npk_adamw`):
+ * split masters (the masters list is `NPK_I16`, one low half per bf16
+ * param), stochastically rounded bf16 moments (`NPK_ADAMW_SR_MOMENTS`) or
+ * bf16 params without masters (`NPK_ADAMW_SR_PARAMS`). On error nothing
+ * is written.
+ *
+ * # Safety
+ * As for `npk_adamw`; `formats` is NULL or readable, its keys for their
+ * count.
+ */
+enum npk_status npk_adamw_v2(const struct npk_adamw_tensors *tensors,
+                             const struct npk_adamw_options *options,
+                             const struct npk_adamw_formats *formats,
+                             struct npk_adamw_result *result,
+                             void *workspace,
+                             size_t workspace_bytes,
+                             const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_add_rms_norm` needs for these arguments.

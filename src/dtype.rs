@@ -20,13 +20,15 @@ pub enum DType {
     I32 = 3,
     /// Signed 64-bit integer (indices).
     I64 = 4,
+    /// Signed 16-bit integer (the low halves of AdamW's split masters; ABI 2.9).
+    I16 = 5,
 }
 
 impl DType {
     /// Bytes per element.
     pub const fn size_bytes(self) -> usize {
         match self {
-            DType::F16 | DType::BF16 => 2,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::I64 => 8,
         }
@@ -45,6 +47,7 @@ impl DType {
             2 => Some(DType::BF16),
             3 => Some(DType::I32),
             4 => Some(DType::I64),
+            5 => Some(DType::I16),
             _ => None,
         }
     }
@@ -57,6 +60,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::I32 => "i32",
             DType::I64 => "i64",
+            DType::I16 => "i16",
         }
     }
 }
@@ -74,10 +78,11 @@ mod sealed {
     impl Sealed for half::bf16 {}
     impl Sealed for i32 {}
     impl Sealed for i64 {}
+    impl Sealed for i16 {}
 }
 
 /// A Rust type that is one of the C ABI's dtypes (`f32`, `f16`, `bf16`,
-/// `i32`, `i64`). Sealed.
+/// `i32`, `i64`, `i16`). Sealed.
 pub trait Element: sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + 'static {
     /// The run-time tag of this type.
     const DTYPE: DType;
@@ -110,6 +115,9 @@ impl Element for bf16 {
 }
 impl Element for i32 {
     const DTYPE: DType = DType::I32;
+}
+impl Element for i16 {
+    const DTYPE: DType = DType::I16;
 }
 impl Element for i64 {
     const DTYPE: DType = DType::I64;

@@ -35,6 +35,9 @@ pub enum FlatTensor<'a> {
     F16(&'a [f16]),
     /// bfloat16 elements.
     BF16(&'a [bf16]),
+    /// 16-bit integers (AdamW's split masters' low halves; the float
+    /// operators refuse them).
+    I16(&'a [i16]),
 }
 
 /// One writable tensor of a list (`clip_grad_norm` scales it in place;
@@ -48,6 +51,9 @@ pub enum FlatTensorMut<'a> {
     F16(&'a mut [f16]),
     /// bfloat16 elements.
     BF16(&'a mut [bf16]),
+    /// 16-bit integers (AdamW's split masters' low halves; the float
+    /// operators refuse them).
+    I16(&'a mut [i16]),
 }
 
 impl FlatTensor<'_> {
@@ -57,6 +63,7 @@ impl FlatTensor<'_> {
             FlatTensor::F32(_) => DType::F32,
             FlatTensor::F16(_) => DType::F16,
             FlatTensor::BF16(_) => DType::BF16,
+            FlatTensor::I16(_) => DType::I16,
         }
     }
 
@@ -66,6 +73,7 @@ impl FlatTensor<'_> {
             FlatTensor::F32(s) => s.len(),
             FlatTensor::F16(s) => s.len(),
             FlatTensor::BF16(s) => s.len(),
+            FlatTensor::I16(s) => s.len(),
         }
     }
 
@@ -82,6 +90,7 @@ impl FlatTensorMut<'_> {
             FlatTensorMut::F32(_) => DType::F32,
             FlatTensorMut::F16(_) => DType::F16,
             FlatTensorMut::BF16(_) => DType::BF16,
+            FlatTensorMut::I16(_) => DType::I16,
         }
     }
 
@@ -91,6 +100,7 @@ impl FlatTensorMut<'_> {
             FlatTensorMut::F32(s) => s.len(),
             FlatTensorMut::F16(s) => s.len(),
             FlatTensorMut::BF16(s) => s.len(),
+            FlatTensorMut::I16(s) => s.len(),
         }
     }
 
@@ -105,6 +115,7 @@ impl FlatTensorMut<'_> {
             FlatTensorMut::F32(s) => FlatTensor::F32(s),
             FlatTensorMut::F16(s) => FlatTensor::F16(s),
             FlatTensorMut::BF16(s) => FlatTensor::BF16(s),
+            FlatTensorMut::I16(s) => FlatTensor::I16(s),
         }
     }
 }
@@ -131,6 +142,7 @@ macro_rules! flat_from {
 flat_from!(f32, F32);
 flat_from!(f16, F16);
 flat_from!(bf16, BF16);
+flat_from!(i16, I16);
 
 /// One row of a segment table (`npk_list_seg`): a non-empty tensor and where
 /// it starts in its list's flat element sequence.
@@ -238,6 +250,7 @@ impl ListSource for RoList<'_, '_> {
             FlatTensor::F32(s) => s.as_ptr() as *mut c_void,
             FlatTensor::F16(s) => s.as_ptr() as *mut c_void,
             FlatTensor::BF16(s) => s.as_ptr() as *mut c_void,
+            FlatTensor::I16(s) => s.as_ptr() as *mut c_void,
         };
         Ok((p, t.dtype(), t.len()))
     }
@@ -258,6 +271,7 @@ impl ListSource for RwList<'_, '_> {
             FlatTensorMut::F32(s) => s.as_mut_ptr() as *mut c_void,
             FlatTensorMut::F16(s) => s.as_mut_ptr() as *mut c_void,
             FlatTensorMut::BF16(s) => s.as_mut_ptr() as *mut c_void,
+            FlatTensorMut::I16(s) => s.as_mut_ptr() as *mut c_void,
         };
         Ok((p, dt, n))
     }
@@ -273,7 +287,9 @@ pub(crate) fn check_raw(
     i: usize,
 ) -> Result<(*mut c_void, DType, usize)> {
     let c = t.check(name)?;
-    if !t.dtype.is_float() {
+    // i16: split masters' low halves (AdamW's masters list); each operator
+    // checks which dtypes each of its lists takes.
+    if !t.dtype.is_float() && t.dtype != DType::I16 {
         return Err(crate::error::dtype_err!(
             name,
             "tensor {i} has dtype {}, not f32, f16 or bf16",

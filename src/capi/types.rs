@@ -54,6 +54,8 @@ pub enum npk_dtype {
     NPK_I32 = 3,
     /// Signed 64-bit integer (indices).
     NPK_I64 = 4,
+    /// Signed 16-bit integer: the low halves of AdamW's split masters (ABI 2.9).
+    NPK_I16 = 5,
 }
 
 /// Status of every call. Numbered like aclnn's return codes, so an adapter
@@ -182,6 +184,7 @@ const _: () = {
     assert!(npk_dtype::NPK_BF16 as u32 == DType::BF16 as u32);
     assert!(npk_dtype::NPK_I32 as u32 == DType::I32 as u32);
     assert!(npk_dtype::NPK_I64 as u32 == DType::I64 as u32);
+    assert!(npk_dtype::NPK_I16 as u32 == DType::I16 as u32);
     assert!(npk_rounding::NPK_ROUNDING_FUSED as u32 == Rounding::Fused as u32);
     assert!(
         npk_rounding::NPK_ROUNDING_CAST_BEFORE_GAMMA as u32 == Rounding::CastBeforeGamma as u32

@@ -48,6 +48,57 @@ def test_one_strided_param_listed_twice_is_refused():
     assert all(float(s["step"]) == 0.0 for s in opt.state.values())
 
 
+@pytest.mark.parametrize("where", ["two groups", "two dtype buckets"])
+def test_params_over_one_base_in_two_kernel_calls_are_refused_before_any_write(where):
+    # Each call of the kernel checks its own lists; two groups (or a float32
+    # and a bfloat16 bucket of one group) are two calls, so the optimizer
+    # checks across them before the first.
+    base = torch.randn(4, 6)
+    a = torch.nn.Parameter(base.t())
+    if where == "two groups":
+        b = torch.nn.Parameter(base.t())
+        groups = [{"params": [a]}, {"params": [b], "lr": 0.1}]
+    else:
+        b = torch.nn.Parameter(base.view(torch.bfloat16))  # the same bytes, another dtype
+        groups = [{"params": [a, b]}]
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt = AdamW(groups, lr=0.1)
+    keep = base.clone()
+    with pytest.raises(ValueError, match=r"param of shape .* in group 0 and the param of shape .* share memory"):
+        opt.step()
+    assert torch.equal(base, keep)
+    assert all(float(s["step"]) == 0.0 for s in opt.state.values())
+
+
+def test_disjoint_views_of_one_base_in_two_groups_step_as_separate_tensors():
+    base = torch.randn(4, 6)
+    a, b = torch.nn.Parameter(base[:2]), torch.nn.Parameter(base[2:])
+    a2, b2 = torch.nn.Parameter(base[:2].clone()), torch.nn.Parameter(base[2:].clone())
+    for p in (a, b, a2, b2):
+        p.grad = torch.full_like(p, 0.5)
+    AdamW([{"params": [a]}, {"params": [b], "lr": 0.1}]).step()
+    AdamW([{"params": [a2]}, {"params": [b2], "lr": 0.1}]).step()
+    assert torch.equal(base[:2], a2) and torch.equal(base[2:], b2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_meta_params_step_as_torchs_adamw_steps_them(dtype, master_weights):
+    # torch's AdamW takes meta params (a dry run of shapes, deferred init);
+    # this refused them as not on the CPU.
+    p = torch.nn.Parameter(torch.empty(3, 4, device="meta", dtype=dtype))
+    p.grad = torch.empty(3, 4, device="meta", dtype=dtype)
+    ref = torch.nn.Parameter(torch.empty(3, 4, device="meta", dtype=dtype))
+    ref.grad = torch.empty(3, 4, device="meta", dtype=dtype)
+    opt = AdamW([p], master_weights=master_weights, max_grad_norm=1.0)
+    theirs = torch.optim.AdamW([ref])
+    for _ in range(2):
+        opt.step()
+        theirs.step()
+    assert p.is_meta and float(opt.state[p]["step"]) == float(theirs.state[ref]["step"]) == 2.0
+    assert opt.state[p]["exp_avg"].is_meta and opt.state[p]["exp_avg"].shape == p.shape
+
+
 def test_an_output_that_overlaps_itself_is_refused_before_m_and_v_change():
     var, grad, m, v = torch.randn(4), torch.randn(4), torch.zeros(4), torch.zeros(4)
     with pytest.raises(ValueError, match="overlaps itself"):

@@ -7,7 +7,7 @@
 use core::ffi::c_void;
 use core::mem::size_of;
 
-use super::{plan, AdamWOptions, AdamWReport, Lists};
+use super::{plan, AdamWFormats, AdamWOptions, AdamWReport, Lists};
 use crate::capi::exec::{run, run_size};
 use crate::capi::list::{mark_first_bad, set_position, CList};
 use crate::capi::types::{npk_exec, npk_status};
@@ -42,6 +42,73 @@ pub struct npk_adamw_tensors {
     pub max_exp_avg_sqs: npk_tensor_array,
     /// f32 master weights, or empty.
     pub masters: npk_tensor_array,
+}
+
+/// How one step stores its state (`npk_adamw_v2`, ABI 2.9): split masters,
+/// stochastic rounding. NULL, or every field but `struct_size` zero, is
+/// `npk_adamw`'s: f32 masters, moments rounded to nearest.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct npk_adamw_formats {
+    /// `sizeof(npk_adamw_formats)` (lets the struct grow: a library reads
+    /// the fields a caller was built with).
+    pub struct_size: usize,
+    /// 1: the masters list holds the i16 low halves of bf16 params' split
+    /// masters (master = param bits << 16 + low, exact); 0: f32 masters.
+    pub split_masters: u32,
+    /// `NPK_ADAMW_SR_*` bits: bf16 moments / bf16 params without masters
+    /// rounded stochastically.
+    pub rounding: u32,
+    /// The stochastic rounding hash's seed.
+    pub seed: u64,
+    /// NULL, or `keys_count` (= the params' count) keys: tensor `t`'s
+    /// element `i` has key `keys[t] + i` (NULL: its flat index in the
+    /// lists). A shard of a tensor passes its offset in the whole.
+    pub keys: *const u64,
+    /// How many keys.
+    pub keys_count: usize,
+}
+
+/// # Safety
+/// `f` is NULL or readable for `struct_size` bytes, its keys for their count.
+unsafe fn read_formats<'a>(f: *const npk_adamw_formats) -> Result<AdamWFormats<'a>> {
+    if f.is_null() {
+        return Ok(AdamWFormats::default());
+    }
+    // SAFETY: readable (caller); the size is read alone first.
+    let size = unsafe { core::ptr::addr_of!((*f).struct_size).read_unaligned() };
+    if size != size_of::<npk_adamw_formats>() {
+        return Err(crate::error::invalid_fmt!(
+            "formats",
+            "struct_size {size}: want sizeof(npk_adamw_formats) = {}",
+            size_of::<npk_adamw_formats>()
+        ));
+    }
+    // SAFETY: as above, the whole struct; plain numbers and a pointer.
+    let f = unsafe { f.read_unaligned() };
+    let keys = if f.keys_count == 0 {
+        &[][..]
+    } else if f.keys.is_null() {
+        return Err(Error::NullPointer { arg: "keys" });
+    } else if f.keys_count > isize::MAX as usize / 8 || !(f.keys as usize).is_multiple_of(8) {
+        return Err(crate::error::invalid("keys", "misaligned or too many"));
+    } else {
+        // SAFETY: readable for its count (caller), aligned (checked).
+        unsafe { core::slice::from_raw_parts(f.keys, f.keys_count) }
+    };
+    if f.split_masters > 1 {
+        return Err(crate::error::invalid_fmt!(
+            "split_masters",
+            "{} is not 0 or 1",
+            f.split_masters
+        ));
+    }
+    Ok(AdamWFormats {
+        split_masters: f.split_masters == 1,
+        rounding: f.rounding,
+        seed: f.seed,
+        keys,
+    })
 }
 
 /// The six lists, read.
@@ -137,13 +204,33 @@ pub unsafe extern "C" fn npk_adamw_workspace_size(
     exec: *const npk_exec,
     workspace_bytes: *mut usize,
 ) -> npk_status {
+    // SAFETY: forwarded (NULL formats: the defaults).
+    unsafe {
+        npk_adamw_v2_workspace_size(tensors, options, core::ptr::null(), exec, workspace_bytes)
+    }
+}
+
+/// Workspace bytes `npk_adamw_v2` needs (ABI 2.9; as
+/// `npk_adamw_workspace_size`, with the state's formats).
+///
+/// # Safety
+/// As for `npk_adamw_workspace_size`; `formats` is NULL or readable.
+#[no_mangle]
+pub unsafe extern "C" fn npk_adamw_v2_workspace_size(
+    tensors: *const npk_adamw_tensors,
+    options: *const AdamWOptions,
+    formats: *const npk_adamw_formats,
+    exec: *const npk_exec,
+    workspace_bytes: *mut usize,
+) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
         let mut bad = None;
         let s = run_size(exec, workspace_bytes, |e| {
             let o = read_options(options)?;
+            let f = read_formats(formats)?;
             CLists::read(tensors)?.with(&mut bad, |l| {
-                Ok(plan::plan_lists(l, &o, &e.ub)?.workspace_bytes)
+                Ok(plan::plan_lists(l, &o, &f, &e.ub)?.workspace_bytes)
             })
         });
         marked(s, exec, tensors, bad)
@@ -170,14 +257,48 @@ pub unsafe extern "C" fn npk_adamw(
     workspace_bytes: usize,
     exec: *const npk_exec,
 ) -> npk_status {
+    // SAFETY: forwarded (NULL formats: the defaults).
+    unsafe {
+        npk_adamw_v2(
+            tensors,
+            options,
+            core::ptr::null(),
+            result,
+            workspace,
+            workspace_bytes,
+            exec,
+        )
+    }
+}
+
+/// One step with the state in `formats` (ABI 2.9; NULL: `npk_adamw`):
+/// split masters (the masters list is `NPK_I16`, one low half per bf16
+/// param), stochastically rounded bf16 moments (`NPK_ADAMW_SR_MOMENTS`) or
+/// bf16 params without masters (`NPK_ADAMW_SR_PARAMS`). On error nothing
+/// is written.
+///
+/// # Safety
+/// As for `npk_adamw`; `formats` is NULL or readable, its keys for their
+/// count.
+#[no_mangle]
+pub unsafe extern "C" fn npk_adamw_v2(
+    tensors: *const npk_adamw_tensors,
+    options: *const AdamWOptions,
+    formats: *const npk_adamw_formats,
+    result: *mut AdamWReport,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    exec: *const npk_exec,
+) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
     unsafe {
         let mut bad = None;
         let s = run(exec, |e| {
             let o = read_options(options)?;
+            let f = read_formats(formats)?;
             let out = (!result.is_null()).then_some((result as usize, size_of::<AdamWReport>()));
             let r = CLists::read(tensors)?.with(&mut bad, |l| {
-                plan::launch(e, l, &o, workspace, workspace_bytes, out)
+                plan::launch(e, l, &o, &f, workspace, workspace_bytes, out)
             })?;
             if !result.is_null() {
                 result.write_unaligned(r);

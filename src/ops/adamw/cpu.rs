@@ -1,8 +1,14 @@
 //! AdamW on the CPU: the clip's norm (gradient health's blocks on the grads'
 //! table), then one pass over the flat element range, block by block, 16
 //! lanes at a time (a tensor's last partial group goes through the same
-//! lanes from a zero-padded copy, so tails round like the rest).
+//! lanes from a zero-padded copy, so tails round like the rest). The
+//! compact formats' bit work (split masters, stochastic rounding) runs on
+//! each group's 16 f32 values in plain integer loops, the same on every ISA.
 
+use super::formats::{
+    join, random, round_bf16, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS,
+    STREAM_PARAMS,
+};
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
@@ -75,14 +81,16 @@ pub(crate) unsafe fn cpu(call: &AdamWCall, isa: Available, runner: &dyn Runner) 
 }
 
 /// Calls `$f::<L, P, G, M>` for the validated (param, grad, moment) dtypes:
-/// moments are f32 or the params' dtype.
+/// moments are f32 or the params' dtype, or bf16 (stochastically rounded).
 macro_rules! dispatch_pgm {
     ($p:expr, $g:expr, $m:expr, $f:ident :: <$L:ty> ($($a:expr),*)) => {
         match ($p, $m) {
             (DType::BF16, DType::BF16) => dispatch_pgm!(@g $g, $f::<$L, bf16, bf16>($($a),*)),
             (DType::BF16, _) => dispatch_pgm!(@g $g, $f::<$L, bf16, f32>($($a),*)),
             (DType::F16, DType::F16) => dispatch_pgm!(@g $g, $f::<$L, f16, f16>($($a),*)),
+            (DType::F16, DType::BF16) => dispatch_pgm!(@g $g, $f::<$L, f16, bf16>($($a),*)),
             (DType::F16, _) => dispatch_pgm!(@g $g, $f::<$L, f16, f32>($($a),*)),
+            (_, DType::BF16) => dispatch_pgm!(@g $g, $f::<$L, f32, bf16>($($a),*)),
             _ => dispatch_pgm!(@g $g, $f::<$L, f32, f32>($($a),*)),
         }
     };
@@ -105,6 +113,10 @@ struct Piece<P, G, M> {
     v: *mut M,
     vmax: *mut M,
     master: *mut f32,
+    /// Split masters' low halves (instead of `master`).
+    low: *mut i16,
+    /// The key of the piece's element 0 (stochastic rounding).
+    key: u64,
 }
 
 unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
@@ -115,8 +127,10 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
 ) {
     let t = call.tiling;
     let nb = t.blocks as usize;
-    // SAFETY: the front end wrote each present list's table.
-    let [ps, gs, ms, vs, xs, ws] = unsafe { call.tables() };
+    // SAFETY: the front end wrote each present list's table (and the keys).
+    let ([ps, gs, ms, vs, xs, ws], keys) = unsafe { (call.tables(), call.keys()) };
+    let (state, step) = (call.state, call.options.step);
+    let split_masters = state.split_masters != 0;
     runner.parallel_for(nb, &|b| {
         if b >= nb {
             return;
@@ -145,14 +159,24 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
                 } else {
                     core::ptr::null_mut()
                 },
-                master: at(ws, 4).cast(),
+                master: if split_masters {
+                    core::ptr::null_mut()
+                } else {
+                    at(ws, 4).cast()
+                },
+                low: if split_masters {
+                    at(ws, 2).cast()
+                } else {
+                    core::ptr::null_mut()
+                },
+                key: keys.get(r).map_or(0, |k| k.wrapping_add(lo as u64)),
             };
             // SAFETY: the rows describe validated, pairwise disjoint
             // tensors; this block's flat range is its own; `L` is available.
             unsafe {
                 L::enter(
                     #[inline(always)]
-                    || piece_step::<L, P, G, M>(&piece, n, k),
+                    || piece_step::<L, P, G, M>(&piece, n, k, &state, step),
                 )
             };
         }
@@ -183,6 +207,10 @@ struct K<L> {
     scale: L,
     sign: L,
     coef: L,
+    /// The moments' hash salt (stochastically rounded bf16 moments).
+    sr_moments: Option<u32>,
+    /// The params' hash salt (stochastically rounded bf16 params).
+    sr_params: Option<u32>,
 }
 
 #[inline(always)]
@@ -190,6 +218,8 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
     x: &Piece<P, G, M>,
     n: usize,
     k: &AdamWConsts,
+    st: &super::AdamWState,
+    step: u64,
 ) {
     let c = K {
         step_size: L::splat(k.step_size),
@@ -208,6 +238,9 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         scale: L::splat(k.grad_scale),
         sign: L::splat(k.sign),
         coef: L::splat(k.clip_coef),
+        sr_moments: (st.rounding & ADAMW_SR_MOMENTS != 0)
+            .then(|| salt(st.seed, step, STREAM_MOMENTS)),
+        sr_params: (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, step, STREAM_PARAMS)),
     };
     let full = n / GROUP * GROUP;
     let mut i = 0;
@@ -222,6 +255,9 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         if !x.master.is_null() {
             L::prefetch(x.master.wrapping_add(d).cast());
         }
+        if !x.low.is_null() {
+            L::prefetch(x.low.wrapping_add(d).cast());
+        }
         // SAFETY: i + GROUP <= n elements of each present tensor are this
         // piece's; absent lists are NULL and never dereferenced.
         unsafe {
@@ -232,7 +268,8 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
                 &mut *x.m.add(i).cast::<[M; GROUP]>(),
                 &mut *x.v.add(i).cast::<[M; GROUP]>(),
                 opt(x.vmax, i),
-                opt(x.master, i),
+                master(opt(x.master, i), opt(x.low, i)),
+                x.key.wrapping_add(i as u64),
             )
         };
         i += GROUP;
@@ -249,6 +286,7 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
     let mut v = m;
     let mut vmax = m;
     let mut w = [0f32; GROUP];
+    let mut low = [0i16; GROUP];
     // SAFETY: `rest` elements from `full` are this piece's.
     unsafe {
         copy_in(&mut p, x.p.add(full), rest);
@@ -261,6 +299,9 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         if !x.master.is_null() {
             copy_in(&mut w, x.master.add(full), rest);
         }
+        if !x.low.is_null() {
+            copy_in(&mut low, x.low.add(full), rest);
+        }
     }
     group::<L, P, G, M>(
         &c,
@@ -269,7 +310,11 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         &mut m,
         &mut v,
         (!x.vmax.is_null()).then_some(&mut vmax),
-        (!x.master.is_null()).then_some(&mut w),
+        master(
+            (!x.master.is_null()).then_some(&mut w),
+            (!x.low.is_null()).then_some(&mut low),
+        ),
+        x.key.wrapping_add(full as u64),
     );
     // SAFETY: as above.
     unsafe {
@@ -282,7 +327,62 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         if !x.master.is_null() {
             copy_out(&w, x.master.add(full), rest);
         }
+        if !x.low.is_null() {
+            copy_out(&low, x.low.add(full), rest);
+        }
     }
+}
+
+/// Where a group's master lives.
+enum Master<'a> {
+    /// No master: the param is the value updated.
+    None,
+    /// An f32 master.
+    F32(&'a mut [f32; GROUP]),
+    /// A split master: the bf16 param's bits and these low halves.
+    Split(&'a mut [i16; GROUP]),
+}
+
+#[inline(always)]
+fn master<'a>(w: Option<&'a mut [f32; GROUP]>, low: Option<&'a mut [i16; GROUP]>) -> Master<'a> {
+    match (w, low) {
+        (Some(w), _) => Master::F32(w),
+        (None, Some(l)) => Master::Split(l),
+        (None, None) => Master::None,
+    }
+}
+
+/// A group's 16-bit elements as bits (`None` for f32: never, by validation,
+/// where a caller asks).
+#[inline(always)]
+fn bits<T: Float>(x: &mut [T; GROUP]) -> Option<&mut [u16; GROUP]> {
+    bytemuck::try_cast_mut::<[T; GROUP], [u16; GROUP]>(x).ok()
+}
+
+/// Stores `v` rounded stochastically to bf16 with the random bits
+/// `r[j] >> shift` (16 of them), or to nearest when `dst` is not 16-bit.
+#[inline(always)]
+fn store_sr<L: Lanes, T: Float>(v: L, dst: &mut [T; GROUP], r: &[u32; GROUP], shift: u32) {
+    let mut f = [0f32; GROUP];
+    v.store(&mut f);
+    match bits(dst) {
+        Some(b) => {
+            for j in 0..GROUP {
+                b[j] = round_bf16(f[j], (r[j] >> shift) & 0xffff);
+            }
+        }
+        None => T::store::<L>(v, dst),
+    }
+}
+
+/// The 32 random bits of each element of the group at `key`.
+#[inline(always)]
+fn randoms(salt: u32, key: u64) -> [u32; GROUP] {
+    let mut r = [0u32; GROUP];
+    for (j, x) in r.iter_mut().enumerate() {
+        *x = random(salt, key.wrapping_add(j as u64));
+    }
+    r
 }
 
 /// `Some(&mut group at i)` of an optional tensor.
@@ -313,6 +413,7 @@ unsafe fn copy_out<T: Copy>(src: &[T; GROUP], dst: *mut T, n: usize) {
 
 /// One group of 16 elements: the formula of the module docs, in its order.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn group<L: Lanes, P: Float, G: Float, M: Float>(
     c: &K<L>,
     p: &mut [P; GROUP],
@@ -320,12 +421,23 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     m: &mut [M; GROUP],
     v: &mut [M; GROUP],
     vmax: Option<&mut [M; GROUP]>,
-    master: Option<&mut [f32; GROUP]>,
+    master: Master<'_>,
+    key: u64,
 ) {
     let gv = G::load::<L>(g).div(c.scale).mul(c.coef).mul(c.sign);
     let mut pv = match &master {
-        Some(w) => L::load(w),
-        None => P::load::<L>(p),
+        Master::F32(w) => L::load(w),
+        Master::Split(low) => match bits(p) {
+            Some(hi) => {
+                let mut w = [0f32; GROUP];
+                for j in 0..GROUP {
+                    w[j] = join(hi[j], low[j]);
+                }
+                L::load(&w)
+            }
+            None => P::load::<L>(p),
+        },
+        Master::None => P::load::<L>(p),
     };
     let gv = match c.l2 {
         Some(l2) => gv.add(pv.mul(l2)),
@@ -334,14 +446,29 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     pv = pv.mul(c.decay);
     let mv = M::load::<L>(m).mul(c.b1).add(gv.mul(c.omb1));
     let vv = M::load::<L>(v).mul(c.b2).add(gv.mul(gv).mul(c.omb2));
-    M::store::<L>(mv, m);
-    M::store::<L>(vv, v);
+    // exp_avg takes the low 16 random bits, exp_avg_sq (and its maximum) the
+    // high 16: one hash per element for both.
+    let r = c.sr_moments.map(|s| randoms(s, key));
+    match &r {
+        Some(r) => {
+            store_sr(mv, m, r, 0);
+            store_sr(vv, v, r, 16);
+        }
+        None => {
+            M::store::<L>(mv, m);
+            M::store::<L>(vv, v);
+        }
+    }
     let den_in = match vmax {
         Some(x) => {
             let old = M::load::<L>(x);
             // v < old ? old : v — a NaN v propagates.
             let mx = vv.select_lt(old, old, vv);
-            M::store::<L>(mx, x);
+            // A kept maximum is a bf16 already: its rounding leaves it.
+            match &r {
+                Some(r) => store_sr(mx, x, r, 16),
+                None => M::store::<L>(mx, x),
+            }
             mx
         }
         None => vv,
@@ -349,10 +476,25 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     let den = den_in.sqrt().div(c.bc2).add(c.eps);
     pv = pv.sub(c.step_size.mul(mv).div(den));
     match master {
-        Some(w) => {
+        Master::F32(w) => {
             pv.store(w);
             P::store::<L>(pv, p);
         }
-        None => P::store::<L>(pv, p),
+        Master::Split(low) => {
+            let mut w = [0f32; GROUP];
+            pv.store(&mut w);
+            match bits(p) {
+                Some(hi) => {
+                    for j in 0..GROUP {
+                        (hi[j], low[j]) = split(w[j]);
+                    }
+                }
+                None => P::store::<L>(pv, p),
+            }
+        }
+        Master::None => match c.sr_params {
+            Some(s) => store_sr(pv, p, &randoms(s, key), 16),
+            None => P::store::<L>(pv, p),
+        },
     }
 }

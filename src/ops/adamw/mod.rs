@@ -51,13 +51,25 @@
 //! `grad_scale` divides each gradient (torch's `_fused_adamw_` also stores
 //! the unscaled gradient back; here gradients are read only); `found_inf`
 //! != 0 skips the step, as torch's fused step does.
+//!
+//! # Compact state (`adamw_with_formats`, ABI 2.9)
+//! `AdamWFormats` stores the state in fewer bytes, the f32 arithmetic above
+//! unchanged: **split masters** (bf16 params; the masters list holds `i16`
+//! low halves: master = param's bits << 16 + low, exact; the param is the
+//! master rounded to nearest with ties away from zero), **stochastically
+//! rounded bf16 moments** and **stochastically rounded bf16 params**
+//! without masters. The random bits come from a hash of (seed, step,
+//! element key), so they are the same on every ISA, thread count and
+//! block cut (`formats.rs`).
 
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
 pub(crate) mod cpu;
+pub(crate) mod formats;
 mod plan;
 pub(crate) mod reference;
 
+pub use formats::{AdamWFormats, AdamWState, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS};
 pub(crate) use plan::{plan_lists, Lists};
 pub use plan::{AdamWConsts, AdamWTiling};
 
@@ -289,9 +301,33 @@ pub struct AdamWCall {
     pub workspace: *mut c_void,
     /// Its size in bytes.
     pub workspace_bytes: usize,
+    /// The state's formats (ABI 2.9; all zero: f32 masters, moments
+    /// rounded to nearest).
+    pub state: AdamWState,
 }
 
 impl AdamWCall {
+    /// The per-row element keys (stochastic rounding only; else empty).
+    ///
+    /// # Safety
+    /// The call comes from the front end (its keys are written and live).
+    pub(crate) unsafe fn keys<'a>(&self) -> &'a [u64] {
+        if !self.state.stochastic() || self.tiling.tensors == 0 {
+            return &[];
+        }
+        // SAFETY: the front end wrote one key per row at `keys_offset` of the
+        // aligned workspace (the caller's contract).
+        unsafe {
+            let base = self.workspace as *const u8;
+            core::slice::from_raw_parts(
+                base.add(crate::tiling::align_offset(base))
+                    .add(self.state.keys_offset as usize)
+                    .cast::<u64>(),
+                self.tiling.tensors as usize,
+            )
+        }
+    }
+
     /// The six lowered tables (params, grads, exp_avgs, exp_avg_sqs,
     /// max_exp_avg_sqs, masters); absent lists are empty.
     ///
@@ -319,8 +355,18 @@ pub fn adamw_workspace_size(
     tensors: &mut AdamWTensors<'_, '_>,
     options: &AdamWOptions,
 ) -> Result<usize> {
+    adamw_with_formats_workspace_size(exec, tensors, options, &AdamWFormats::default())
+}
+
+/// Workspace bytes `adamw_with_formats` needs.
+pub fn adamw_with_formats_workspace_size(
+    exec: &Exec<'_>,
+    tensors: &mut AdamWTensors<'_, '_>,
+    options: &AdamWOptions,
+    formats: &AdamWFormats<'_>,
+) -> Result<usize> {
     with_lists(tensors, |l| {
-        super::workspace_len(plan_lists(l, options, &exec.ub)?.workspace_bytes)
+        super::workspace_len(plan_lists(l, options, formats, &exec.ub)?.workspace_bytes)
     })
 }
 
@@ -333,8 +379,24 @@ pub fn adamw(
     options: &AdamWOptions,
     workspace: &mut [u8],
 ) -> Result<AdamWReport> {
+    adamw_with_formats(exec, tensors, options, &AdamWFormats::default(), workspace)
+}
+
+/// One step with the state in `formats` (see the module docs: split
+/// masters, stochastically rounded moments or params). The lists' dtypes
+/// follow the formats: split masters' list is `i16`, stochastically rounded
+/// moments are bf16. On error nothing is written.
+pub fn adamw_with_formats(
+    exec: &Exec<'_>,
+    tensors: &mut AdamWTensors<'_, '_>,
+    options: &AdamWOptions,
+    formats: &AdamWFormats<'_>,
+    workspace: &mut [u8],
+) -> Result<AdamWReport> {
     let (ws, n) = (workspace.as_mut_ptr() as *mut c_void, workspace.len());
-    with_lists(tensors, |l| plan::launch(exec, l, options, ws, n, None))
+    with_lists(tensors, |l| {
+        plan::launch(exec, l, options, formats, ws, n, None)
+    })
 }
 
 /// The Rust lists as `ListSource`s, named as the C ABI names them.

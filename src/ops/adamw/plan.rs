@@ -6,6 +6,7 @@
 use core::ffi::c_void;
 use core::mem::size_of;
 
+use super::formats::{AdamWFormats, AdamWState, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, KNOWN_ROUNDING};
 use super::{AdamWCall, AdamWOptions, AdamWReport};
 use super::{ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_GRAD_SCALE, ADAMW_L2};
 use crate::dtype::DType;
@@ -52,7 +53,8 @@ impl Lists<'_> {
 /// max_exp_avg_sqs, masters; an absent list's table is left unwritten),
 /// `table_stride` bytes apart; then the host's overlap scratch (16 bytes per
 /// tensor, plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
-/// partial per block for the norm.
+/// partial per block for the norm; then, with stochastic rounding, one `u64`
+/// key per row (`AdamWState::keys_offset`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AdamWTiling {
@@ -190,19 +192,57 @@ fn round_up(n: usize, m: usize) -> Option<usize> {
     n.checked_add(m - 1).map(|v| v / m * m)
 }
 
-/// What validation found: the plan and each list's dtype.
+/// What validation found: the plan, each list's dtype and where the keys go.
 struct Checked {
     t: AdamWTiling,
     dtypes: [DType; LISTS],
+    state: AdamWState,
+}
+
+/// The formats' own checks and the list counts they ask for.
+fn check_formats(f: &AdamWFormats<'_>, n: usize, masters: usize) -> Result<()> {
+    if f.rounding & !KNOWN_ROUNDING != 0 {
+        return Err(invalid_fmt!(
+            "formats",
+            "unknown rounding bits {:#x}",
+            f.rounding & !KNOWN_ROUNDING
+        ));
+    }
+    if f.split_masters && masters != n {
+        return Err(invalid_fmt!(
+            "masters",
+            "{masters} tensors for {n} params: split masters want one low half per param"
+        ));
+    }
+    if f.rounding & ADAMW_SR_PARAMS != 0 && masters != 0 {
+        return Err(invalid(
+            "formats",
+            "stochastically rounded params have no masters (the masters list must be empty)",
+        ));
+    }
+    if !f.keys.is_empty() && f.keys.len() != n {
+        return Err(invalid_fmt!(
+            "keys",
+            "{} keys for {n} params (want 0 or {n})",
+            f.keys.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Validates the options and every tensor of every list (counts, dtypes,
 /// element counts), then cuts the plan.
-fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> {
+fn check(
+    l: &mut Lists<'_>,
+    o: &AdamWOptions,
+    f: &AdamWFormats<'_>,
+    ub: &UbConfig,
+) -> Result<Checked> {
     o.check()?;
     let ams = o.has(ADAMW_AMSGRAD);
     let n = l.params.count();
     let masters = l.masters.count();
+    check_formats(f, n, masters)?;
     if masters != 0 && masters != n {
         return Err(invalid_fmt!(
             "masters",
@@ -235,6 +275,14 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
                 continue;
             }
             let (_, dt, e) = s.get(i)?;
+            // Only the masters list may hold i16 (split masters' low halves).
+            if k < 5 && !dt.is_float() {
+                refused = Some((
+                    i,
+                    dtype_err!(s.name(), "tensor {i} has dtype {dt}, not f32, f16 or bf16"),
+                ));
+                break 'tensors;
+            }
             if k == 0 {
                 numel = e;
             } else if e != numel {
@@ -258,6 +306,19 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
                 break 'tensors;
             }
         }
+        // Every key of the tensor must be a u64: keys[i] + numel.
+        if let Some(&k) = f.keys.get(i) {
+            if k.checked_add(numel as u64).is_none() {
+                refused = Some((
+                    i,
+                    invalid_fmt!(
+                        "keys",
+                        "key {k} of tensor {i} + its {numel} elements passes 2^64"
+                    ),
+                ));
+                break 'tensors;
+            }
+        }
         if numel > 0 {
             rows += 1;
             total = total
@@ -275,11 +336,26 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
         // dtype is tensor 0's.
         l.bad = Some(0);
         let (p, m) = (dtypes[0], dtypes[2]);
-        if m != DType::F32 && m != p {
+        let sr_moments = f.rounding & ADAMW_SR_MOMENTS != 0;
+        if sr_moments && m != DType::BF16 {
+            return Err(dtype_err!(
+                "exp_avgs",
+                "dtype {m}: stochastically rounded moments are bf16"
+            ));
+        }
+        if !sr_moments && m != DType::F32 && m != p {
             return Err(dtype_err!(
                 "exp_avgs",
                 "dtype {m}: want f32 or the params' {p}"
             ));
+        }
+        if (f.split_masters || f.rounding & ADAMW_SR_PARAMS != 0) && p != DType::BF16 {
+            let what = if f.split_masters {
+                "split masters"
+            } else {
+                "stochastically rounded params"
+            };
+            return Err(dtype_err!("params", "dtype {p}: {what} are bf16 params"));
         }
         if dtypes[3] != m {
             return Err(dtype_err!(
@@ -295,13 +371,46 @@ fn check(l: &mut Lists<'_>, o: &AdamWOptions, ub: &UbConfig) -> Result<Checked> 
                 dtypes[4]
             ));
         }
-        if masters != 0 && dtypes[5] != DType::F32 {
-            return Err(dtype_err!("masters", "dtype {}: want f32", dtypes[5]));
+        let want = if f.split_masters {
+            DType::I16
+        } else {
+            DType::F32
+        };
+        if masters != 0 && dtypes[5] != want {
+            return Err(dtype_err!(
+                "masters",
+                "dtype {}: want {want}{}",
+                dtypes[5],
+                if f.split_masters {
+                    " (split masters' low halves)"
+                } else {
+                    ""
+                }
+            ));
         }
     }
     l.bad = None;
-    let t = tiling(rows, total, o.has(ADAMW_CLIP), ub)?;
-    Ok(Checked { t, dtypes })
+    let mut t = tiling(rows, total, o.has(ADAMW_CLIP), ub)?;
+    let mut state = AdamWState {
+        split_masters: f.split_masters as u32,
+        rounding: f.rounding,
+        seed: f.seed,
+        keys_offset: 0,
+    };
+    if state.stochastic() && t.workspace_bytes != 0 {
+        // The keys after the partials: the layout without them is unchanged.
+        let at = t.workspace_bytes as usize - WORKSPACE_ALIGN;
+        let end = rows
+            .checked_mul(size_of::<u64>())
+            .and_then(|b| b.checked_add(at))
+            .and_then(|b| round_up(b, WORKSPACE_ALIGN))
+            .and_then(|b| b.checked_add(WORKSPACE_ALIGN))
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(Error::SizeOverflow { arg: "workspace" })?;
+        state.keys_offset = at as u64;
+        t.workspace_bytes = end as u64;
+    }
+    Ok(Checked { t, dtypes, state })
 }
 
 fn tiling(rows: usize, elements: usize, clip: bool, ub: &UbConfig) -> Result<AdamWTiling> {
@@ -347,9 +456,10 @@ fn tiling(rows: usize, elements: usize, clip: bool, ub: &UbConfig) -> Result<Ada
 pub(crate) fn plan_lists(
     l: &mut Lists<'_>,
     o: &AdamWOptions,
+    f: &AdamWFormats<'_>,
     ub: &UbConfig,
 ) -> Result<AdamWTiling> {
-    Ok(check(l, o, ub)?.t)
+    Ok(check(l, o, f, ub)?.t)
 }
 
 /// Validates, checks the workspace and every overlap, lowers the lists into
@@ -358,11 +468,12 @@ pub(crate) fn launch(
     exec: &Exec<'_>,
     l: &mut Lists<'_>,
     o: &AdamWOptions,
+    f: &AdamWFormats<'_>,
     ws: *mut c_void,
     bytes: usize,
     out: Option<(usize, usize)>,
 ) -> Result<AdamWReport> {
-    let Checked { t, dtypes } = check(l, o, &exec.ub)?;
+    let Checked { t, dtypes, state } = check(l, o, f, &exec.ub)?;
     let w = Workspace::new(ws, bytes, t.workspace_bytes)?;
     let used = bytes.min(crate::ops::workspace_len(t.workspace_bytes)?);
     if let Some((a, n)) = out {
@@ -445,6 +556,23 @@ pub(crate) fn launch(
         if row != rows {
             return Err(invalid(s.name(), "the list changed while it was read"));
         }
+        if k == 0 && state.stochastic() {
+            // The rows' keys (the params' rows: every list has the same).
+            let keys = unsafe_region(&w, state.keys_offset as usize, rows * size_of::<u64>())
+                .cast::<u64>();
+            let (mut row, mut start) = (0usize, 0u64);
+            for i in 0..s.count() {
+                let (_, _, numel) = s.get(i)?;
+                if numel == 0 {
+                    continue;
+                }
+                let key = f.keys.get(i).copied().unwrap_or(start);
+                // SAFETY: row < rows u64s fit in the keys region (aligned).
+                unsafe { keys.add(row).write(key) };
+                row += 1;
+                start += numel as u64;
+            }
+        }
         lists[k] = TensorList {
             segs: table,
             count: rows,
@@ -478,6 +606,7 @@ pub(crate) fn launch(
         tiling: t,
         workspace: ws,
         workspace_bytes: bytes,
+        state,
     };
     // SAFETY: every list was validated and lowered, the tensors are pairwise
     // disjoint and apart from the workspace, which holds the plan.

@@ -122,7 +122,13 @@ pub(crate) struct Partial {
 pub(crate) fn plan_of<S: GradSource>(src: &mut S, ub: &UbConfig) -> Result<GradTiling> {
     let (mut segs, mut total) = (0usize, 0usize);
     for i in 0..src.count() {
-        let (_, _, n) = src.get(i)?;
+        let (_, dt, n) = src.get(i)?;
+        if !dt.is_float() {
+            return Err(crate::error::dtype_err!(
+                ARG,
+                "tensor {i} has dtype {dt}, not f32, f16 or bf16"
+            ));
+        }
         if n > 0 {
             segs += 1;
             total = total

@@ -273,7 +273,7 @@ class AdamW(torch.optim.Optimizer):
         out = []
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is not None:
+                if p.grad is not None and not p.grad.is_meta:  # a meta grad has no norm to add
                     if p.grad.is_sparse:
                         raise RuntimeError("npukern_torch.optim.AdamW does not support sparse gradients")
                     out.append(p.grad)
@@ -291,6 +291,8 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         plans = [self._plan(group) for group in self.param_groups]
+        if sum(len(b) for b in plans) > 1:  # one kernel call checks its own lists
+            _check_disjoint(plans)
         grads = self._grads()
         coef = None
         if self.max_grad_norm is not None:
@@ -320,7 +322,7 @@ class AdamW(torch.optim.Optimizer):
             if p.grad is None:
                 continue
             local = _local(p)
-            if local.device.type != "cpu" or local.is_meta:
+            if local.device.type not in ("cpu", "meta"):
                 raise TypeError(f"npukern_torch.optim.AdamW: params must be CPU tensors (got one on {p.device})")
             real = p.dtype.to_real() if p.is_complex() else p.dtype
             if real not in KERNEL_DTYPES + (torch.float64,) or p.grad.dtype != p.dtype:
@@ -329,6 +331,8 @@ class AdamW(torch.optim.Optimizer):
                     f"with grads of their dtype (got {p.dtype}, grad {p.grad.dtype})"
                 )
             st = self._init_state(p, group)
+            if local.is_meta:  # shapes only (a dry run, deferred init): torch's own step, as torch's AdamW
+                real = "meta"
             key = (real, st["exp_avg"].dtype, "master" in st, float(st["step"]) + 1)
             buckets.setdefault(key, []).append((p, st))
         return buckets
@@ -342,7 +346,7 @@ class AdamW(torch.optim.Optimizer):
             flags |= CLIP_COEF
         lr = float(_value(group["lr"]))
         for (real, _, has_master, step), items in buckets.items():
-            if real == torch.float64:
+            if real == torch.float64 or real == "meta":
                 self._run_float64(group, items, coef, decoupled)
                 continue
             torch.ops.npukern.adamw_(
@@ -370,16 +374,66 @@ class AdamW(torch.optim.Optimizer):
     @staticmethod
     def _run_float64(group, items, coef, decoupled):
         """float64 (and complex128) params: torch's own single-tensor Adam (npukern's
-        kernel is float32 inside), the clip applied to a scaled copy of each gradient."""
+        kernel is float32 inside), the clip applied to a scaled copy of each gradient.
+        Meta params too (no elements: what torch's AdamW does with them), their
+        masters stepped in the param's place and copied back."""
         from torch.optim.adam import adam
 
         b1, b2 = group["betas"]
-        grads = [p.grad if coef is None else p.grad * coef for p, _ in items]
-        adam([p for p, _ in items], grads, [s["exp_avg"] for _, s in items], [s["exp_avg_sq"] for _, s in items],
+        stepped = [s.get("master", p) for p, s in items]
+        grads = [(p.grad if coef is None else p.grad * coef).to(w.dtype) for (p, _), w in zip(items, stepped)]
+        adam(stepped, grads, [s["exp_avg"] for _, s in items], [s["exp_avg_sq"] for _, s in items],
              [s["max_exp_avg_sq"] for _, s in items] if group["amsgrad"] else [],
              [s["step"] for _, s in items], foreach=False, has_complex=any(p.is_complex() for p, _ in items),
              decoupled_weight_decay=decoupled, amsgrad=group["amsgrad"], beta1=b1, beta2=b2, lr=group["lr"],
              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+        for (p, _), w in zip(items, stepped):
+            if w is not p:
+                p.copy_(w)
+
+
+def _span(t):
+    """The bytes [lo, hi) a tensor's elements lie in, and whether it is dense."""
+    lo = t.data_ptr()
+    if t.is_contiguous():
+        return lo, lo + t.nbytes, True
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    last = sum((n - 1) * max(st, 0) for n, st in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size(), False
+
+
+def _check_disjoint(plans):
+    """What the kernel checks of its own lists, across the step's calls (the
+    buckets of every group): no param shares memory with another param or a
+    grad of the step (two Parameters over one base, in two groups or two
+    dtype buckets, would lose an update). Views of one base that interleave
+    (a split along columns) are refused as the kernel refuses them: their
+    elements cannot be told apart cheaply. The moments and masters are the
+    optimizer's own tensors; the kernel checks them within each call. Runs
+    before the first write."""
+    spans = []
+    for g, buckets in enumerate(plans):
+        for items in buckets.values():
+            for p, _ in items:
+                if p.is_meta or p.numel() == 0:
+                    continue
+                local, grad = _local(p), _local(p.grad)
+                shape = tuple(p.shape)
+                spans.append((*_span(local), True, f"param of shape {shape} in group {g}"))
+                spans.append((*_span(grad), False, f"grad of the param of shape {shape} in group {g}"))
+    spans.sort(key=lambda s: s[0])
+    for i, (lo, hi, dense, written, what) in enumerate(spans):
+        for j in range(i + 1, len(spans)):
+            lo2, _, dense2, written2, what2 = spans[j]
+            if lo2 >= hi:
+                break
+            if written or written2:
+                how = "" if dense and dense2 else " (interleaved views)"
+                raise ValueError(
+                    f"npukern_torch.optim.AdamW: the {what} and the {what2} share memory{how}; each param "
+                    "and grad must have its own (nothing was written)"
+                )
 
 
 def _flat(t):
