@@ -55,6 +55,8 @@ npk_dtype dtype_of(const at::Tensor &t, const char *op, const char *arg) {
       return NPK_I32;
     case at::kLong:
       return NPK_I64;
+    case at::kShort:
+      return NPK_I16;  // AdamW's split masters' low halves
     default:
       TORCH_CHECK_TYPE(false, op, ": ", arg, " has dtype ", t.scalar_type(),
                        "; npukern takes float32, float16, bfloat16 (data) and int32, int64 (indices)");

@@ -37,7 +37,8 @@ at::Tensor clip_grad_norm_(at::TensorList grads, double max_norm, bool error_if_
 at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters, double lr,
                   double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t flags,
-                  double max_grad_norm, double grad_scale, double found_inf, double clip_coef);
+                  double max_grad_norm, double grad_scale, double found_inf, double clip_coef,
+                  int64_t split_masters, int64_t rounding, int64_t seed, at::IntArrayRef keys);
 
 at::Tensor swiglu(const at::Tensor &x, int64_t dim, bool eager);
 at::Tensor swiglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, bool eager);

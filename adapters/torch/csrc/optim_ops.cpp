@@ -96,8 +96,13 @@ void check_overlaps(const char *op, std::initializer_list<std::pair<const char *
 at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters, double lr,
                   double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t flags,
-                  double max_grad_norm, double grad_scale, double found_inf, double clip_coef) {
+                  double max_grad_norm, double grad_scale, double found_inf, double clip_coef,
+                  int64_t split_masters, int64_t rounding, int64_t seed, at::IntArrayRef keys) {
   const char *op = "npukern::adamw_";
+  TORCH_CHECK_VALUE(split_masters == 0 || split_masters == 1, op, ": split_masters ", split_masters,
+                    " is not 0 or 1");
+  TORCH_CHECK_VALUE(rounding >= 0 && rounding <= 0xffffffffLL, op, ": rounding ", rounding, " out of range");
+  for (int64_t k : keys) TORCH_CHECK_VALUE(k >= 0, op, ": key ", k, " is negative");
   TORCH_CHECK(step >= 1, op, ": step ", step, " is not >= 1");
   TORCH_CHECK(flags >= 0 && flags <= 0xffffffffLL, op, ": flags ", flags, " out of range");
   check_overlaps(op,
@@ -131,8 +136,17 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   o.clip_coef = static_cast<float>(clip_coef);
   Call call(op);
   npk_adamw_result r{};
-  call.run([&](size_t *bytes) { return npk_adamw_workspace_size(&t, &o, call.exec(), bytes); },
-           [&](void *ws, size_t bytes) { return npk_adamw(&t, &o, &r, ws, bytes, call.exec()); });
+  // The state's formats (ABI 2.9): split masters, stochastic rounding.
+  npk_adamw_formats f{};
+  f.struct_size = sizeof(npk_adamw_formats);
+  f.split_masters = static_cast<uint32_t>(split_masters);
+  f.rounding = static_cast<uint32_t>(rounding);
+  f.seed = static_cast<uint64_t>(seed);
+  static_assert(sizeof(int64_t) == sizeof(uint64_t), "keys pass as they are");
+  f.keys = keys.empty() ? nullptr : reinterpret_cast<const uint64_t *>(keys.data());
+  f.keys_count = keys.size();
+  call.run([&](size_t *bytes) { return npk_adamw_v2_workspace_size(&t, &o, &f, call.exec(), bytes); },
+           [&](void *ws, size_t bytes) { return npk_adamw_v2(&t, &o, &f, &r, ws, bytes, call.exec()); });
   for (const FlatList *l : {&p, &m, &v, &x, &w}) l->copy_back();
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
   // Without CLIP no norm is taken: 0, not the C ABI's NaN (a NaN output

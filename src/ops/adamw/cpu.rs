@@ -6,8 +6,8 @@
 //! each group's 16 f32 values in plain integer loops, the same on every ISA.
 
 use super::formats::{
-    join, random, round_bf16, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS,
-    STREAM_PARAMS,
+    join, mix32, random, round_bf16, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS,
+    STREAM_MOMENTS, STREAM_PARAMS,
 };
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
@@ -375,12 +375,22 @@ fn store_sr<L: Lanes, T: Float>(v: L, dst: &mut [T; GROUP], r: &[u32; GROUP], sh
     }
 }
 
-/// The 32 random bits of each element of the group at `key`.
+/// The 32 random bits of each element of the group at `key`: `random`'s,
+/// on 32-bit lanes while the group's keys share their high half (all but
+/// a group straddling a multiple of 2^32), so the loop vectorizes.
 #[inline(always)]
 fn randoms(salt: u32, key: u64) -> [u32; GROUP] {
     let mut r = [0u32; GROUP];
-    for (j, x) in r.iter_mut().enumerate() {
-        *x = random(salt, key.wrapping_add(j as u64));
+    let lo = key as u32;
+    if lo <= u32::MAX - GROUP as u32 {
+        let k = salt ^ ((key >> 32) as u32).wrapping_mul(0x9e37_79b9);
+        for (j, x) in r.iter_mut().enumerate() {
+            *x = mix32((lo + j as u32) ^ k);
+        }
+    } else {
+        for (j, x) in r.iter_mut().enumerate() {
+            *x = random(salt, key.wrapping_add(j as u64));
+        }
     }
     r
 }
@@ -448,7 +458,12 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     let vv = M::load::<L>(v).mul(c.b2).add(gv.mul(gv).mul(c.omb2));
     // exp_avg takes the low 16 random bits, exp_avg_sq (and its maximum) the
     // high 16: one hash per element for both.
-    let r = c.sr_moments.map(|s| randoms(s, key));
+    // (A match, not Option::map: a closure may be compiled outside the ISA's
+    // target features, and its integer loops then do not vectorize.)
+    let r = match c.sr_moments {
+        Some(s) => Some(randoms(s, key)),
+        None => None,
+    };
     match &r {
         Some(r) => {
             store_sr(mv, m, r, 0);

@@ -79,7 +79,7 @@ pub fn join(hi: u16, lo: i16) -> f32 {
 
 /// lowbias32 (Wellons): a bijective 32-bit mix with good avalanche.
 #[inline(always)]
-const fn mix32(mut x: u32) -> u32 {
+pub(crate) const fn mix32(mut x: u32) -> u32 {
     x ^= x >> 16;
     x = x.wrapping_mul(0x7feb_352d);
     x ^= x >> 15;
@@ -105,6 +105,7 @@ pub const fn salt(seed: u64, step: u64, stream: u32) -> u32 {
 /// stream's high 16.
 #[inline(always)]
 pub fn random(salt: u32, key: u64) -> u32 {
+    // (The CPU kernel's `randoms` computes the same on 32-bit lanes.)
     mix32((key as u32) ^ ((key >> 32) as u32).wrapping_mul(0x9e37_79b9) ^ salt)
 }
 
@@ -114,12 +115,14 @@ pub fn random(salt: u32, key: u64) -> u32 {
 #[inline(always)]
 pub fn round_bf16(v: f32, r: u32) -> u16 {
     let b = v.to_bits();
-    if v.is_nan() {
-        return ((b >> 16) as u16) | 0x0040;
-    }
     // The magnitude's low 16 bits plus r carry into bf16's last bit
     // exactly when r >= 2^16 - low; an infinity's low bits are zero.
-    (b.wrapping_add(r & 0xffff) >> 16) as u16
+    let rounded = b.wrapping_add(r & 0xffff) >> 16;
+    // Branch-free (the kernel's loops over 16 of these vectorize): a NaN
+    // keeps its high half, quieted.
+    let nan = ((b & 0x7fff_ffff) > 0x7f80_0000) as u32;
+    let keep = nan.wrapping_neg();
+    ((rounded & !keep) | (((b >> 16) | 0x0040) & keep)) as u16
 }
 
 #[cfg(test)]

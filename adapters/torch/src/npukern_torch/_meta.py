@@ -82,7 +82,7 @@ def _clip_grad_norm_(grads, max_norm, error_if_nonfinite=False):
 
 
 @torch.library.register_fake("npukern::adamw_")
-def _adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, *args):
+def _adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, *args, **kwargs):
     return torch.empty(2, dtype=torch.float64, device=_scalar_device(params))
 
 

@@ -7,6 +7,17 @@ additions torch's optimizer does not have:
   optimizer state (``state[p]["master"]``) with float32 moments; the step
   updates the master and writes the param as the master rounded once, so a
   bf16 model needs no autocast casts and loses no update below bf16's step.
+- ``master_weights="split"`` (bfloat16 params): the float32 master kept as
+  the bf16 param (the master rounded to nearest, ties away from zero) plus
+  its low 16 bits (``state[p]["master_low"]``, int16): the same masters and
+  moments as ``master_weights=True`` bit for bit, in 2 bytes instead of 4.
+- ``state_dtype=torch.bfloat16``: both moments in bfloat16, rounded
+  stochastically with a counter-based hash of (``seed``, step, the
+  element's index among all params), the same bits on every ISA, thread
+  count and shard cut.
+- ``stochastic_rounding=True`` (bfloat16 params, no masters): the update is
+  added in float32 and the param rounded stochastically (same hash): no
+  master at all.
 - ``max_grad_norm``: the global L2 norm of every gradient (f64 sum of squares,
   npukern's ``grad_stats``; under FSDP2 the shards' sums all-reduced once)
   and torch's clip coefficient applied inside the step: clip + step read each gradient twice and never write it. A
@@ -27,7 +38,28 @@ import torch
 from ._dtypes import KERNEL_DTYPES
 
 AMSGRAD, MAXIMIZE, L2, CLIP, GRAD_SCALE, FOUND_INF, CLIP_COEF = 1, 2, 4, 8, 16, 32, 64
+SR_MOMENTS, SR_PARAMS = 1, 2  # npk_adamw_formats.rounding
 _SIXTEEN = (torch.bfloat16, torch.float16)
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def split_master(master):
+    """A float32 master as (bf16 param, int16 low half), the kernel's split:
+    the param is the master rounded to nearest with ties away from zero, and
+    ``join_master`` of the pair is the master exactly (NaN: a quiet NaN)."""
+    b = master.detach().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = (b + 0x8000) >> 16
+    hi = torch.where(master.isnan(), (b >> 16) | 0x40, hi)
+    lo = torch.where(master.isnan(), torch.zeros_like(b), b - (hi << 16))
+    as16 = lambda x: torch.where(x >= 0x8000, x - 0x10000, x).to(torch.int16)  # noqa: E731
+    return as16(hi).view(torch.bfloat16).view(master.shape), lo.to(torch.int16).view(master.shape)
+
+
+def join_master(param, low):
+    """The float32 master of a split pair (a bf16 param and its int16 low half)."""
+    hi = param.detach().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    b = ((hi << 16) + low.to(torch.int64)) & 0xFFFFFFFF
+    return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32).view(param.shape)
 
 
 def _value(x):
@@ -127,6 +159,9 @@ class AdamW(torch.optim.Optimizer):
         master_weights=False,
         max_grad_norm=None,
         decoupled_weight_decay=None,
+        state_dtype=None,
+        stochastic_rounding=False,
+        seed=0,
     ):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -146,6 +181,15 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError("npukern_torch.optim: capturable and differentiable are not supported")
         if max_grad_norm is not None and not float(max_grad_norm) >= 0.0:
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
+        if master_weights not in (True, False, "split"):
+            raise ValueError(f"master_weights must be True, False or 'split', got {master_weights!r}")
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        if stochastic_rounding and master_weights:
+            raise ValueError("stochastic_rounding=True rounds params that have no master: "
+                             "use it with master_weights=False")
+        if not isinstance(seed, int) or not 0 <= seed < 1 << 63:
+            raise ValueError(f"seed must be an int in [0, 2^63), got {seed!r}")
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -159,9 +203,12 @@ class AdamW(torch.optim.Optimizer):
             fused=fused,
             # torch's Adam and AdamW key (AdamW: always True); each group's own rules its step.
             decoupled_weight_decay=self._decoupled if decoupled_weight_decay is None else bool(decoupled_weight_decay),
+            seed=seed,  # the stochastic rounding's hash (saved with the groups)
         )
         super().__init__(params, defaults)
-        self.master_weights = bool(master_weights)
+        self.master_weights = master_weights if master_weights == "split" else bool(master_weights)
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = bool(stochastic_rounding)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.grad_norm = None
         self._hooks()
@@ -171,6 +218,9 @@ class AdamW(torch.optim.Optimizer):
         """Says once what a new user would otherwise not learn: masters asked
         for with no 16-bit params, and float16 params without loss scaling."""
         dtypes = {p.dtype for g in self.param_groups for p in g["params"]}
+        if self.master_weights == "split" and torch.float16 in dtypes:
+            raise ValueError("master_weights='split' keeps bfloat16 params' masters as their low 16 bits; "
+                             "float16 params need master_weights=True")
         if self.master_weights and not dtypes & set(_SIXTEEN):
             warnings.warn("npukern_torch.optim: master_weights=True keeps float32 masters of bfloat16/float16 "
                           "params only, and these params are all " + ", ".join(sorted(map(str, dtypes))) +
@@ -183,7 +233,7 @@ class AdamW(torch.optim.Optimizer):
 
     # What torch's Optimizer.__getstate__ drops (it keeps defaults, state and
     # param groups): copy.deepcopy, pickle and torch.save keep these too.
-    _OWN = ("master_weights", "max_grad_norm", "grad_norm")
+    _OWN = ("master_weights", "max_grad_norm", "grad_norm", "state_dtype", "stochastic_rounding")
 
     def _hooks(self):
         self.register_load_state_dict_pre_hook(AdamW._keep_float32)
@@ -198,13 +248,14 @@ class AdamW(torch.optim.Optimizer):
         hooks = "_optimizer_load_state_dict_pre_hooks" in state
         super().__setstate__(state)
         for k in self._OWN:
-            self.__dict__.setdefault(k, None if k != "master_weights" else False)
+            self.__dict__.setdefault(k, {"master_weights": False, "stochastic_rounding": False}.get(k))
         if not hooks:
             self._hooks()
         for g in self.param_groups:
             g.setdefault("amsgrad", False)
             g.setdefault("maximize", False)
             g.setdefault("decoupled_weight_decay", self._decoupled)
+            g.setdefault("seed", 0)
 
     # torch's load_state_dict casts every state tensor to its param's dtype,
     # which would round masters and float32 moments to bf16: keep them.
@@ -216,7 +267,8 @@ class AdamW(torch.optim.Optimizer):
     def _keep_float32(opt, state_dict):
         opt._incoming = {
             k: {n: t for n, t in s.items()
-                if isinstance(t, torch.Tensor) and n != "step" and t.dtype == torch.float32}
+                if isinstance(t, torch.Tensor) and n != "step" and t.dtype in (torch.float32, torch.bfloat16,
+                                                                                torch.int16)}
             for k, s in state_dict["state"].items()
         }
         return None
@@ -231,42 +283,85 @@ class AdamW(torch.optim.Optimizer):
                 continue
             st = opt.state[p]
             for n, t in saved.items():
-                if t.dtype == torch.float32 and st[n].dtype != torch.float32:
+                if n in st and st[n].dtype != t.dtype:
                     st[n] = t.to(p.device)
-        # Under master_weights a 16-bit param's master and moments are float32
-        # (the docs' promise), whatever the state came from: torch's AdamW
-        # casts a master it carried to the param's dtype, and its own state
-        # has 16-bit moments.
-        if opt.master_weights:
-            for p, st in opt.state.items():
-                if p.dtype in _SIXTEEN:
-                    for n in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                        if n in st and isinstance(st[n], torch.Tensor) and st[n].dtype != torch.float32:
-                            st[n] = st[n].float()
+        # Every state in this optimizer's formats, whatever it came from
+        # (torch's AdamW casts a master it carried to the param's dtype, and
+        # its own state has 16-bit moments): masters float32, split (the
+        # param set to the master rounded, as the kernel keeps it) or none,
+        # moments in the mode's dtype (a cast: the quantization of torch's
+        # state is deterministic).
+        for p, st in opt.state.items():
+            opt._normalize(p, st)
         opt._incoming = {}
+
+    def _master_kind(self, p):
+        if p.dtype == torch.bfloat16 and self.master_weights == "split":
+            return "split"
+        return "f32" if self.master_weights and p.dtype in _SIXTEEN else None
+
+    def _moment_dtype(self, p):
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return torch.float32 if self._master_kind(p) else p.dtype
+
+    @torch.no_grad()
+    def _normalize(self, p, st):
+        kind = self._master_kind(p)
+        low = st.get("master_low")
+        if low is not None and low.dtype != torch.int16:
+            low = st.pop("master_low")  # torch's load cast it: its bits are gone
+            low = None
+        if kind == "split":
+            if "master" in st:
+                master = st.pop("master").float()
+                hi, st["master_low"] = split_master(master)
+                p.copy_(hi)
+            elif low is None:
+                st["master_low"] = torch.zeros_like(p, dtype=torch.int16)
+        elif kind == "f32":
+            if low is not None:
+                st["master"] = join_master(p, st.pop("master_low"))
+            elif "master" not in st:
+                st["master"] = p.detach().float()
+            elif st["master"].dtype != torch.float32:
+                st["master"] = st["master"].float()
+        want = self._moment_dtype(p)
+        for n in _MOMENTS:
+            if n in st and isinstance(st[n], torch.Tensor) and st[n].dtype != want:
+                st[n] = st[n].to(want)
 
     def _init_state(self, p, group):
         st = self.state[p]
+        kind = self._master_kind(p)
         if st:
-            if self.master_weights and p.dtype in _SIXTEEN:
-                if "master" not in st:
-                    # A torch AdamW state loaded into this optimizer.
-                    st["master"] = p.detach().float()
-                for n in ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if n in st and st[n].dtype != torch.float32:
-                        st[n] = st[n].float()
+            # A state loaded (the load hook put it in this optimizer's
+            # formats) or set by hand: the dtypes the step needs, no param
+            # written here (a split master is made from a float32 one by the
+            # load hook only).
+            if kind == "f32" and "master" not in st:
+                st["master"] = join_master(p, st.pop("master_low")) if "master_low" in st else p.detach().float()
+            if kind == "f32" and st["master"].dtype != torch.float32:
+                st["master"] = st["master"].float()
+            if kind == "split" and ("master_low" not in st or st["master_low"].dtype != torch.int16):
+                st["master_low"] = torch.zeros_like(p, dtype=torch.int16)
+            want = self._moment_dtype(p)
+            for n in _MOMENTS:
+                if n in st and st[n].dtype != want:
+                    st[n] = st[n].to(want)
             if group["amsgrad"] and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
             return st
-        master = self.master_weights and p.dtype in _SIXTEEN
-        moment = torch.float32 if master else p.dtype
+        moment = self._moment_dtype(p)
         st["step"] = torch.tensor(0.0, dtype=torch.float32)
         st["exp_avg"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
         if group["amsgrad"]:
             st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
-        if master:
+        if kind == "f32":
             st["master"] = p.detach().float()
+        elif kind == "split":
+            st["master_low"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
         return st
 
     def _grads(self):
@@ -290,6 +385,7 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._key_of = self._keys() if self.state_dtype == torch.bfloat16 or self.stochastic_rounding else {}
         plans = [self._plan(group) for group in self.param_groups]
         if sum(len(b) for b in plans) > 1:  # one kernel call checks its own lists
             _check_disjoint(plans)
@@ -333,7 +429,8 @@ class AdamW(torch.optim.Optimizer):
             st = self._init_state(p, group)
             if local.is_meta:  # shapes only (a dry run, deferred init): torch's own step, as torch's AdamW
                 real = "meta"
-            key = (real, st["exp_avg"].dtype, "master" in st, float(st["step"]) + 1)
+            master = "split" if "master_low" in st else ("f32" if "master" in st else None)
+            key = (real, st["exp_avg"].dtype, master, float(st["step"]) + 1)
             buckets.setdefault(key, []).append((p, st))
         return buckets
 
@@ -345,17 +442,21 @@ class AdamW(torch.optim.Optimizer):
         if coef is not None:
             flags |= CLIP_COEF
         lr = float(_value(group["lr"]))
-        for (real, _, has_master, step), items in buckets.items():
+        for (real, moment, master, step), items in buckets.items():
             if real == torch.float64 or real == "meta":
                 self._run_float64(group, items, coef, decoupled)
                 continue
+            rounding = SR_MOMENTS if moment == torch.bfloat16 and self.state_dtype == torch.bfloat16 else 0
+            if self.stochastic_rounding and master is None and real == torch.bfloat16:
+                rounding |= SR_PARAMS
             torch.ops.npukern.adamw_(
                 [_flat(p) for p, _ in items],
                 [_flat(p.grad) for p, _ in items],
                 [_flat(s["exp_avg"]) for _, s in items],
                 [_flat(s["exp_avg_sq"]) for _, s in items],
                 [_flat(s["max_exp_avg_sq"]) for _, s in items] if group["amsgrad"] else [],
-                [_flat(s["master"]) for _, s in items] if has_master else [],
+                [_flat(s["master"]) for _, s in items] if master == "f32" else
+                [_flat(s["master_low"]) for _, s in items] if master == "split" else [],
                 lr,
                 float(b1),
                 float(b2),
@@ -367,9 +468,25 @@ class AdamW(torch.optim.Optimizer):
                 1.0,
                 0.0,
                 1.0 if coef is None else coef,
+                1 if master == "split" else 0,
+                rounding,
+                int(group.get("seed", 0)),
+                [self._key_of[id(p)] for p, _ in items] if rounding else [],
             )
             for _, st in items:
                 st["step"] += 1
+
+    def _keys(self):
+        """Each param's stochastic-rounding key: the index of its element 0
+        among every param's elements (the groups' order), so no two elements
+        share random bits. A DTensor shard (FSDP2) adds its offset in the
+        whole param: every cut of the model into ranks rounds alike."""
+        keys, base = {}, 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                keys[id(p)] = base + _shard_offset(p)
+                base += p.numel() * (2 if p.is_complex() else 1)
+        return keys
 
     @staticmethod
     def _run_float64(group, items, coef, decoupled):
@@ -380,7 +497,7 @@ class AdamW(torch.optim.Optimizer):
         from torch.optim.adam import adam
 
         b1, b2 = group["betas"]
-        stepped = [s.get("master", p) for p, s in items]
+        stepped = [s["master"] if "master" in s else p for p, s in items]
         grads = [(p.grad if coef is None else p.grad * coef).to(w.dtype) for (p, _), w in zip(items, stepped)]
         adam(stepped, grads, [s["exp_avg"] for _, s in items], [s["exp_avg_sq"] for _, s in items],
              [s["max_exp_avg_sq"] for _, s in items] if group["amsgrad"] else [],
@@ -434,6 +551,21 @@ def _check_disjoint(plans):
                     f"npukern_torch.optim.AdamW: the {what} and the {what2} share memory{how}; each param "
                     "and grad must have its own (nothing was written)"
                 )
+
+
+def _shard_offset(p):
+    """The flat index of a DTensor's local element 0 in the whole tensor
+    (0 for a plain tensor or a replica)."""
+    if _DTENSOR is None or not isinstance(p, _DTENSOR) or not _sharded(p):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    stride, flat = 1, 0
+    for d in reversed(range(len(p.shape))):
+        flat += offset[d] * stride
+        stride *= p.shape[d]
+    return flat * (2 if p.is_complex() else 1)
 
 
 def _flat(t):
