@@ -17,6 +17,7 @@ pub mod detect;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
 pub mod neon;
 pub mod portable;
+pub mod random;
 pub mod stream;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -167,6 +168,26 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     }
     /// Stores sixteen f16, rounded to nearest even (NaN kept, overflow to Inf).
     fn store_f16(self, dst: &mut [f16; GROUP]);
+    /// `random::mix32((lo + j) ^ k)` for j in 0..16 (`lo + 15` must not
+    /// wrap): sixteen consecutive keys' random bits.
+    #[inline(always)]
+    fn hash16(lo: u32, k: u32) -> [u32; GROUP] {
+        let mut r = [0u32; GROUP];
+        for (j, x) in r.iter_mut().enumerate() {
+            *x = random::mix32((lo + j as u32) ^ k);
+        }
+        r
+    }
+    /// Stores sixteen bf16 rounded stochastically
+    /// (`random::round_bf16_sr` with the bits `(r[j] >> SHIFT) & 0xffff`).
+    #[inline(always)]
+    fn store_bf16_sr<const SHIFT: u32>(self, dst: &mut [bf16; GROUP], r: &[u32; GROUP]) {
+        let mut f = [0f32; GROUP];
+        self.store(&mut f);
+        for j in 0..GROUP {
+            dst[j] = bf16::from_bits(random::round_bf16_sr(f[j], r[j] >> SHIFT));
+        }
+    }
     /// `store` with a non-temporal (streaming) store when `dst` is aligned
     /// for it, else an ordinary one: the same bits either way. Streaming
     /// stores skip the destination's read-for-ownership and do not displace

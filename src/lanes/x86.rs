@@ -354,6 +354,56 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
+    fn hash16(lo: u32, k: u32) -> [u32; GROUP] {
+        // SAFETY: AVX2 present; 64 writable bytes.
+        unsafe {
+            let mix = |mut x: __m256i| {
+                x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
+                x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb_352d));
+                x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
+                x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x846c_a68bu32 as i32));
+                _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
+            };
+            let base = _mm256_add_epi32(
+                _mm256_set1_epi32(lo as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            );
+            let kv = _mm256_set1_epi32(k as i32);
+            let a = mix(_mm256_xor_si256(base, kv));
+            let b = mix(_mm256_xor_si256(
+                _mm256_add_epi32(base, _mm256_set1_epi32(8)),
+                kv,
+            ));
+            let mut r = [0u32; GROUP];
+            _mm256_storeu_si256(r.as_mut_ptr() as *mut __m256i, a);
+            _mm256_storeu_si256(r.as_mut_ptr().add(8) as *mut __m256i, b);
+            r
+        }
+    }
+    #[inline(always)]
+    fn store_bf16_sr<const SHIFT: u32>(self, dst: &mut [bf16; GROUP], r: &[u32; GROUP]) {
+        // SAFETY: 64 readable and 32 writable bytes; AVX2 present.
+        unsafe {
+            let half = |v: __m256, rp: *const u32| {
+                let b = _mm256_castps_si256(v);
+                let rv = _mm256_loadu_si256(rp as *const __m256i);
+                let rv = _mm256_and_si256(
+                    _mm256_srl_epi32(rv, _mm_cvtsi32_si128(SHIFT as i32)),
+                    _mm256_set1_epi32(0xffff),
+                );
+                let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, rv));
+                let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+                let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+                _mm256_blendv_epi8(rounded, quiet, nan)
+            };
+            let (a, b) = (half(self.0, r.as_ptr()), half(self.1, r.as_ptr().add(8)));
+            // Both halves hold values < 2^16: packus keeps them; it packs per
+            // 128-bit lane, so the quadwords go back in order.
+            let packed = _mm256_permute4x64_epi64::<0xd8>(_mm256_packus_epi32(a, b));
+            _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, packed);
+        }
+    }
+    #[inline(always)]
     fn stream(self, dst: &mut [f32; GROUP]) {
         if !aligned(dst, 32) {
             return self.store(dst);
@@ -573,6 +623,39 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     fn store_bf16(self, dst: &mut [bf16; GROUP]) {
         // SAFETY: 32 writable bytes; AVX-512F/BW present.
         unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, bits16::<HW_BF16>(self.0)) }
+    }
+    #[inline(always)]
+    fn hash16(lo: u32, k: u32) -> [u32; GROUP] {
+        // SAFETY: AVX-512F present; 64 writable bytes.
+        unsafe {
+            let j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let mut x = _mm512_xor_si512(
+                _mm512_add_epi32(_mm512_set1_epi32(lo as i32), j),
+                _mm512_set1_epi32(k as i32),
+            );
+            x = _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x));
+            x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb_352d));
+            x = _mm512_xor_si512(x, _mm512_srli_epi32::<15>(x));
+            x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x846c_a68bu32 as i32));
+            x = _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x));
+            let mut r = [0u32; GROUP];
+            _mm512_storeu_si512(r.as_mut_ptr() as *mut __m512i, x);
+            r
+        }
+    }
+    #[inline(always)]
+    fn store_bf16_sr<const SHIFT: u32>(self, dst: &mut [bf16; GROUP], r: &[u32; GROUP]) {
+        // SAFETY: 64 readable and 32 writable bytes; AVX-512F/BW present.
+        unsafe {
+            let b = _mm512_castps_si512(self.0);
+            let rv = _mm512_loadu_si512(r.as_ptr() as *const __m512i);
+            let rv = _mm512_and_si512(_mm512_srli_epi32::<SHIFT>(rv), _mm512_set1_epi32(0xffff));
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, rv));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(self.0, self.0);
+            let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
+            let out = _mm512_mask_mov_epi32(rounded, nan, quiet);
+            _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, _mm512_cvtepi32_epi16(out));
+        }
     }
     #[inline(always)]
     fn put2_bf16<const STREAM: bool>(self, hi: Self, dst: &mut [bf16; 2 * GROUP]) {

@@ -6,8 +6,7 @@
 //! each group's 16 f32 values in plain integer loops, the same on every ISA.
 
 use super::formats::{
-    join, mix32, random, round_bf16, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS,
-    STREAM_MOMENTS, STREAM_PARAMS,
+    join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
@@ -360,39 +359,32 @@ fn bits<T: Float>(x: &mut [T; GROUP]) -> Option<&mut [u16; GROUP]> {
 }
 
 /// Stores `v` rounded stochastically to bf16 with the random bits
-/// `r[j] >> shift` (16 of them), or to nearest when `dst` is not 16-bit.
+/// `r[j] >> SHIFT` (16 of them), or to nearest when `dst` is not bf16
+/// (never, by validation, where a caller asks).
 #[inline(always)]
-fn store_sr<L: Lanes, T: Float>(v: L, dst: &mut [T; GROUP], r: &[u32; GROUP], shift: u32) {
-    let mut f = [0f32; GROUP];
-    v.store(&mut f);
-    match bits(dst) {
-        Some(b) => {
-            for j in 0..GROUP {
-                b[j] = round_bf16(f[j], (r[j] >> shift) & 0xffff);
-            }
-        }
-        None => T::store::<L>(v, dst),
+fn store_sr<L: Lanes, T: Float, const SHIFT: u32>(v: L, dst: &mut [T; GROUP], r: &[u32; GROUP]) {
+    match bytemuck::try_cast_mut::<[T; GROUP], [bf16; GROUP]>(dst) {
+        Ok(b) if T::DTYPE == DType::BF16 => v.store_bf16_sr::<SHIFT>(b, r),
+        Ok(b) => T::store::<L>(v, bytemuck::cast_mut(b)),
+        Err(_) => T::store::<L>(v, dst),
     }
 }
 
 /// The 32 random bits of each element of the group at `key`: `random`'s,
 /// on 32-bit lanes while the group's keys share their high half (all but
-/// a group straddling a multiple of 2^32), so the loop vectorizes.
+/// a group straddling a multiple of 2^32).
 #[inline(always)]
-fn randoms(salt: u32, key: u64) -> [u32; GROUP] {
-    let mut r = [0u32; GROUP];
+fn randoms<L: Lanes>(salt: u32, key: u64) -> [u32; GROUP] {
     let lo = key as u32;
     if lo <= u32::MAX - GROUP as u32 {
-        let k = salt ^ ((key >> 32) as u32).wrapping_mul(0x9e37_79b9);
-        for (j, x) in r.iter_mut().enumerate() {
-            *x = mix32((lo + j as u32) ^ k);
-        }
+        L::hash16(lo, salt ^ ((key >> 32) as u32).wrapping_mul(0x9e37_79b9))
     } else {
+        let mut r = [0u32; GROUP];
         for (j, x) in r.iter_mut().enumerate() {
             *x = random(salt, key.wrapping_add(j as u64));
         }
+        r
     }
-    r
 }
 
 /// `Some(&mut group at i)` of an optional tensor.
@@ -460,14 +452,15 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     // high 16: one hash per element for both.
     // (A match, not Option::map: a closure may be compiled outside the ISA's
     // target features, and its integer loops then do not vectorize.)
+    #[allow(clippy::manual_map)]
     let r = match c.sr_moments {
-        Some(s) => Some(randoms(s, key)),
+        Some(s) => Some(randoms::<L>(s, key)),
         None => None,
     };
     match &r {
         Some(r) => {
-            store_sr(mv, m, r, 0);
-            store_sr(vv, v, r, 16);
+            store_sr::<L, M, 0>(mv, m, r);
+            store_sr::<L, M, 16>(vv, v, r);
         }
         None => {
             M::store::<L>(mv, m);
@@ -481,7 +474,7 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
             let mx = vv.select_lt(old, old, vv);
             // A kept maximum is a bf16 already: its rounding leaves it.
             match &r {
-                Some(r) => store_sr(mx, x, r, 16),
+                Some(r) => store_sr::<L, M, 16>(mx, x, r),
                 None => M::store::<L>(mx, x),
             }
             mx
@@ -508,7 +501,7 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
             }
         }
         Master::None => match c.sr_params {
-            Some(s) => store_sr(pv, p, &randoms(s, key), 16),
+            Some(s) => store_sr::<L, P, 16>(pv, p, &randoms::<L>(s, key)),
             None => P::store::<L>(pv, p),
         },
     }

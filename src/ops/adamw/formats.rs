@@ -77,15 +77,7 @@ pub fn join(hi: u16, lo: i16) -> f32 {
     f32::from_bits(((hi as u32) << 16).wrapping_add(lo as i32 as u32))
 }
 
-/// lowbias32 (Wellons): a bijective 32-bit mix with good avalanche.
-#[inline(always)]
-pub(crate) const fn mix32(mut x: u32) -> u32 {
-    x ^= x >> 16;
-    x = x.wrapping_mul(0x7feb_352d);
-    x ^= x >> 15;
-    x = x.wrapping_mul(0x846c_a68b);
-    x ^ (x >> 16)
-}
+pub(crate) use crate::lanes::random::mix32;
 
 /// Hash streams: one per rounded quantity.
 pub(crate) const STREAM_MOMENTS: u32 = 0x6d6f_6d31;
@@ -109,25 +101,10 @@ pub fn random(salt: u32, key: u64) -> u32 {
     mix32((key as u32) ^ ((key >> 32) as u32).wrapping_mul(0x9e37_79b9) ^ salt)
 }
 
-/// `v` rounded to bf16 stochastically with 16 random bits `r` (< 2^16):
-/// up in magnitude with probability (the part below bf16's step) / step,
-/// so the rounding is unbiased; NaN a quiet NaN, infinities kept.
-#[inline(always)]
-pub fn round_bf16(v: f32, r: u32) -> u16 {
-    let b = v.to_bits();
-    // The magnitude's low 16 bits plus r carry into bf16's last bit
-    // exactly when r >= 2^16 - low; an infinity's low bits are zero.
-    let rounded = b.wrapping_add(r & 0xffff) >> 16;
-    // Branch-free (the kernel's loops over 16 of these vectorize): a NaN
-    // keeps its high half, quieted.
-    let nan = ((b & 0x7fff_ffff) > 0x7f80_0000) as u32;
-    let keep = nan.wrapping_neg();
-    ((rounded & !keep) | (((b >> 16) | 0x0040) & keep)) as u16
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lanes::random::round_bf16_sr as round_bf16;
 
     #[test]
     fn split_recovers_every_master_and_rounds_to_nearest() {
