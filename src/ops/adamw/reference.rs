@@ -68,7 +68,8 @@ fn round_bf16_f64(x: f64, r: u32) -> bf16 {
     }
     let lo = f.to_bits() & 0xffff_0000;
     let e = ((lo >> 23) & 0xff).max(1) as i32;
-    let step = 2f64.powi(e - 127 - 7);
+    // 2^(e - 134), built from its bits (no_std has no powi).
+    let step = f64::from_bits(((e - 134 + 1023) as u64) << 52);
     let frac = (a - f32::from_bits(lo) as f64) / step;
     let bits = if frac * 65536.0 + r as f64 >= 65536.0 {
         lo + 0x1_0000
