@@ -194,6 +194,10 @@ typedef enum npk_dtype {
    * Signed 16-bit integer: the low halves of AdamW's split masters (ABI 2.9).
    */
   NPK_I16 = 5,
+  /**
+   * Unsigned 8-bit integer: the codes of AdamW's 8-bit moments (ABI 2.9).
+   */
+  NPK_U8 = 6,
 } npk_dtype;
 
 /**
@@ -1391,10 +1395,15 @@ typedef struct npk_adamw_result {
  * Workspace layout, from the 64-byte aligned start: six segment tables of
  * `tensors` rows each (params, grads, exp_avgs, exp_avg_sqs,
  * max_exp_avg_sqs, masters; an absent list's table is left unwritten),
- * `table_stride` bytes apart; then the host's overlap scratch (16 bytes per
- * tensor, plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
- * partial per block for the norm; then, with stochastic rounding, one `u64`
- * key per row (`AdamWState::keys_offset`).
+ * `table_stride` bytes apart (with 8-bit moments nine: then the three
+ * scale lists'); then the host's overlap scratch (16 bytes per tensor,
+ * plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
+ * partial per block for the norm; then, with stochastic rounding or 8-bit
+ * moments, one `u64` key per row (`AdamWState::keys_offset`).
+ *
+ * With 8-bit moments block `b` steps the quantization blocks (256
+ * elements from each tensor's element 0) whose first element lies in its
+ * flat range `block_range(b)`, so no block cuts one.
  */
 typedef struct npk_adamw_tiling {
   /**
@@ -1462,6 +1471,15 @@ typedef struct npk_adamw_state {
    * stochastic rounding.
    */
   uint64_t keys_offset;
+  /**
+   * 1: 8-bit moments (u8 codes in the moment lists, f32 scales in the
+   * call's scale lists; see `q8`).
+   */
+  uint32_t quantized_moments;
+  /**
+   * Reserved, zero.
+   */
+  uint32_t reserved;
 } npk_adamw_state;
 
 /**
@@ -1522,6 +1540,19 @@ typedef struct npk_adamw_call {
    * rounded to nearest).
    */
   struct npk_adamw_state state;
+  /**
+   * 8-bit moments' exp_avg block scales (f32, one row per params row),
+   * or empty (ABI 2.9).
+   */
+  struct npk_tensor_list exp_avg_scales;
+  /**
+   * 8-bit moments' exp_avg_sq block scales, or empty.
+   */
+  struct npk_tensor_list exp_avg_sq_scales;
+  /**
+   * 8-bit moments' max_exp_avg_sq block scales, or empty.
+   */
+  struct npk_tensor_list max_exp_avg_sq_scales;
 } npk_adamw_call;
 
 /**
@@ -2030,6 +2061,26 @@ typedef struct npk_adamw_formats {
    * How many keys.
    */
   size_t keys_count;
+  /**
+   * 1: 8-bit moments. exp_avgs, exp_avg_sqs (and max_exp_avg_sqs) are
+   * `NPK_U8` codes, one per element, and the three scale lists below
+   * hold one `NPK_F32` scale per block of 256 elements of each tensor
+   * (`ceil(numel / 256)` per param). Not with `NPK_ADAMW_SR_MOMENTS`.
+   */
+  uint32_t quantized_moments;
+  /**
+   * exp_avgs' block scales (8-bit moments; else empty).
+   */
+  struct npk_tensor_array exp_avg_scales;
+  /**
+   * exp_avg_sqs' block scales (8-bit moments; else empty).
+   */
+  struct npk_tensor_array exp_avg_sq_scales;
+  /**
+   * max_exp_avg_sqs' block scales (8-bit moments with amsgrad; else
+   * empty).
+   */
+  struct npk_tensor_array max_exp_avg_sq_scales;
 } npk_adamw_formats;
 
 /**
@@ -2295,9 +2346,10 @@ enum npk_status npk_adamw(const struct npk_adamw_tensors *tensors,
 /**
  * One step with the state in `formats` (ABI 2.9; NULL: `npk_adamw`):
  * split masters (the masters list is `NPK_I16`, one low half per bf16
- * param), stochastically rounded bf16 moments (`NPK_ADAMW_SR_MOMENTS`) or
- * bf16 params without masters (`NPK_ADAMW_SR_PARAMS`). On error nothing
- * is written.
+ * param), stochastically rounded bf16 moments (`NPK_ADAMW_SR_MOMENTS`),
+ * bf16 params without masters (`NPK_ADAMW_SR_PARAMS`) or 8-bit moments
+ * (`quantized_moments`: `NPK_U8` moment lists and the formats' f32 scale
+ * lists). On error nothing is written.
  *
  * # Safety
  * As for `npk_adamw`; `formats` is NULL or readable, its keys for their

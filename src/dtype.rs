@@ -22,12 +22,15 @@ pub enum DType {
     I64 = 4,
     /// Signed 16-bit integer (the low halves of AdamW's split masters; ABI 2.9).
     I16 = 5,
+    /// Unsigned 8-bit integer (the codes of AdamW's 8-bit moments; ABI 2.9).
+    U8 = 6,
 }
 
 impl DType {
     /// Bytes per element.
     pub const fn size_bytes(self) -> usize {
         match self {
+            DType::U8 => 1,
             DType::F16 | DType::BF16 | DType::I16 => 2,
             DType::F32 | DType::I32 => 4,
             DType::I64 => 8,
@@ -48,6 +51,7 @@ impl DType {
             3 => Some(DType::I32),
             4 => Some(DType::I64),
             5 => Some(DType::I16),
+            6 => Some(DType::U8),
             _ => None,
         }
     }
@@ -61,6 +65,7 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::I16 => "i16",
+            DType::U8 => "u8",
         }
     }
 }
@@ -79,10 +84,11 @@ mod sealed {
     impl Sealed for i32 {}
     impl Sealed for i64 {}
     impl Sealed for i16 {}
+    impl Sealed for u8 {}
 }
 
 /// A Rust type that is one of the C ABI's dtypes (`f32`, `f16`, `bf16`,
-/// `i32`, `i64`, `i16`). Sealed.
+/// `i32`, `i64`, `i16`, `u8`). Sealed.
 pub trait Element: sealed::Sealed + Copy + Send + Sync + bytemuck::Pod + 'static {
     /// The run-time tag of this type.
     const DTYPE: DType;
@@ -118,6 +124,9 @@ impl Element for i32 {
 }
 impl Element for i16 {
     const DTYPE: DType = DType::I16;
+}
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
 }
 impl Element for i64 {
     const DTYPE: DType = DType::I64;

@@ -38,6 +38,9 @@ pub enum FlatTensor<'a> {
     /// 16-bit integers (AdamW's split masters' low halves; the float
     /// operators refuse them).
     I16(&'a [i16]),
+    /// Bytes (AdamW's 8-bit moment codes; the float operators refuse
+    /// them).
+    U8(&'a [u8]),
 }
 
 /// One writable tensor of a list (`clip_grad_norm` scales it in place;
@@ -54,6 +57,9 @@ pub enum FlatTensorMut<'a> {
     /// 16-bit integers (AdamW's split masters' low halves; the float
     /// operators refuse them).
     I16(&'a mut [i16]),
+    /// Bytes (AdamW's 8-bit moment codes; the float operators refuse
+    /// them).
+    U8(&'a mut [u8]),
 }
 
 impl FlatTensor<'_> {
@@ -64,6 +70,7 @@ impl FlatTensor<'_> {
             FlatTensor::F16(_) => DType::F16,
             FlatTensor::BF16(_) => DType::BF16,
             FlatTensor::I16(_) => DType::I16,
+            FlatTensor::U8(_) => DType::U8,
         }
     }
 
@@ -74,6 +81,7 @@ impl FlatTensor<'_> {
             FlatTensor::F16(s) => s.len(),
             FlatTensor::BF16(s) => s.len(),
             FlatTensor::I16(s) => s.len(),
+            FlatTensor::U8(s) => s.len(),
         }
     }
 
@@ -91,6 +99,7 @@ impl FlatTensorMut<'_> {
             FlatTensorMut::F16(_) => DType::F16,
             FlatTensorMut::BF16(_) => DType::BF16,
             FlatTensorMut::I16(_) => DType::I16,
+            FlatTensorMut::U8(_) => DType::U8,
         }
     }
 
@@ -101,6 +110,7 @@ impl FlatTensorMut<'_> {
             FlatTensorMut::F16(s) => s.len(),
             FlatTensorMut::BF16(s) => s.len(),
             FlatTensorMut::I16(s) => s.len(),
+            FlatTensorMut::U8(s) => s.len(),
         }
     }
 
@@ -116,6 +126,7 @@ impl FlatTensorMut<'_> {
             FlatTensorMut::F16(s) => FlatTensor::F16(s),
             FlatTensorMut::BF16(s) => FlatTensor::BF16(s),
             FlatTensorMut::I16(s) => FlatTensor::I16(s),
+            FlatTensorMut::U8(s) => FlatTensor::U8(s),
         }
     }
 }
@@ -143,6 +154,7 @@ flat_from!(f32, F32);
 flat_from!(f16, F16);
 flat_from!(bf16, BF16);
 flat_from!(i16, I16);
+flat_from!(u8, U8);
 
 /// One row of a segment table (`npk_list_seg`): a non-empty tensor and where
 /// it starts in its list's flat element sequence.
@@ -251,6 +263,7 @@ impl ListSource for RoList<'_, '_> {
             FlatTensor::F16(s) => s.as_ptr() as *mut c_void,
             FlatTensor::BF16(s) => s.as_ptr() as *mut c_void,
             FlatTensor::I16(s) => s.as_ptr() as *mut c_void,
+            FlatTensor::U8(s) => s.as_ptr() as *mut c_void,
         };
         Ok((p, t.dtype(), t.len()))
     }
@@ -272,6 +285,7 @@ impl ListSource for RwList<'_, '_> {
             FlatTensorMut::F16(s) => s.as_mut_ptr() as *mut c_void,
             FlatTensorMut::BF16(s) => s.as_mut_ptr() as *mut c_void,
             FlatTensorMut::I16(s) => s.as_mut_ptr() as *mut c_void,
+            FlatTensorMut::U8(s) => s.as_mut_ptr() as *mut c_void,
         };
         Ok((p, dt, n))
     }
@@ -287,9 +301,10 @@ pub(crate) fn check_raw(
     i: usize,
 ) -> Result<(*mut c_void, DType, usize)> {
     let c = t.check(name)?;
-    // i16: split masters' low halves (AdamW's masters list); each operator
-    // checks which dtypes each of its lists takes.
-    if !t.dtype.is_float() && t.dtype != DType::I16 {
+    // i16: split masters' low halves (AdamW's masters list); u8: 8-bit
+    // moments' codes; each operator checks which dtypes each of its lists
+    // takes.
+    if !t.dtype.is_float() && t.dtype != DType::I16 && t.dtype != DType::U8 {
         return Err(crate::error::dtype_err!(
             name,
             "tensor {i} has dtype {}, not f32, f16 or bf16",

@@ -134,7 +134,7 @@ fn split_f(s: bool, rounding: u32, seed: u64) -> AdamWFormats<'static> {
         split_masters: s,
         rounding,
         seed,
-        keys: &[],
+        ..Default::default()
     }
 }
 

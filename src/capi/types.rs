@@ -56,6 +56,8 @@ pub enum npk_dtype {
     NPK_I64 = 4,
     /// Signed 16-bit integer: the low halves of AdamW's split masters (ABI 2.9).
     NPK_I16 = 5,
+    /// Unsigned 8-bit integer: the codes of AdamW's 8-bit moments (ABI 2.9).
+    NPK_U8 = 6,
 }
 
 /// Status of every call. Numbered like aclnn's return codes, so an adapter
@@ -185,6 +187,7 @@ const _: () = {
     assert!(npk_dtype::NPK_I32 as u32 == DType::I32 as u32);
     assert!(npk_dtype::NPK_I64 as u32 == DType::I64 as u32);
     assert!(npk_dtype::NPK_I16 as u32 == DType::I16 as u32);
+    assert!(npk_dtype::NPK_U8 as u32 == DType::U8 as u32);
     assert!(npk_rounding::NPK_ROUNDING_FUSED as u32 == Rounding::Fused as u32);
     assert!(
         npk_rounding::NPK_ROUNDING_CAST_BEFORE_GAMMA as u32 == Rounding::CastBeforeGamma as u32

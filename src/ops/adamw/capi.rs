@@ -67,13 +67,33 @@ pub struct npk_adamw_formats {
     pub keys: *const u64,
     /// How many keys.
     pub keys_count: usize,
+    /// 1: 8-bit moments. exp_avgs, exp_avg_sqs (and max_exp_avg_sqs) are
+    /// `NPK_U8` codes, one per element, and the three scale lists below
+    /// hold one `NPK_F32` scale per block of 256 elements of each tensor
+    /// (`ceil(numel / 256)` per param). Not with `NPK_ADAMW_SR_MOMENTS`.
+    pub quantized_moments: u32,
+    /// exp_avgs' block scales (8-bit moments; else empty).
+    pub exp_avg_scales: npk_tensor_array,
+    /// exp_avg_sqs' block scales (8-bit moments; else empty).
+    pub exp_avg_sq_scales: npk_tensor_array,
+    /// max_exp_avg_sqs' block scales (8-bit moments with amsgrad; else
+    /// empty).
+    pub max_exp_avg_sq_scales: npk_tensor_array,
 }
+
+/// An empty list.
+const EMPTY: npk_tensor_array = npk_tensor_array {
+    tensors: core::ptr::null(),
+    count: 0,
+};
 
 /// # Safety
 /// `f` is NULL or readable for `struct_size` bytes, its keys for their count.
-unsafe fn read_formats<'a>(f: *const npk_adamw_formats) -> Result<AdamWFormats<'a>> {
+unsafe fn read_formats<'a>(
+    f: *const npk_adamw_formats,
+) -> Result<(AdamWFormats<'a>, [npk_tensor_array; 3])> {
     if f.is_null() {
-        return Ok(AdamWFormats::default());
+        return Ok((AdamWFormats::default(), [EMPTY; 3]));
     }
     // SAFETY: readable (caller); the size is read alone first.
     let size = unsafe { core::ptr::addr_of!((*f).struct_size).read_unaligned() };
@@ -103,21 +123,38 @@ unsafe fn read_formats<'a>(f: *const npk_adamw_formats) -> Result<AdamWFormats<'
             f.split_masters
         ));
     }
-    Ok(AdamWFormats {
-        split_masters: f.split_masters == 1,
-        rounding: f.rounding,
-        seed: f.seed,
-        keys,
-    })
+    if f.quantized_moments > 1 {
+        return Err(crate::error::invalid_fmt!(
+            "quantized_moments",
+            "{} is not 0 or 1",
+            f.quantized_moments
+        ));
+    }
+    Ok((
+        AdamWFormats {
+            split_masters: f.split_masters == 1,
+            rounding: f.rounding,
+            quantized_moments: f.quantized_moments == 1,
+            seed: f.seed,
+            keys,
+        },
+        [
+            f.exp_avg_scales,
+            f.exp_avg_sq_scales,
+            f.max_exp_avg_sq_scales,
+        ],
+    ))
 }
 
-/// The six lists, read.
-struct CLists([CList; 6]);
+/// The nine lists (the six of `npk_adamw_tensors`, then the formats' three
+/// scale lists), read.
+struct CLists([CList; 9]);
 
 impl CLists {
     /// # Safety
-    /// `t` is NULL or readable.
-    unsafe fn read(t: *const npk_adamw_tensors) -> Result<CLists> {
+    /// `t` is NULL or readable; `scales` are arrays as `read_formats` found
+    /// them.
+    unsafe fn read(t: *const npk_adamw_tensors, scales: [npk_tensor_array; 3]) -> Result<CLists> {
         if t.is_null() {
             return Err(Error::NullPointer { arg: "tensors" });
         }
@@ -131,13 +168,16 @@ impl CLists {
             l(t.exp_avg_sqs, "exp_avg_sqs")?,
             l(t.max_exp_avg_sqs, "max_exp_avg_sqs")?,
             l(t.masters, "masters")?,
+            l(scales[0], "exp_avg_scales")?,
+            l(scales[1], "exp_avg_sq_scales")?,
+            l(scales[2], "max_exp_avg_sq_scales")?,
         ]))
     }
 
     /// Runs `f` on the lists; `bad` receives the index of the tensor a
     /// refusal was about.
     fn with<R>(&mut self, bad: &mut Option<usize>, f: impl FnOnce(&mut Lists<'_>) -> R) -> R {
-        let [p, g, m, v, x, w] = &mut self.0;
+        let [p, g, m, v, x, w, sm, sv, sx] = &mut self.0;
         let mut l = Lists {
             params: p,
             grads: g,
@@ -145,6 +185,9 @@ impl CLists {
             exp_avg_sqs: v,
             max_exp_avg_sqs: x,
             masters: w,
+            exp_avg_scales: sm,
+            exp_avg_sq_scales: sv,
+            max_exp_avg_sq_scales: sx,
             bad: None,
         };
         let r = f(&mut l);
@@ -172,6 +215,7 @@ unsafe fn marked(
     s: npk_status,
     exec: *const npk_exec,
     t: *const npk_adamw_tensors,
+    formats: *const npk_adamw_formats,
     bad: Option<usize>,
 ) -> npk_status {
     if s != npk_status::NPK_OK {
@@ -180,7 +224,9 @@ unsafe fn marked(
             Some(i) => unsafe { set_position(exec, i) },
             None => {
                 // SAFETY: forwarded.
-                if let Ok(mut l) = unsafe { CLists::read(t) } {
+                let scales = unsafe { read_formats(formats) }.map_or([EMPTY; 3], |f| f.1);
+                // SAFETY: forwarded.
+                if let Ok(mut l) = unsafe { CLists::read(t, scales) } {
                     // SAFETY: forwarded.
                     unsafe { mark_first_bad(exec, &mut l.0) };
                 }
@@ -228,12 +274,12 @@ pub unsafe extern "C" fn npk_adamw_v2_workspace_size(
         let mut bad = None;
         let s = run_size(exec, workspace_bytes, |e| {
             let o = read_options(options)?;
-            let f = read_formats(formats)?;
-            CLists::read(tensors)?.with(&mut bad, |l| {
+            let (f, scales) = read_formats(formats)?;
+            CLists::read(tensors, scales)?.with(&mut bad, |l| {
                 Ok(plan::plan_lists(l, &o, &f, &e.ub)?.workspace_bytes)
             })
         });
-        marked(s, exec, tensors, bad)
+        marked(s, exec, tensors, formats, bad)
     }
 }
 
@@ -273,9 +319,10 @@ pub unsafe extern "C" fn npk_adamw(
 
 /// One step with the state in `formats` (ABI 2.9; NULL: `npk_adamw`):
 /// split masters (the masters list is `NPK_I16`, one low half per bf16
-/// param), stochastically rounded bf16 moments (`NPK_ADAMW_SR_MOMENTS`) or
-/// bf16 params without masters (`NPK_ADAMW_SR_PARAMS`). On error nothing
-/// is written.
+/// param), stochastically rounded bf16 moments (`NPK_ADAMW_SR_MOMENTS`),
+/// bf16 params without masters (`NPK_ADAMW_SR_PARAMS`) or 8-bit moments
+/// (`quantized_moments`: `NPK_U8` moment lists and the formats' f32 scale
+/// lists). On error nothing is written.
 ///
 /// # Safety
 /// As for `npk_adamw`; `formats` is NULL or readable, its keys for their
@@ -295,9 +342,9 @@ pub unsafe extern "C" fn npk_adamw_v2(
         let mut bad = None;
         let s = run(exec, |e| {
             let o = read_options(options)?;
-            let f = read_formats(formats)?;
+            let (f, scales) = read_formats(formats)?;
             let out = (!result.is_null()).then_some((result as usize, size_of::<AdamWReport>()));
-            let r = CLists::read(tensors)?.with(&mut bad, |l| {
+            let r = CLists::read(tensors, scales)?.with(&mut bad, |l| {
                 plan::launch(e, l, &o, &f, workspace, workspace_bytes, out)
             })?;
             if !result.is_null() {
@@ -305,6 +352,6 @@ pub unsafe extern "C" fn npk_adamw_v2(
             }
             Ok(())
         });
-        marked(s, exec, tensors, bad)
+        marked(s, exec, tensors, formats, bad)
     }
 }

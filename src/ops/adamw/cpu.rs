@@ -4,10 +4,14 @@
 //! lanes from a zero-padded copy, so tails round like the rest). The
 //! compact formats' bit work (split masters, stochastic rounding) runs on
 //! each group's 16 f32 values in plain integer loops, the same on every ISA.
+//! 8-bit moments go by quantization block: its codes decoded into f32
+//! buffers, the block stepped through the same lanes on them, then coded
+//! again against the block's new maximum.
 
 use super::formats::{
     join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
+use super::q8::{q8_decode, q8_encode, q8_scale, Q8_BLOCK, STREAM_Q8_M, STREAM_Q8_V};
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
@@ -80,7 +84,8 @@ pub(crate) unsafe fn cpu(call: &AdamWCall, isa: Available, runner: &dyn Runner) 
 }
 
 /// Calls `$f::<L, P, G, M>` for the validated (param, grad, moment) dtypes:
-/// moments are f32 or the params' dtype, or bf16 (stochastically rounded).
+/// moments are f32 or the params' dtype, or bf16 (stochastically rounded);
+/// 8-bit moments (u8) are stepped as f32 (`run` sends them to `run_q8`).
 macro_rules! dispatch_pgm {
     ($p:expr, $g:expr, $m:expr, $f:ident :: <$L:ty> ($($a:expr),*)) => {
         match ($p, $m) {
@@ -124,6 +129,10 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
     ams: bool,
     runner: &dyn Runner,
 ) {
+    if call.state.quantized_moments != 0 {
+        // SAFETY: forwarded.
+        return unsafe { run_q8::<L, P, G>(call, k, ams, runner) };
+    }
     let t = call.tiling;
     let nb = t.blocks as usize;
     // SAFETY: the front end wrote each present list's table (and the keys).
@@ -183,6 +192,184 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
 }
 
 use core::mem::size_of;
+
+/// The step with 8-bit moments: block `b` steps the quantization blocks
+/// whose first element lies in its flat range (so none is cut).
+unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
+    call: &AdamWCall,
+    k: &AdamWConsts,
+    ams: bool,
+    runner: &dyn Runner,
+) {
+    let t = call.tiling;
+    let nb = t.blocks as usize;
+    // SAFETY: the front end wrote each present list's table (and the keys).
+    let (tables, scales, keys) = unsafe { (call.tables(), call.scale_tables(), call.keys()) };
+    let ps = tables[0];
+    let (state, step) = (call.state, call.options.step);
+    let salts = (
+        salt(state.seed, step, STREAM_Q8_M),
+        salt(state.seed, step, STREAM_Q8_V),
+    );
+    runner.parallel_for(nb, &|b| {
+        if b >= nb {
+            return;
+        }
+        let (s, e) = t.block_range(b);
+        let first = ps.partition_point(|g| g.end() <= s);
+        for (r, row) in ps.iter().enumerate().skip(first) {
+            if row.start >= e {
+                break;
+            }
+            let lo = s.max(row.start) - row.start;
+            let hi = e.min(row.end()) - row.start;
+            let mut q = lo.div_ceil(Q8_BLOCK);
+            while q * Q8_BLOCK < hi {
+                let at = q * Q8_BLOCK;
+                let n = (row.numel - at).min(Q8_BLOCK);
+                let key = keys.get(r).map_or(0, |k| k.wrapping_add(at as u64));
+                // SAFETY: the rows describe validated, pairwise disjoint
+                // tensors; this quantization block is this block's alone;
+                // `L` is available.
+                unsafe {
+                    L::enter(
+                        #[inline(always)]
+                        || {
+                            q8_block::<L, P, G>(
+                                &tables, &scales, r, at, n, key, k, &state, step, ams, salts,
+                            )
+                        },
+                    )
+                };
+                q += 1;
+            }
+        }
+    });
+}
+
+/// One quantization block of row `r`: `n` (<= 256) elements from `at`.
+///
+/// # Safety
+/// The tables are the call's; the block is the caller's alone.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
+    t: &[&[ListSeg]; 6],
+    sc: &[&[ListSeg]; 3],
+    r: usize,
+    at: usize,
+    n: usize,
+    key: u64,
+    k: &AdamWConsts,
+    st: &super::AdamWState,
+    step: u64,
+    ams: bool,
+    (salt_m, salt_v): (u32, u32),
+) {
+    let [ps, gs, ms, vs, xs, ws] = *t;
+    let q = at / Q8_BLOCK;
+    let code = |l: &[ListSeg]| (l[r].data as *mut u8).wrapping_add(at);
+    let scale = |l: &[ListSeg]| (l[r].data as *mut f32).wrapping_add(q);
+    let (cm, cv) = (code(ms), code(vs));
+    let (sm, sv) = (scale(sc[0]), scale(sc[1]));
+    let mut m = [0f32; Q8_BLOCK];
+    let mut v = [0f32; Q8_BLOCK];
+    let mut x = [0f32; Q8_BLOCK];
+    // SAFETY: the codes' `n` elements from `at` and the block's scale are
+    // this block's (validated lengths: one scale per 256 elements).
+    unsafe {
+        decode::<true>(&mut m, cm, *sm, n);
+        decode::<false>(&mut v, cv, *sv, n);
+        if ams {
+            decode::<false>(&mut x, code(xs), *scale(sc[2]), n);
+        }
+    }
+    let split_masters = st.split_masters != 0;
+    let at_ = |l: &[ListSeg], size: usize| -> *mut u8 {
+        l.get(r).map_or(core::ptr::null_mut(), |s| {
+            (s.data as *mut u8).wrapping_add(at * size)
+        })
+    };
+    let piece = Piece::<P, G, f32> {
+        p: at_(ps, size_of::<P>()).cast(),
+        g: at_(gs, size_of::<G>()).cast(),
+        m: m.as_mut_ptr(),
+        v: v.as_mut_ptr(),
+        vmax: if ams {
+            x.as_mut_ptr()
+        } else {
+            core::ptr::null_mut()
+        },
+        master: if split_masters {
+            core::ptr::null_mut()
+        } else {
+            at_(ws, 4).cast()
+        },
+        low: if split_masters {
+            at_(ws, 2).cast()
+        } else {
+            core::ptr::null_mut()
+        },
+        key,
+    };
+    // SAFETY: the params, grads and masters of the block are its own; the
+    // moments are the local buffers (n <= 256 elements each).
+    unsafe {
+        piece_step::<L, P, G, f32>(&piece, n, k, st, step);
+        encode::<L, true>(&m, cm, sm, n, salt_m, key);
+        encode::<L, false>(&v, cv, sv, n, salt_v, key);
+        if ams {
+            // The maximum takes exp_avg_sq's random bits.
+            encode::<L, false>(&x, code(xs), scale(sc[2]), n, salt_v, key);
+        }
+    }
+}
+
+/// The first `n` values of a block from their codes and scale.
+///
+/// # Safety
+/// `codes` is readable for `n` <= 256 bytes.
+#[inline(always)]
+unsafe fn decode<const SIGNED: bool>(
+    dst: &mut [f32; Q8_BLOCK],
+    codes: *const u8,
+    s: f32,
+    n: usize,
+) {
+    // SAFETY: the caller's contract.
+    let c = unsafe { core::slice::from_raw_parts(codes, n) };
+    for (d, &c) in dst.iter_mut().zip(c) {
+        *d = q8_decode::<SIGNED>(s, c);
+    }
+}
+
+/// Codes the first `n` values of a block against its new scale (written to
+/// `*scale`), with the top 20 random bits of each element's key.
+///
+/// # Safety
+/// `codes` is writable for `n` <= 256 bytes, `scale` for one f32.
+#[inline(always)]
+unsafe fn encode<L: Lanes, const SIGNED: bool>(
+    x: &[f32; Q8_BLOCK],
+    codes: *mut u8,
+    scale: *mut f32,
+    n: usize,
+    salt: u32,
+    key: u64,
+) {
+    let s = q8_scale(&x[..n]);
+    // SAFETY: the caller's contract.
+    let c = unsafe {
+        scale.write(s);
+        core::slice::from_raw_parts_mut(codes, n)
+    };
+    for (i, (cg, xg)) in c.chunks_mut(GROUP).zip(x.chunks_exact(GROUP)).enumerate() {
+        let r = randoms::<L>(salt, key.wrapping_add((i * GROUP) as u64));
+        for j in 0..cg.len() {
+            cg[j] = q8_encode::<SIGNED>(xg[j], s, r[j]);
+        }
+    }
+}
 
 /// Elements ahead the loop prefetches: 256 (1 KiB of an f32 stream).
 /// Seven streams at once outrun one core's hardware prefetchers; measured

@@ -22,6 +22,10 @@ pub struct AdamWFormats<'k> {
     pub split_masters: bool,
     /// `ADAMW_SR_*` bits.
     pub rounding: u32,
+    /// 8-bit moments (`q8`): exp_avgs, exp_avg_sqs and max_exp_avg_sqs
+    /// hold `u8` codes, and `AdamWScales` one f32 scale per block of 256
+    /// elements of each (not with `ADAMW_SR_MOMENTS`).
+    pub quantized_moments: bool,
     /// The hash's seed.
     pub seed: u64,
     /// The key of element 0 of each tensor (one per param, empty tensors
@@ -46,12 +50,17 @@ pub struct AdamWState {
     /// tables' row order) from the aligned workspace start; 0 without
     /// stochastic rounding.
     pub keys_offset: u64,
+    /// 1: 8-bit moments (u8 codes in the moment lists, f32 scales in the
+    /// call's scale lists; see `q8`).
+    pub quantized_moments: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
 }
 
 impl AdamWState {
-    /// Whether any element is rounded stochastically.
+    /// Whether any element is rounded stochastically (8-bit moments are).
     pub const fn stochastic(&self) -> bool {
-        self.rounding != 0
+        self.rounding != 0 || self.quantized_moments != 0
     }
 }
 

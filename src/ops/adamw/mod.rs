@@ -61,17 +61,32 @@
 //! without masters. The random bits come from a hash of (seed, step,
 //! element key), so they are the same on every ISA, thread count and
 //! block cut (`formats.rs`).
+//!
+//! # 8-bit moments (`AdamWFormats::quantized_moments`, `adamw_with_scales`)
+//! exp_avgs, exp_avg_sqs and max_exp_avg_sqs hold one `u8` code per
+//! element, and three scale lists (`AdamWScales`) one f32 per block of 256
+//! elements of each tensor (blocks from each tensor's element 0). Each
+//! block is dequantized, stepped by the formula above (the param update
+//! uses the unrounded f32 moments), and quantized again relative to the
+//! block's new largest |value| with a small-float code rounded
+//! stochastically by the same hash (`q8.rs` has the code map, the rounding
+//! and what a NaN does). The pass's blocks never cut a quantization block:
+//! block `b` steps the quantization blocks whose first element lies in its
+//! flat range. A shard whose offset in its tensor is a multiple of 256
+//! (passing that offset as its key) quantizes exactly as one process.
 
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
 pub(crate) mod cpu;
 pub(crate) mod formats;
 mod plan;
+pub(crate) mod q8;
 pub(crate) mod reference;
 
 pub use formats::{AdamWFormats, AdamWState, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS};
 pub(crate) use plan::{plan_lists, Lists};
 pub use plan::{AdamWConsts, AdamWTiling};
+pub use q8::{q8_decode, q8_encode, q8_magnitude, q8_scale, q8_scales_len, Q8_BLOCK};
 
 use core::ffi::c_void;
 
@@ -252,7 +267,8 @@ pub struct AdamWReport {
 /// The tensors of one step: parallel lists, tensor `i` of each having the
 /// same element count. Params, grads: f32 | f16 | bf16, one dtype per list.
 /// exp_avgs, exp_avg_sqs (and max_exp_avg_sqs): f32 or the params' dtype,
-/// the same for all three. max_exp_avg_sqs: one per param with
+/// the same for all three (bf16 with `ADAMW_SR_MOMENTS`, u8 codes with
+/// `AdamWFormats::quantized_moments`). max_exp_avg_sqs: one per param with
 /// `ADAMW_AMSGRAD`, else empty. masters: empty, or one f32 tensor per param
 /// (the value updated; the param receives it rounded). No two tensors may
 /// overlap.
@@ -270,6 +286,31 @@ pub struct AdamWTensors<'l, 'a> {
     pub max_exp_avg_sqs: &'l mut [GradTensorMut<'a>],
     /// f32 master weights, updated in place (or empty).
     pub masters: &'l mut [GradTensorMut<'a>],
+}
+
+/// The scales of 8-bit moments (`AdamWFormats::quantized_moments`): one
+/// f32 tensor per param in each list, of `q8_scales_len(numel)` elements
+/// (one per block of 256; see `q8`). Empty lists without 8-bit moments;
+/// `max_exp_avg_sqs` is empty without `ADAMW_AMSGRAD`.
+#[derive(Debug)]
+pub struct AdamWScales<'l, 'a> {
+    /// exp_avgs' block scales, updated in place.
+    pub exp_avgs: &'l mut [GradTensorMut<'a>],
+    /// exp_avg_sqs' block scales, updated in place.
+    pub exp_avg_sqs: &'l mut [GradTensorMut<'a>],
+    /// max_exp_avg_sqs' block scales, updated in place.
+    pub max_exp_avg_sqs: &'l mut [GradTensorMut<'a>],
+}
+
+impl AdamWScales<'_, '_> {
+    /// No scale lists (every format but 8-bit moments).
+    pub fn none() -> AdamWScales<'static, 'static> {
+        AdamWScales {
+            exp_avgs: &mut [],
+            exp_avg_sqs: &mut [],
+            max_exp_avg_sqs: &mut [],
+        }
+    }
 }
 
 /// The validated arguments of one step (`npk_adamw_call`): the lowered
@@ -304,6 +345,13 @@ pub struct AdamWCall {
     /// The state's formats (ABI 2.9; all zero: f32 masters, moments
     /// rounded to nearest).
     pub state: AdamWState,
+    /// 8-bit moments' exp_avg block scales (f32, one row per params row),
+    /// or empty (ABI 2.9).
+    pub exp_avg_scales: TensorList,
+    /// 8-bit moments' exp_avg_sq block scales, or empty.
+    pub exp_avg_sq_scales: TensorList,
+    /// 8-bit moments' max_exp_avg_sq block scales, or empty.
+    pub max_exp_avg_sq_scales: TensorList,
 }
 
 impl AdamWCall {
@@ -346,6 +394,22 @@ impl AdamWCall {
             ]
         }
     }
+
+    /// The three scale tables (exp_avgs', exp_avg_sqs', max_exp_avg_sqs');
+    /// absent lists are empty.
+    ///
+    /// # Safety
+    /// As for `tables`.
+    pub(crate) unsafe fn scale_tables<'a>(&self) -> [&'a [crate::tensor_list::ListSeg]; 3] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            [
+                self.exp_avg_scales.rows(),
+                self.exp_avg_sq_scales.rows(),
+                self.max_exp_avg_sq_scales.rows(),
+            ]
+        }
+    }
 }
 
 /// Workspace bytes `adamw` needs for these tensors and options under
@@ -365,7 +429,18 @@ pub fn adamw_with_formats_workspace_size(
     options: &AdamWOptions,
     formats: &AdamWFormats<'_>,
 ) -> Result<usize> {
-    with_lists(tensors, |l| {
+    adamw_with_scales_workspace_size(exec, tensors, &mut AdamWScales::none(), options, formats)
+}
+
+/// Workspace bytes `adamw_with_scales` needs.
+pub fn adamw_with_scales_workspace_size(
+    exec: &Exec<'_>,
+    tensors: &mut AdamWTensors<'_, '_>,
+    scales: &mut AdamWScales<'_, '_>,
+    options: &AdamWOptions,
+    formats: &AdamWFormats<'_>,
+) -> Result<usize> {
+    with_lists(tensors, scales, |l| {
         super::workspace_len(plan_lists(l, options, formats, &exec.ub)?.workspace_bytes)
     })
 }
@@ -385,7 +460,8 @@ pub fn adamw(
 /// One step with the state in `formats` (see the module docs: split
 /// masters, stochastically rounded moments or params). The lists' dtypes
 /// follow the formats: split masters' list is `i16`, stochastically rounded
-/// moments are bf16. On error nothing is written.
+/// moments are bf16. 8-bit moments need their scales: `adamw_with_scales`.
+/// On error nothing is written.
 pub fn adamw_with_formats(
     exec: &Exec<'_>,
     tensors: &mut AdamWTensors<'_, '_>,
@@ -393,20 +469,48 @@ pub fn adamw_with_formats(
     formats: &AdamWFormats<'_>,
     workspace: &mut [u8],
 ) -> Result<AdamWReport> {
+    adamw_with_scales(
+        exec,
+        tensors,
+        &mut AdamWScales::none(),
+        options,
+        formats,
+        workspace,
+    )
+}
+
+/// One step with the state in `formats` and, for 8-bit moments
+/// (`AdamWFormats::quantized_moments`: u8 moment lists), their block
+/// scales in `scales` (see the module docs). On error nothing is written.
+pub fn adamw_with_scales(
+    exec: &Exec<'_>,
+    tensors: &mut AdamWTensors<'_, '_>,
+    scales: &mut AdamWScales<'_, '_>,
+    options: &AdamWOptions,
+    formats: &AdamWFormats<'_>,
+    workspace: &mut [u8],
+) -> Result<AdamWReport> {
     let (ws, n) = (workspace.as_mut_ptr() as *mut c_void, workspace.len());
-    with_lists(tensors, |l| {
+    with_lists(tensors, scales, |l| {
         plan::launch(exec, l, options, formats, ws, n, None)
     })
 }
 
 /// The Rust lists as `ListSource`s, named as the C ABI names them.
-fn with_lists<R>(t: &mut AdamWTensors<'_, '_>, f: impl FnOnce(&mut Lists<'_>) -> R) -> R {
+fn with_lists<R>(
+    t: &mut AdamWTensors<'_, '_>,
+    s: &mut AdamWScales<'_, '_>,
+    f: impl FnOnce(&mut Lists<'_>) -> R,
+) -> R {
     let mut p = RwList(t.params, "params");
     let mut g = RoList(t.grads, "grads");
     let mut m = RwList(t.exp_avgs, "exp_avgs");
     let mut v = RwList(t.exp_avg_sqs, "exp_avg_sqs");
     let mut x = RwList(t.max_exp_avg_sqs, "max_exp_avg_sqs");
     let mut w = RwList(t.masters, "masters");
+    let mut sm = RwList(s.exp_avgs, "exp_avg_scales");
+    let mut sv = RwList(s.exp_avg_sqs, "exp_avg_sq_scales");
+    let mut sx = RwList(s.max_exp_avg_sqs, "max_exp_avg_sq_scales");
     f(&mut Lists {
         params: &mut p,
         grads: &mut g,
@@ -414,6 +518,9 @@ fn with_lists<R>(t: &mut AdamWTensors<'_, '_>, f: impl FnOnce(&mut Lists<'_>) ->
         exp_avg_sqs: &mut v,
         max_exp_avg_sqs: &mut x,
         masters: &mut w,
+        exp_avg_scales: &mut sm,
+        exp_avg_sq_scales: &mut sv,
+        max_exp_avg_sq_scales: &mut sx,
         bad: None,
     })
 }

@@ -25,6 +25,10 @@ pub(crate) struct Lists<'s> {
     pub exp_avg_sqs: &'s mut dyn ListSource,
     pub max_exp_avg_sqs: &'s mut dyn ListSource,
     pub masters: &'s mut dyn ListSource,
+    /// 8-bit moments' block scales (empty otherwise).
+    pub exp_avg_scales: &'s mut dyn ListSource,
+    pub exp_avg_sq_scales: &'s mut dyn ListSource,
+    pub max_exp_avg_sq_scales: &'s mut dyn ListSource,
     /// On a refusal about one tensor of the list the error names: its index
     /// (the C ABI's `detail->position`).
     pub bad: Option<usize>,
@@ -32,9 +36,11 @@ pub(crate) struct Lists<'s> {
 
 /// Slots of the segment tables in the workspace, in this order.
 pub(crate) const LISTS: usize = 6;
+/// With 8-bit moments, three more: the scale lists.
+pub(crate) const ALL_LISTS: usize = LISTS + 3;
 
 impl Lists<'_> {
-    fn all(&mut self) -> [&mut dyn ListSource; LISTS] {
+    fn all(&mut self) -> [&mut dyn ListSource; ALL_LISTS] {
         [
             &mut *self.params,
             &mut *self.grads,
@@ -42,6 +48,9 @@ impl Lists<'_> {
             &mut *self.exp_avg_sqs,
             &mut *self.max_exp_avg_sqs,
             &mut *self.masters,
+            &mut *self.exp_avg_scales,
+            &mut *self.exp_avg_sq_scales,
+            &mut *self.max_exp_avg_sq_scales,
         ]
     }
 }
@@ -51,10 +60,15 @@ impl Lists<'_> {
 /// Workspace layout, from the 64-byte aligned start: six segment tables of
 /// `tensors` rows each (params, grads, exp_avgs, exp_avg_sqs,
 /// max_exp_avg_sqs, masters; an absent list's table is left unwritten),
-/// `table_stride` bytes apart; then the host's overlap scratch (16 bytes per
-/// tensor, plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
-/// partial per block for the norm; then, with stochastic rounding, one `u64`
-/// key per row (`AdamWState::keys_offset`).
+/// `table_stride` bytes apart (with 8-bit moments nine: then the three
+/// scale lists'); then the host's overlap scratch (16 bytes per tensor,
+/// plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
+/// partial per block for the norm; then, with stochastic rounding or 8-bit
+/// moments, one `u64` key per row (`AdamWState::keys_offset`).
+///
+/// With 8-bit moments block `b` steps the quantization blocks (256
+/// elements from each tensor's element 0) whose first element lies in its
+/// flat range `block_range(b)`, so no block cuts one.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AdamWTiling {
@@ -195,7 +209,7 @@ fn round_up(n: usize, m: usize) -> Option<usize> {
 /// What validation found: the plan, each list's dtype and where the keys go.
 struct Checked {
     t: AdamWTiling,
-    dtypes: [DType; LISTS],
+    dtypes: [DType; ALL_LISTS],
     state: AdamWState,
 }
 
@@ -212,6 +226,12 @@ fn check_formats(f: &AdamWFormats<'_>, n: usize, masters: usize) -> Result<()> {
         return Err(invalid_fmt!(
             "masters",
             "{masters} tensors for {n} params: split masters want one low half per param"
+        ));
+    }
+    if f.quantized_moments && f.rounding & ADAMW_SR_MOMENTS != 0 {
+        return Err(invalid(
+            "formats",
+            "8-bit moments are not also stochastically rounded bf16 moments (ADAMW_SR_MOMENTS)",
         ));
     }
     if f.rounding & ADAMW_SR_PARAMS != 0 && masters != 0 {
@@ -249,11 +269,29 @@ fn check(
             "{masters} tensors for {n} params (want 0 or {n})"
         ));
     }
-    let want = [n, n, n, n, if ams { n } else { 0 }, masters];
-    let mut dtypes = [DType::F32; LISTS];
+    let q = f.quantized_moments;
+    let nq = if q { n } else { 0 };
+    let want = [
+        n,
+        n,
+        n,
+        n,
+        if ams { n } else { 0 },
+        masters,
+        nq,
+        nq,
+        if ams { nq } else { 0 },
+    ];
+    let mut dtypes = [DType::F32; ALL_LISTS];
     for (k, s) in l.all().into_iter().enumerate() {
         if s.count() != want[k] {
-            return Err(if k == 4 && !ams {
+            return Err(if k >= LISTS && !q {
+                invalid_fmt!(
+                    s.name(),
+                    "{} tensors without 8-bit moments (want none)",
+                    s.count()
+                )
+            } else if (k == 4 || k == 8) && !ams {
                 invalid_fmt!(
                     s.name(),
                     "{} tensors without amsgrad (want none)",
@@ -275,15 +313,38 @@ fn check(
                 continue;
             }
             let (_, dt, e) = s.get(i)?;
-            // Only the masters list may hold i16 (split masters' low halves).
-            if k < 5 && !dt.is_float() {
+            // Only the masters list may hold i16 (split masters' low halves),
+            // only the moments u8 (8-bit moments' codes).
+            let codes = q && (2..5).contains(&k) && dt == DType::U8;
+            if k < 5 && !dt.is_float() && !codes {
                 refused = Some((
                     i,
                     dtype_err!(s.name(), "tensor {i} has dtype {dt}, not f32, f16 or bf16"),
                 ));
                 break 'tensors;
             }
-            if k == 0 {
+            if k >= LISTS {
+                if dt != DType::F32 {
+                    refused = Some((
+                        i,
+                        dtype_err!(s.name(), "tensor {i} has dtype {dt}: block scales are f32"),
+                    ));
+                    break 'tensors;
+                }
+                let want = super::q8::q8_scales_len(numel);
+                if e != want {
+                    refused = Some((
+                        i,
+                        invalid_fmt!(
+                            s.name(),
+                            "tensor {i} has {e} elements, want {want} (one per {} of \
+                             params[{i}]'s {numel})",
+                            super::q8::Q8_BLOCK
+                        ),
+                    ));
+                    break 'tensors;
+                }
+            } else if k == 0 {
                 numel = e;
             } else if e != numel {
                 refused = Some((
@@ -337,13 +398,19 @@ fn check(
         l.bad = Some(0);
         let (p, m) = (dtypes[0], dtypes[2]);
         let sr_moments = f.rounding & ADAMW_SR_MOMENTS != 0;
+        if q && m != DType::U8 {
+            return Err(dtype_err!(
+                "exp_avgs",
+                "dtype {m}: 8-bit moments are u8 codes"
+            ));
+        }
         if sr_moments && m != DType::BF16 {
             return Err(dtype_err!(
                 "exp_avgs",
                 "dtype {m}: stochastically rounded moments are bf16"
             ));
         }
-        if !sr_moments && m != DType::F32 && m != p {
+        if !sr_moments && !q && m != DType::F32 && m != p {
             return Err(dtype_err!(
                 "exp_avgs",
                 "dtype {m}: want f32 or the params' {p}"
@@ -390,12 +457,15 @@ fn check(
         }
     }
     l.bad = None;
-    let mut t = tiling(rows, total, o.has(ADAMW_CLIP), ub)?;
+    let lists = if q { ALL_LISTS } else { LISTS };
+    let mut t = tiling(rows, total, o.has(ADAMW_CLIP), lists, ub)?;
     let mut state = AdamWState {
         split_masters: f.split_masters as u32,
         rounding: f.rounding,
         seed: f.seed,
         keys_offset: 0,
+        quantized_moments: q as u32,
+        reserved: 0,
     };
     if state.stochastic() && t.workspace_bytes != 0 {
         // The keys after the partials: the layout without them is unchanged.
@@ -413,7 +483,13 @@ fn check(
     Ok(Checked { t, dtypes, state })
 }
 
-fn tiling(rows: usize, elements: usize, clip: bool, ub: &UbConfig) -> Result<AdamWTiling> {
+fn tiling(
+    rows: usize,
+    elements: usize,
+    clip: bool,
+    lists: usize,
+    ub: &UbConfig,
+) -> Result<AdamWTiling> {
     let g = GradTiling::new(rows, elements, ub)?;
     let mut t = AdamWTiling {
         tensors: rows as u64,
@@ -430,9 +506,9 @@ fn tiling(rows: usize, elements: usize, clip: bool, ub: &UbConfig) -> Result<Ada
         .checked_mul(size_of::<ListSeg>())
         .and_then(|b| round_up(b, WORKSPACE_ALIGN))
         .ok_or(ovf)?;
-    let scratch = stride.checked_mul(LISTS).ok_or(ovf)?;
+    let scratch = stride.checked_mul(lists).ok_or(ovf)?;
     let scratch_bytes = rows
-        .checked_mul(LISTS)
+        .checked_mul(lists)
         .and_then(|r| r.checked_add(1))
         .and_then(|r| r.checked_mul(16))
         .and_then(|b| round_up(b, WORKSPACE_ALIGN))
@@ -505,7 +581,7 @@ pub(crate) fn launch(
         return Ok(report);
     }
     let rows = t.tensors as usize;
-    let mut lists = [TensorList::NONE; LISTS];
+    let mut lists = [TensorList::NONE; ALL_LISTS];
     // The plan's regions lie inside the checked workspace, which overlaps
     // no tensor; nothing else uses it during the call.
     let scratch_ptr = unsafe_region(
@@ -542,7 +618,9 @@ pub(crate) fn launch(
                     dtype,
                 })
             };
-            // SAFETY: ranges < rows * LISTS + 1 pairs fit in the scratch.
+            // SAFETY: ranges < rows * lists + 1 pairs fit in the scratch
+            // (lists: 6, or 9 with 8-bit moments, whose scale lists are
+            // then the only non-empty extra ones).
             unsafe {
                 scratch_ptr
                     .cast::<(usize, usize)>()
@@ -580,7 +658,7 @@ pub(crate) fn launch(
         };
     }
     if let Some(r) = out {
-        // SAFETY: the scratch holds rows * LISTS + 1 pairs.
+        // SAFETY: the scratch holds rows * lists + 1 pairs.
         unsafe { scratch_ptr.cast::<(usize, usize)>().add(ranges).write(r) };
         ranges += 1;
     }
@@ -607,6 +685,9 @@ pub(crate) fn launch(
         workspace: ws,
         workspace_bytes: bytes,
         state,
+        exp_avg_scales: lists[6],
+        exp_avg_sq_scales: lists[7],
+        max_exp_avg_sq_scales: lists[8],
     };
     // SAFETY: every list was validated and lowered, the tensors are pairwise
     // disjoint and apart from the workspace, which holds the plan.

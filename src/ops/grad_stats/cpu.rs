@@ -235,7 +235,7 @@ pub(crate) unsafe fn block_stats<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usiz
                     DType::BF16 => {
                         seg_stats::<L, bf16>(Src(g.data as *const bf16).get(lo, n), &mut acc)
                     }
-                    DType::I32 | DType::I64 | DType::I16 => {}
+                    DType::I32 | DType::I64 | DType::I16 | DType::U8 => {}
                 }
             }
         },
@@ -277,7 +277,7 @@ pub(crate) unsafe fn block_scale<L: Lanes>(segs: &[Seg], t: &GradTiling, b: usiz
                     DType::F32 => seg_scale::<L, f32>(Dst(g.data as *mut f32).get(lo, n), c),
                     DType::F16 => seg_scale::<L, f16>(Dst(g.data as *mut f16).get(lo, n), c),
                     DType::BF16 => seg_scale::<L, bf16>(Dst(g.data as *mut bf16).get(lo, n), c),
-                    DType::I32 | DType::I64 | DType::I16 => {}
+                    DType::I32 | DType::I64 | DType::I16 | DType::U8 => {}
                 }
             }
         },

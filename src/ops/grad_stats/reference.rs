@@ -59,7 +59,7 @@ pub(crate) unsafe fn stats<S: GradSource>(src: &mut S) -> GradSummary {
                 DType::F32 => visit(Src(p as *const f32).get(0, n), &mut r),
                 DType::F16 => visit(Src(p as *const f16).get(0, n), &mut r),
                 DType::BF16 => visit(Src(p as *const bf16).get(0, n), &mut r),
-                DType::I32 | DType::I64 | DType::I16 => {}
+                DType::I32 | DType::I64 | DType::I16 | DType::U8 => {}
             }
         }
     }
@@ -87,7 +87,7 @@ pub(crate) unsafe fn scale<S: GradSource>(src: &mut S, c: f32) {
                 DType::F32 => scale_t(Dst(p as *mut f32).get(0, n), c),
                 DType::F16 => scale_t(Dst(p as *mut f16).get(0, n), c),
                 DType::BF16 => scale_t(Dst(p as *mut bf16).get(0, n), c),
-                DType::I32 | DType::I64 | DType::I16 => {}
+                DType::I32 | DType::I64 | DType::I16 | DType::U8 => {}
             }
         }
     }

@@ -1,0 +1,271 @@
+//! 8-bit blockwise-quantized moments (`AdamWFormats::quantized_moments`,
+//! ABI 2.9): one `u8` code per element and one f32 scale per block of
+//! [`Q8_BLOCK`] = 256 elements of each moment tensor.
+//!
+//! # Blocks
+//! Blocks start at each tensor's element 0 (the last one of a tensor may be
+//! shorter). A shard of a tensor (FSDP) whose offset in the whole is a
+//! multiple of 256, passing that offset as its key, quantizes exactly as
+//! one process holding the whole tensor does.
+//!
+//! # Scale and codes
+//! After the step's f32 update, a block's scale is its largest |value| of
+//! the new f32 moment, stored exactly (the largest bit pattern with the
+//! sign cleared: a NaN if the block holds one). Each element is normalized
+//! with one correctly rounded f32 division, `y = |x| / scale` (so
+//! `y <= 1`), and coded as a small float relative to the block's maximum,
+//! so entries far below the maximum keep ~12.5% relative precision instead
+//! of being flushed to zero (as linear absmax int8 would):
+//!
+//! ```text
+//! exp_avg (signed):     s eeee fff   |x| = 2^(e-15) (1 + f/8), e >= 1;  e = 0: 0
+//! exp_avg_sq, its max:  eeeee fff    |x| = 2^(e-31) (1 + f/8), e >= 1;  e = 0: 0
+//! ```
+//! The largest code used is 1.0 (`e` = 15 resp. 31, `f` = 0); the smallest
+//! nonzero is 2^-14 resp. 2^-30 of the scale. Decoding is one f32 multiply,
+//! `scale * magnitude` (the magnitude built exactly from the bits), signed
+//! for exp_avg.
+//!
+//! # Stochastic rounding
+//! Codes are rounded stochastically with 20 random bits `r` per element
+//! from the counter hash of (seed, step, element key) (`formats::random`;
+//! exp_avg on its own stream, exp_avg_sq and its maximum on another, their
+//! top 20 bits). For `y` at least the smallest normal code, `r` is added to
+//! `y`'s f32 bit pattern below the 3 kept mantissa bits and the sum
+//! truncated: a carry into the exponent is the correct round-up, and
+//! `y <= 1` never carries past 1.0. Below the smallest normal code, an
+//! exp_avg rounds to it when `r < y * 2^34` (an exact power-of-two
+//! scaling), else to 0. Both are unbiased (the second to 2^-20 of the
+//! smallest code). Integer work on bit patterns and exact f32 operations
+//! only: the same codes on every ISA, thread count and block cut.
+//!
+//! The one biased rule: a positive exp_avg_sq (or maximum) below the
+//! smallest code, 2^-30 of its block's, rounds **up** to it, never to 0.
+//! A second moment flushed to 0 under a nonzero first moment makes the
+//! next step `m / (0 + eps)`, a jump of `lr * m / eps`: a 500-step run
+//! with the unbiased rule there (tests/adamw_q8.rs) ended at 20x f32
+//! moments' loss, with params 6 apart. Rounding up only shortens the
+//! steps of elements whose gradients are ~2^-15 of their block's largest.
+//!
+//! # Non-finite values and zeros
+//! A block whose maximum is NaN or Inf stores it as its scale and all its
+//! codes 0, so every element of the block decodes to NaN (`scale * 0`): a
+//! non-finite moment poisons its block, as bitsandbytes' blockwise state
+//! does. A block of zeros has scale 0 and codes 0 (no 0 / 0) and decodes
+//! to 0.
+
+/// Elements per quantization block (one f32 scale each).
+pub const Q8_BLOCK: usize = 256;
+
+/// Hash streams of the codes' random bits.
+pub(crate) const STREAM_Q8_M: u32 = 0x7138_6d31;
+pub(crate) const STREAM_Q8_V: u32 = 0x7138_7631;
+
+/// The scale tensor length of a moment tensor of `numel` elements.
+pub const fn q8_scales_len(numel: usize) -> usize {
+    numel.div_ceil(Q8_BLOCK)
+}
+
+/// The code's f32 exponent offset: code exponent `e` is f32 exponent
+/// `e + OFF` (15 - 127 + ... : 112 signed, 96 unsigned).
+const fn off(signed: bool) -> u32 {
+    if signed {
+        112
+    } else {
+        96
+    }
+}
+
+/// The magnitude (signed for exp_avg) a code stands for, relative to the
+/// block's scale: exact.
+#[inline(always)]
+pub fn q8_magnitude<const SIGNED: bool>(c: u8) -> f32 {
+    let c = c as u32;
+    let e = if SIGNED { (c >> 3) & 15 } else { c >> 3 };
+    let mag = if e == 0 {
+        0
+    } else {
+        ((e + off(SIGNED)) << 23) | ((c & 7) << 20)
+    };
+    let sign = if SIGNED { (c >> 7) << 31 } else { 0 };
+    f32::from_bits(mag | sign)
+}
+
+/// The value of code `c` in a block of scale `scale`.
+#[inline(always)]
+pub fn q8_decode<const SIGNED: bool>(scale: f32, c: u8) -> f32 {
+    scale * q8_magnitude::<SIGNED>(c)
+}
+
+/// The block scale of `x`: the largest |value|, as bits (a NaN if any).
+#[inline(always)]
+pub fn q8_scale(x: &[f32]) -> f32 {
+    let mut m = 0u32;
+    for v in x {
+        m = m.max(v.to_bits() & 0x7fff_ffff);
+    }
+    f32::from_bits(m)
+}
+
+/// The code of `x` in a block of scale `scale` (`q8_scale` of the block),
+/// rounded stochastically with the random bits `r >> 12` (the top 20).
+#[inline(always)]
+pub fn q8_encode<const SIGNED: bool>(x: f32, scale: f32, r: u32) -> u8 {
+    let sb = scale.to_bits();
+    // Zero or non-finite scale: every code 0 (0 / 0 avoided; a non-finite
+    // block decodes to NaN).
+    let live = sb != 0 && sb < 0x7f80_0000;
+    let y = f32::from_bits(x.to_bits() & 0x7fff_ffff) / if live { scale } else { 1.0 };
+    let yb = y.to_bits();
+    let r = r >> 12;
+    let o = off(SIGNED);
+    let smallest = (o + 1) << 23;
+    let mag = if yb >= smallest {
+        // y <= 1: the sum stays <= 1.0's bits + 2^20 - 1, never past 1.0.
+        (yb.wrapping_add(r) >> 20).wrapping_sub(o << 3)
+    } else if SIGNED {
+        // 2^(20 - smallest's exponent): an exact scaling.
+        let z = y * f32::from_bits((127 + 20 + 127 - (o + 1)) << 23);
+        ((r as f32) < z) as u32 * 8
+    } else {
+        // A positive second moment never becomes 0 (see the module docs).
+        (yb != 0) as u32 * 8
+    };
+    let sign = if SIGNED { (x.to_bits() >> 31) << 7 } else { 0 };
+    if live {
+        (mag | sign) as u8
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::adamw::reference::q8_encode_f64;
+
+    fn xorshift(s: &mut u32) -> u32 {
+        *s ^= *s << 13;
+        *s ^= *s >> 17;
+        *s ^= *s << 5;
+        *s
+    }
+
+    #[test]
+    fn codes_are_the_f64_models_bit_for_bit() {
+        let mut s = 0x2545_f491u32;
+        for i in 0..400_000 {
+            let scale = match i % 5 {
+                0 => 1.0,
+                1 => f32::from_bits(xorshift(&mut s) & 0x7fff_ffff).min(f32::MAX),
+                _ => f32::from_bits((xorshift(&mut s) & 0x0fff_ffff) + 0x3000_0000),
+            };
+            // Values up to the scale, many far below it.
+            let q = f32::from_bits((xorshift(&mut s) & 0x3fff_ffff) % 0x3f80_0001);
+            let x = if i % 2 == 0 { scale * q } else { -(scale * q) };
+            let x = if x.abs() > scale { scale } else { x };
+            let r = xorshift(&mut s);
+            assert_eq!(
+                q8_encode::<true>(x, scale, r),
+                q8_encode_f64(x, scale, r, true),
+                "{x:e} {scale:e} {r:#x}"
+            );
+            assert_eq!(
+                q8_encode::<false>(x.abs(), scale, r),
+                q8_encode_f64(x.abs(), scale, r, false),
+                "{x:e} {scale:e} {r:#x}"
+            );
+        }
+        // Edges: zero and non-finite scales, the extremes.
+        for (x, sc) in [
+            (0.0f32, 0.0f32),
+            (1.0, f32::INFINITY),
+            (f32::NAN, f32::NAN),
+            (1e-30, 1e30),
+            (-1e30, 1e30),
+            (1.0, 1.0),
+        ] {
+            for r in [0, 1 << 12, u32::MAX] {
+                assert_eq!(q8_encode::<true>(x, sc, r), q8_encode_f64(x, sc, r, true));
+                assert_eq!(
+                    q8_encode::<false>(x.abs(), sc, r),
+                    q8_encode_f64(x.abs(), sc, r, false)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn magnitudes_and_extremes() {
+        assert_eq!(q8_magnitude::<true>(0x78), 1.0);
+        assert_eq!(q8_magnitude::<true>(0xf8), -1.0);
+        assert_eq!(q8_magnitude::<true>(0x08), 2f32.powi(-14));
+        assert_eq!(q8_magnitude::<true>(0x0f), 2f32.powi(-14) * 1.875);
+        assert_eq!(q8_magnitude::<false>(0xf8), 1.0);
+        assert_eq!(q8_magnitude::<false>(0x08), 2f32.powi(-30));
+        assert_eq!(q8_magnitude::<false>(0x07), 0.0);
+        // 1.0 stays 1.0 whatever the random bits; just below rounds to it
+        // or to the code below.
+        for r in [0, 0x8000_0000, u32::MAX] {
+            assert_eq!(q8_encode::<true>(2.5, 2.5, r), 0x78);
+            assert_eq!(q8_encode::<false>(2.5, 2.5, r), 0xf8);
+            assert_eq!(q8_encode::<true>(-2.5, 2.5, r), 0xf8);
+            let c = q8_encode::<false>(f32::from_bits(0x3f7f_ffff), 1.0, r);
+            assert!(c == 0xf8 || c == 0xf7, "{c:#x}");
+            assert_eq!(q8_encode::<false>(0.0, 0.0, r), 0);
+            assert_eq!(q8_encode::<true>(3.0, f32::INFINITY, r), 0);
+            assert!(q8_decode::<true>(f32::INFINITY, 0).is_nan());
+            assert!(q8_decode::<false>(f32::NAN, 0).is_nan());
+        }
+        assert_eq!(q8_scale(&[1.0, -3.0, 2.0]), 3.0);
+        assert!(q8_scale(&[1.0, f32::NAN, f32::INFINITY]).is_nan());
+        assert_eq!(q8_scale(&[]), 0.0);
+        assert_eq!(q8_scales_len(0), 0);
+        assert_eq!(q8_scales_len(257), 2);
+    }
+
+    #[test]
+    fn a_positive_second_moment_never_rounds_to_zero() {
+        for y in [5e-10f32, 1e-20, f32::from_bits(1)] {
+            for r in [0, 0x8000_0000, u32::MAX] {
+                assert_eq!(q8_encode::<false>(y, 1.0, r), 8);
+            }
+        }
+        assert_eq!(q8_encode::<false>(0.0, 1.0, u32::MAX), 0);
+    }
+
+    #[test]
+    fn rounding_is_unbiased() {
+        // Values between codes, normal and below the smallest normal.
+        for (y, signed) in [
+            (0.3f32, true),
+            (0.3, false),
+            (1.1e-5, true),
+            (3e-5, true),
+            (0.999, false),
+        ] {
+            let n = 200_000u32;
+            let mut s = 99u32;
+            let sum: f64 = (0..n)
+                .map(|_| {
+                    let r = xorshift(&mut s);
+                    if signed {
+                        q8_magnitude::<true>(q8_encode::<true>(y, 1.0, r)) as f64
+                    } else {
+                        q8_magnitude::<false>(q8_encode::<false>(y, 1.0, r)) as f64
+                    }
+                })
+                .sum();
+            let mean = sum / n as f64;
+            // The code step around y bounds the spread: a few standard errors.
+            let step = (y as f64) / 4.0
+                + if signed {
+                    2f64.powi(-14)
+                } else {
+                    2f64.powi(-30)
+                };
+            let se = step / (n as f64).sqrt();
+            assert!((mean - y as f64).abs() < 5.0 * se, "{y}: mean {mean}");
+        }
+    }
+}
