@@ -12,7 +12,7 @@
    backward, bf16, peak resident memory above the inputs (``ru_maxrss``
    minus the RSS once hidden and weight exist), and the time.
 
-Run: python benches/cross_entropy_torch.py [--speed] [--memory] [--reps 7]
+Run: python benches/cross_entropy_torch.py [--speed] [--memory] [--reps 7] [--case 4096x32000]
 """
 
 import argparse
@@ -27,7 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-SPEED_CASES = [(8192, 32000, torch.bfloat16), (4096, 128256, torch.bfloat16), (8192, 32000, torch.float32)]
+SPEED_CASES = [(4096, 32000, torch.bfloat16), (8192, 32000, torch.bfloat16), (4096, 128256, torch.bfloat16),
+               (8192, 32000, torch.float32)]
 MEMORY_CASES = [(8192, 2048, 50000), (8192, 2048, 128256)]
 
 
@@ -37,13 +38,15 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def speed(reps, threads):
+def speed(reps, threads, only=None):
     import npukern_torch
 
     torch.set_num_threads(threads)
     print(f"\n## forward + backward, {threads} thread(s) (medians of {reps}, ms)")
     print(f"{'case':28} {'copy 1.5x':>10} {'npukern':>10} {'torch':>10} {'npk/copy':>9} {'npk/torch':>10}")
     for n, c, dtype in SPEED_CASES:
+        if only and only not in f"{n}x{c} {str(dtype).replace('torch.', '')}":
+            continue
         g = torch.Generator().manual_seed(0)
         logits = (torch.randn(n, c, generator=g) * 3).to(dtype).requires_grad_()
         target = torch.randint(0, c, (n,), generator=g)
@@ -116,6 +119,7 @@ def main():
     p.add_argument("--speed", action="store_true")
     p.add_argument("--memory", action="store_true")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--case", help="only the speed cases whose 'NxC dtype' contains this")
     p.add_argument("--memory-child", nargs=4, metavar=("VARIANT", "N", "HIDDEN", "VOCAB"))
     args = p.parse_args()
     if args.memory_child:
@@ -125,7 +129,7 @@ def main():
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     if args.speed or both:
         for threads in sorted({1, os.cpu_count()}):
-            speed(args.reps, threads)
+            speed(args.reps, threads, args.case)
     if args.memory or both:
         memory()
 

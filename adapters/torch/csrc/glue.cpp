@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <string>
 
 #ifdef __linux__
@@ -346,6 +347,86 @@ at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t wri
   (void)dtype;
   (void)written_bytes;
   return at::Tensor();
+#endif
+}
+
+namespace {
+
+// The one large output kept after its tensor died (recycled_output): the
+// mapping, and the 2 MiB-aligned bytes inside it the tensor used.
+struct Kept {
+  void *base = nullptr;
+  size_t mapped = 0;
+  void *data = nullptr;
+  size_t bytes = 0;
+};
+
+std::mutex kept_mu;
+Kept kept;
+
+void unmap(const Kept &k) {
+#ifdef __linux__
+  if (k.base != nullptr) munmap(k.base, k.mapped);
+#else
+  (void)k;
+#endif
+}
+
+// Back into the slot when it is empty (the pages handed to the kernel
+// lazily: MADV_FREE, reclaimed only under memory pressure), else unmapped.
+void give_back(const Kept &k) {
+  {
+    std::lock_guard<std::mutex> lock(kept_mu);
+    if (kept.base == nullptr) {
+#if defined(__linux__) && defined(MADV_FREE)
+      (void)madvise(k.data, k.bytes, MADV_FREE);
+#endif
+      kept = k;
+      return;
+    }
+  }
+  unmap(k);
+}
+
+}  // namespace
+
+at::Tensor recycled_output(c10::IntArrayRef sizes, at::ScalarType dtype) {
+#ifdef __linux__
+  size_t bytes = c10::elementSize(dtype);
+  for (int64_t d : sizes)
+    if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) return empty_output(sizes, dtype);
+  if (bytes < kStreamMinBytes) return empty_output(sizes, dtype);
+  Kept k;
+  {
+    std::lock_guard<std::mutex> lock(kept_mu);
+    if (kept.base != nullptr && kept.bytes >= bytes && kept.bytes - bytes <= kept.bytes / 4) {
+      k = kept;  // its pages are mapped: no fault, no zeroing
+      kept = Kept{};
+    } else if (kept.base != nullptr) {
+      unmap(kept);  // another size now: the memory back to the OS
+      kept = Kept{};
+    }
+  }
+  if (k.base == nullptr) {
+    const long ps = sysconf(_SC_PAGESIZE);
+    size_t mapped = 0;
+    if (ps <= 0 || __builtin_add_overflow(bytes, size_t{kHugePage}, &mapped)) return empty_output(sizes, dtype);
+    void *base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return empty_output(sizes, dtype);
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(base);
+    void *p = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
+    // As a fresh output's (prepare_output): huge pages when free ones cover
+    // it twice over, else 4 KiB (THP "always" would compact inside the call).
+    const size_t huge = bytes / kHugePage;
+    const bool use_huge =
+        thp_usable() && huge > 0 && huge_pages_free(huge, static_cast<uintptr_t>(ps));
+    (void)madvise(p, bytes, use_huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+    k = Kept{base, mapped, p, bytes};
+  }
+  return at::from_blob(
+      k.data, sizes, [k](void *) { give_back(k); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
+#else
+  return empty_output(sizes, dtype);
 #endif
 }
 

@@ -6,6 +6,8 @@ rows of up to 1000 classes); dlogits within 1 ulp of the dtype plus 1e-6 of
 the largest gradient; the fused linear form's loss and gradients within
 2e-6 relative of the unfused float32 composite."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -261,3 +263,45 @@ def test_linear_cross_entropy_compiles_fullgraph_with_grad():
     TF.cross_entropy(xr @ wr.t(), t).backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the recycled block is Linux's mmap")
+def test_large_dlogits_reuse_the_last_block_and_overwrite_it():
+    """dlogits of 8 MiB or more come from the block the last one left when
+    it died (its pages mapped: no page faults, no zeroing; issue 58 item 8),
+    and every element is written again: over a block holding another call's
+    gradient, the training forward and the backward op give the bits of a
+    fresh call (other logits, targets and ignored rows). The slot holds one
+    block: a gradient still alive is never handed out."""
+    n, c = 1024, 4096  # bf16: 8 MiB
+    ops = torch.ops.npukern
+
+    def case(seed):
+        x, t = _data(n, c, torch.bfloat16, seed=seed)
+        t[seed * 7:seed * 7 + 5] = -100
+        with torch.no_grad():
+            _, lse = ops.cross_entropy(x, t, None, 2, -100, 0.0, 0.0, 0.0)
+        return x, t, lse
+
+    def train_grad(x, t):
+        xa = x.clone().requires_grad_()
+        L.cross_entropy(xa, t).backward()
+        return xa.grad
+
+    x0, t0, _ = case(0)
+    first = train_grad(x0, t0)
+    p = first.data_ptr()
+    x1, t1, lse1 = case(1)
+    want = ops.cross_entropy_backward(torch.tensor(1.0), x1, t1, None, lse1, 2, -100, 0.0, 0.0, 0.0)
+    assert want.data_ptr() != p  # first is alive
+    del first  # its block into the slot
+    got = train_grad(x1, t1)
+    assert got.data_ptr() == p  # the training forward over case 0's gradient
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    x2, t2, lse2 = case(2)
+    fresh = train_grad(x2, t2)  # got and want alive, the slot empty: a new block
+    assert fresh.data_ptr() not in (p, want.data_ptr())
+    del got  # the slot: p again
+    again = ops.cross_entropy_backward(torch.tensor(1.0), x2, t2, None, lse2, 2, -100, 0.0, 0.0, 0.0)
+    assert again.data_ptr() == p  # the backward op over case 1's gradient
+    assert torch.equal(again.view(torch.int16), fresh.view(torch.int16))
