@@ -268,6 +268,11 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
     }
 }
 
+/// 2^e for a normal f64 exponent, from its bits (f64::powi is std-only).
+fn pow2(e: i32) -> f64 {
+    f64::from_bits(((e + 1023) as u64) << 52)
+}
+
 /// The f64 model of `q8::q8_encode`: the code of `x` in a block of scale
 /// `scale`, rounded stochastically with the top 20 bits of `r`, from exact
 /// arithmetic on the normalized value (not from its bit pattern).
@@ -276,15 +281,16 @@ pub(crate) fn q8_encode_f64(x: f32, scale: f32, r: u32, signed: bool) -> u8 {
         return 0;
     }
     let r = (r >> 12) as f64;
-    let two20 = 2f64.powi(20);
+    let two20 = pow2(20);
     // The correctly rounded f32 quotient (f64's 53 bits round it once more
     // without a double-rounding error: 53 >= 2 * 24 + 2).
     let y = ((x.abs() as f64) / (scale as f64)) as f32 as f64;
     let emin = if signed { -14 } else { -30 };
-    let mag = if y >= 2f64.powi(emin) {
+    let mag = if y >= pow2(emin) {
         let e = ((y.to_bits() >> 52) & 0x7ff) as i32 - 1023;
-        let step = 2f64.powi(e - 3);
-        let below = (y / step).floor();
+        let step = pow2(e - 3);
+        // A positive quotient below 2^53: truncation is the floor.
+        let below = (y / step) as u64 as f64;
         let frac = y / step - below;
         let q = below as u32 + (frac * two20 + r >= two20) as u32;
         let (e, f) = if q == 16 { (e + 1, 0) } else { (e, q - 8) };
@@ -292,7 +298,7 @@ pub(crate) fn q8_encode_f64(x: f32, scale: f32, r: u32, signed: bool) -> u8 {
     } else if !signed {
         // Never 0 from a positive value (q8's one biased rule).
         8 * (y > 0.0) as u32
-    } else if r < y * 2f64.powi(20 - emin) {
+    } else if r < y * pow2(20 - emin) {
         8
     } else {
         0
@@ -316,7 +322,7 @@ pub(crate) fn q8_decode_f64(scale: f32, c: u8, signed: bool) -> f32 {
     let mag = if e == 0 {
         0.0
     } else {
-        2f64.powi(e as i32 - bias) * (1.0 + (c & 7) as f64 / 8.0)
+        pow2(e as i32 - bias) * (1.0 + (c & 7) as f64 / 8.0)
     };
     let v = scale as f64 * mag;
     (if signed && c & 0x80 != 0 { -v } else { v }) as f32
