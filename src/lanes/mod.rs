@@ -188,6 +188,17 @@ pub trait Lanes: Copy + Send + Sync + 'static {
             dst[j] = bf16::from_bits(random::round_bf16_sr(f[j], r[j] >> SHIFT));
         }
     }
+    /// The 16 x 16 transpose: lane `i` of `out[j]` is lane `j` of
+    /// `rows[i]` (moves only: no bit changes). A packing loop transposes
+    /// through it instead of strided scalar moves.
+    #[inline(always)]
+    fn transpose16(rows: &[Self; GROUP]) -> [Self; GROUP] {
+        let mut m = [[0f32; GROUP]; GROUP];
+        for (r, v) in m.iter_mut().zip(rows) {
+            v.store(r);
+        }
+        core::array::from_fn(|j| Self::load(&core::array::from_fn(|i| m[i][j])))
+    }
     /// `store` with a non-temporal (streaming) store when `dst` is aligned
     /// for it, else an ordinary one: the same bits either way. Streaming
     /// stores skip the destination's read-for-ownership and do not displace
@@ -779,6 +790,38 @@ mod tests {
             };
             // SAFETY: `a` proves the ISA is available.
             dispatch_isa!(a, L => unsafe { L::enter(conversions_match_scalar::<L>) });
+        }
+    }
+
+    #[test]
+    fn every_isa_transposes_16_by_16() {
+        for isa in Isa::ALL {
+            let Ok(a) = detect::resolve(Some(isa)) else {
+                continue;
+            };
+            // SAFETY: `a` proves the ISA is available.
+            dispatch_isa!(a, L => unsafe { L::enter(transpose_moves_each_lane::<L>) });
+        }
+    }
+
+    fn transpose_moves_each_lane<L: Lanes>() {
+        // Distinct bit patterns, NaN payloads and -0 among them.
+        let x =
+            |i: usize, j: usize| f32::from_bits(0x7fc0_0000 ^ ((i * 16 + j) as u32 * 0x0101_0101));
+        let rows: [L; GROUP] =
+            core::array::from_fn(|i| L::load(&core::array::from_fn(|j| x(i, j))));
+        let t = L::transpose16(&rows);
+        for (j, v) in t.iter().enumerate() {
+            let mut out = [0f32; GROUP];
+            v.store(&mut out);
+            for (i, o) in out.iter().enumerate() {
+                assert_eq!(
+                    o.to_bits(),
+                    x(i, j).to_bits(),
+                    "{} ({i}, {j})",
+                    L::ISA.name()
+                );
+            }
         }
     }
 

@@ -404,6 +404,57 @@ impl Lanes for Avx2 {
         }
     }
     #[inline(always)]
+    fn transpose16(rows: &[Self; GROUP]) -> [Self; GROUP] {
+        // Four 8 x 8 transposes: out[j]'s low half is column j of the
+        // rows 0..8 block, its high half of rows 8..16 (j < 8: the rows'
+        // low halves; else their high halves).
+        // SAFETY: AVX2 present; shuffles only.
+        unsafe {
+            let t8 = |r: [__m256; 8]| -> [__m256; 8] {
+                let t: [__m256; 8] = core::array::from_fn(|i| {
+                    let (a, b) = (r[i & !1], r[i | 1]);
+                    if i % 2 == 0 {
+                        _mm256_unpacklo_ps(a, b)
+                    } else {
+                        _mm256_unpackhi_ps(a, b)
+                    }
+                });
+                // u[4h + c]: per 128-bit lane q, rows 4h..4h+4 of column 4q + c.
+                let u: [__m256; 8] = core::array::from_fn(|i| {
+                    let (h, c) = (i / 4, i % 4);
+                    let (a, b) = (
+                        _mm256_castps_pd(t[4 * h + (c >> 1)]),
+                        _mm256_castps_pd(t[4 * h + 2 + (c >> 1)]),
+                    );
+                    _mm256_castpd_ps(if c % 2 == 0 {
+                        _mm256_unpacklo_pd(a, b)
+                    } else {
+                        _mm256_unpackhi_pd(a, b)
+                    })
+                });
+                core::array::from_fn(|j| {
+                    let (q, c) = (j / 4, j % 4);
+                    if q == 0 {
+                        _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c])
+                    } else {
+                        _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c])
+                    }
+                })
+            };
+            let lo_top = t8(core::array::from_fn(|i| rows[i].0));
+            let lo_bot = t8(core::array::from_fn(|i| rows[8 + i].0));
+            let hi_top = t8(core::array::from_fn(|i| rows[i].1));
+            let hi_bot = t8(core::array::from_fn(|i| rows[8 + i].1));
+            core::array::from_fn(|j| {
+                if j < 8 {
+                    Avx2(lo_top[j], lo_bot[j])
+                } else {
+                    Avx2(hi_top[j - 8], hi_bot[j - 8])
+                }
+            })
+        }
+    }
+    #[inline(always)]
     fn stream(self, dst: &mut [f32; GROUP]) {
         if !aligned(dst, 32) {
             return self.store(dst);
@@ -655,6 +706,50 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
             let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(0x40));
             let out = _mm512_mask_mov_epi32(rounded, nan, quiet);
             _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, _mm512_cvtepi32_epi16(out));
+        }
+    }
+    #[inline(always)]
+    fn transpose16(rows: &[Self; GROUP]) -> [Self; GROUP] {
+        // SAFETY: AVX-512F present; shuffles only.
+        unsafe {
+            let r: [__m512; GROUP] = core::array::from_fn(|i| rows[i].0);
+            // t[2i], t[2i + 1]: rows 2i, 2i + 1 interleaved (columns 4q, 4q + 1
+            // and 4q + 2, 4q + 3 of each 128-bit lane q).
+            let t: [__m512; GROUP] = core::array::from_fn(|i| {
+                let (a, b) = (r[i & !1], r[i | 1]);
+                if i % 2 == 0 {
+                    _mm512_unpacklo_ps(a, b)
+                } else {
+                    _mm512_unpackhi_ps(a, b)
+                }
+            });
+            // u[4h + c]: per 128-bit lane q, rows 4h..4h+4 of column 4q + c.
+            let u: [__m512d; GROUP] = core::array::from_fn(|i| {
+                let (h, c) = (i / 4, i % 4);
+                let (a, b) = (
+                    _mm512_castps_pd(t[4 * h + (c >> 1)]),
+                    _mm512_castps_pd(t[4 * h + 2 + (c >> 1)]),
+                );
+                if c % 2 == 0 {
+                    _mm512_unpacklo_pd(a, b)
+                } else {
+                    _mm512_unpackhi_pd(a, b)
+                }
+            });
+            let u: [__m512; GROUP] = core::array::from_fn(|i| _mm512_castpd_ps(u[i]));
+            // out[4q + c] = lane q of u[c], u[4 + c], u[8 + c], u[12 + c].
+            let mut out = [Self(_mm512_setzero_ps()); GROUP];
+            for c in 0..4 {
+                let v0 = _mm512_shuffle_f32x4::<0x44>(u[c], u[4 + c]);
+                let v1 = _mm512_shuffle_f32x4::<0xee>(u[c], u[4 + c]);
+                let v2 = _mm512_shuffle_f32x4::<0x44>(u[8 + c], u[12 + c]);
+                let v3 = _mm512_shuffle_f32x4::<0xee>(u[8 + c], u[12 + c]);
+                out[c] = Self(_mm512_shuffle_f32x4::<0x88>(v0, v2));
+                out[4 + c] = Self(_mm512_shuffle_f32x4::<0xdd>(v0, v2));
+                out[8 + c] = Self(_mm512_shuffle_f32x4::<0x88>(v1, v3));
+                out[12 + c] = Self(_mm512_shuffle_f32x4::<0xdd>(v1, v3));
+            }
+            out
         }
     }
     #[inline(always)]

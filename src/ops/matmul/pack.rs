@@ -77,45 +77,79 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
             }
         }
     } else {
+        // Stored [rows][k] (b of `x W^T`): 16 rows x 16 steps at a time,
+        // read along k and turned by `Lanes::transpose16` into 16 steps of
+        // 16 rows (whole vector stores); the last `kc % 16` steps as moves.
+        // (Whole groups of rows: w is B's NR, a multiple of 16; any other
+        // width takes the moves alone.)
+        let kv = if w.is_multiple_of(GROUP) {
+            kc / GROUP * GROUP
+        } else {
+            0
+        };
         for q in 0..panels {
             let base = q * w;
             let n = w.min(rows - base);
             // SAFETY: the panel is inside dst.
             let out = unsafe { core::slice::from_raw_parts_mut(dst.add(q * kc * w), kc * w) };
-            // SAFETY: as above.
-            unsafe { pack_rows(x, r0 + base, n, p0, kc, w, out) };
+            for g in (0..w).step_by(GROUP) {
+                let valid = n.saturating_sub(g).min(GROUP);
+                for k0 in (0..kv).step_by(GROUP) {
+                    let v: [L; GROUP] = core::array::from_fn(|r| {
+                        if r < valid {
+                            // SAFETY: row r0 + base + g + r, steps p0 + k0 ..
+                            // p0 + k0 + 16 are inside x.
+                            T::load(unsafe {
+                                &*(x.p.add((r0 + base + g + r) * x.ld + p0 + k0)
+                                    as *const [T; GROUP])
+                            })
+                        } else {
+                            L::splat(0.0)
+                        }
+                    });
+                    for (kk, t) in L::transpose16(&v).into_iter().enumerate() {
+                        let o = (k0 + kk) * w + g;
+                        // SAFETY: 16 f32 at o are inside the panel (g + 16 <= w).
+                        t.store(unsafe { &mut *(out.as_mut_ptr().add(o) as *mut [f32; GROUP]) });
+                    }
+                }
+            }
+            if kv < kc {
+                // SAFETY: as above; steps kv.. of the panel.
+                unsafe { pack_rows(x, r0 + base, n, p0, kv, kc, w, out) };
+            }
         }
     }
 }
 
-/// The panel of `n <= w` rows stored `[rows][k]`: each row read along k,
-/// written with stride `w` (the rest zero). Never inlined into an ISA's
-/// context: there LLVM turns the strided stores into gathers and scatters
-/// (measured 3.5 ns an element on Zen 4); at the baseline they are plain
-/// scalar moves, about one a cycle.
+/// Steps `k1 .. kc` of the panel of `n <= w` rows stored `[rows][k]`:
+/// each row read along k, written with stride `w` (the rest zero). Never
+/// inlined into an ISA's context: there LLVM turns the strided stores into
+/// gathers and scatters (measured 3.5 ns an element on Zen 4); at the
+/// baseline they are plain scalar moves, about one a cycle.
 ///
 /// # Safety
 /// Rows `r0 .. r0 + n`, columns `p0 .. p0 + kc` are inside x.
 #[inline(never)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn pack_rows<T: Float>(
     x: Mat<T>,
     r0: usize,
     n: usize,
     p0: usize,
+    k1: usize,
     kc: usize,
     w: usize,
     out: &mut [f32],
 ) {
     for r in 0..w {
-        if r < n {
-            for k in 0..kc {
+        for k in k1..kc {
+            out[k * w + r] = if r < n {
                 // SAFETY: inside x.
-                out[k * w + r] = unsafe { x.at(r0 + r, p0 + k) };
-            }
-        } else {
-            for k in 0..kc {
-                out[k * w + r] = 0.0;
-            }
+                unsafe { x.at(r0 + r, p0 + k) }
+            } else {
+                0.0
+            };
         }
     }
 }
