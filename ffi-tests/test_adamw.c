@@ -6,7 +6,8 @@
  * gradient skips the step and writes nothing); found_inf; bad input refused
  * with every tensor left alone and the detail naming the list and the tensor;
  * a foreign table's adamw entry (lists lowered to segment tables) and one
- * built against ABI 2.5 (shorter: AdamW runs on the CPU).
+ * built against ABI 2.5 (shorter: AdamW runs on the CPU); 8-bit moments
+ * through npk_adamw_v2 (ABI 2.9).
  *
  * Tolerance against the model (per element, `want` exact in double):
  * |got - want| <= ulp_T(want) + 2^-20 * S, S the magnitudes the f32
@@ -436,6 +437,151 @@ static void test_errors(void) {
 }
 
 
+/* 8-bit moments through npk_adamw_v2 (ABI 2.9): two tensors (300 and 5
+ * elements) of f32 params, NPK_U8 codes, f32 scales (2 and 1 per list);
+ * the same bytes on 1 and 7 blocks and on the reference backend's scales
+ * and codes but for rare f32-vs-f64 threshold crossings; the scale lists
+ * go through the same validation (dtype, length, overlap: nothing
+ * written). */
+enum { QN = 2, QL = 9 }; /* p, g, m, v, x, sm, sv, sx, w(unused) */
+static const size_t q_len[QN] = {300, 5};
+typedef struct {
+  void *b[QL][QN];
+  npk_tensor t[QL][QN];
+  npk_adamw_tensors lists;
+  npk_adamw_formats f;
+} qstate;
+
+static size_t q_count(int l, size_t i) { return l >= 5 ? (q_len[i] + 255) / 256 : q_len[i]; }
+static npk_dtype q_dtype(int l) { return l <= 1 || l >= 5 ? NPK_F32 : NPK_U8; }
+static size_t q_bytes(int l, size_t i) { return q_count(l, i) * (q_dtype(l) == NPK_U8 ? 1 : 4); }
+
+static void q_link(qstate *s) {
+  int l;
+  size_t i;
+  for (l = 0; l < 8; l++)
+    for (i = 0; i < QN; i++) {
+      int64_t shape[1];
+      shape[0] = (int64_t)q_count(l, i);
+      s->t[l][i] = tens(s->b[l][i], q_dtype(l), 1, shape);
+    }
+  memset(&s->lists, 0, sizeof s->lists);
+  s->lists.params.tensors = s->t[0], s->lists.params.count = QN;
+  s->lists.grads.tensors = s->t[1], s->lists.grads.count = QN;
+  s->lists.exp_avgs.tensors = s->t[2], s->lists.exp_avgs.count = QN;
+  s->lists.exp_avg_sqs.tensors = s->t[3], s->lists.exp_avg_sqs.count = QN;
+  s->lists.max_exp_avg_sqs.tensors = s->t[4], s->lists.max_exp_avg_sqs.count = QN;
+  memset(&s->f, 0, sizeof s->f);
+  s->f.struct_size = sizeof s->f;
+  s->f.quantized_moments = 1;
+  s->f.seed = 7;
+  s->f.exp_avg_scales.tensors = s->t[5], s->f.exp_avg_scales.count = QN;
+  s->f.exp_avg_sq_scales.tensors = s->t[6], s->f.exp_avg_sq_scales.count = QN;
+  s->f.max_exp_avg_sq_scales.tensors = s->t[7], s->f.max_exp_avg_sq_scales.count = QN;
+}
+
+static void q_make(qstate *s, const qstate *from) {
+  int l;
+  size_t i, k;
+  for (l = 0; l < 8; l++)
+    for (i = 0; i < QN; i++) {
+      s->b[l][i] = calloc(q_bytes(l, i) ? q_bytes(l, i) : 1, 1);
+      if (from) {
+        memcpy(s->b[l][i], from->b[l][i], q_bytes(l, i));
+      } else if (l <= 1) {
+        for (k = 0; k < q_len[i]; k++) ((float *)s->b[l][i])[k] = (float)urand(-1.0, 1.0) * (l ? 1e-2f : 1.0f);
+      }
+    }
+  q_link(s);
+}
+
+static int q_same(const qstate *a, const qstate *b) {
+  int l;
+  size_t i;
+  for (l = 0; l < 8; l++)
+    for (i = 0; i < QN; i++)
+      if (memcmp(a->b[l][i], b->b[l][i], q_bytes(l, i))) return 0;
+  return 1;
+}
+
+static void q_free(qstate *s) {
+  int l;
+  size_t i;
+  for (l = 0; l < 8; l++)
+    for (i = 0; i < QN; i++) free(s->b[l][i]);
+}
+
+static npk_status q_step(qstate *s, npk_exec *e, const npk_adamw_options *o) {
+  size_t ws = 0;
+  void *w;
+  npk_adamw_result r;
+  npk_status st = npk_adamw_v2_workspace_size(&s->lists, o, &s->f, e, &ws);
+  if (st != NPK_OK) return st;
+  w = malloc(ws ? ws : 1);
+  st = npk_adamw_v2(&s->lists, o, &s->f, &r, w, ws, e);
+  free(w);
+  return st;
+}
+
+static void test_q8(void) {
+  qstate s0, a, b, c;
+  npk_adamw_options o = options(NPK_ADAMW_AMSGRAD);
+  npk_exec e1 = exec_of(NPK_BACKEND_CPU, 1), e7 = exec_of(NPK_BACKEND_CPU, 7);
+  npk_exec er = exec_of(NPK_BACKEND_REFERENCE, 0);
+  npk_tensor keep;
+  size_t i, nz = 0, differ = 0;
+  o.flags = NPK_ADAMW_AMSGRAD;
+  q_make(&s0, NULL);
+  q_make(&a, &s0);
+  q_make(&b, &s0);
+  q_make(&c, &s0);
+  CHECK(q_step(&a, &e1, &o) == NPK_OK, "q8 step: %s", g_detail.message);
+  CHECK(q_step(&b, &e7, &o) == NPK_OK && q_same(&a, &b), "q8: the same bytes on 1 and 7 blocks");
+  CHECK(q_step(&c, &er, &o) == NPK_OK, "q8 reference: %s", g_detail.message);
+  for (i = 0; i < q_len[0]; i++) {
+    nz += ((uint8_t *)a.b[2][0])[i] != 0;
+    differ += ((uint8_t *)a.b[2][0])[i] != ((uint8_t *)c.b[2][0])[i];
+  }
+  CHECK(nz > 250 && differ <= 2, "q8: %zu of 300 codes nonzero, %zu differ from the reference", nz, differ);
+  CHECK(((float *)a.b[5][0])[0] > 0 && ((float *)a.b[6][1])[0] > 0, "q8: scales set");
+  q_free(&b);
+  q_free(&c);
+  /* Refusals: every tensor as before. */
+  q_make(&b, &s0);
+  keep = b.t[5][1];
+  b.t[5][1].dtype = NPK_BF16;
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_DTYPE_UNSUPPORTED && !strcmp(g_detail.argument, "exp_avg_scales") &&
+            g_detail.position == 1 && q_same(&b, &s0),
+        "q8: a bf16 scale list refused (%s)", g_detail.message);
+  b.t[5][1] = keep;
+  keep = b.t[6][0];
+  b.t[6][0].shape[0] = 1;
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_PARAM_INVALID && !strcmp(g_detail.argument, "exp_avg_sq_scales") &&
+            g_detail.position == 0 && q_same(&b, &s0),
+        "q8: a short scale tensor refused (%s)", g_detail.message);
+  b.t[6][0] = keep;
+  keep = b.t[7][0];
+  b.t[7][0].data = b.b[6][0];
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_PARAM_INVALID && q_same(&b, &s0),
+        "q8: scales over another list's refused (%s)", g_detail.message);
+  b.t[7][0].data = b.b[4][0];
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_PARAM_INVALID && q_same(&b, &s0),
+        "q8: scales over codes refused (%s)", g_detail.message);
+  b.t[7][0] = keep;
+  b.t[3][1].dtype = NPK_F32;
+  CHECK(q_step(&b, &e1, &o) != NPK_OK && q_same(&b, &s0), "q8: f32 exp_avg_sqs refused (%s)", g_detail.message);
+  b.t[3][1].dtype = NPK_U8;
+  b.f.quantized_moments = 2;
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_PARAM_INVALID && !strcmp(g_detail.argument, "quantized_moments") &&
+            q_same(&b, &s0),
+        "q8: quantized_moments 2 refused (%s)", g_detail.message);
+  b.f.quantized_moments = 1;
+  CHECK(q_step(&b, &e1, &o) == NPK_OK && q_same(&a, &b), "q8: valid again, as before");
+  q_free(&a);
+  q_free(&b);
+  q_free(&s0);
+}
+
 int main(void) {
   cfg mixed = {NPK_BF16, NPK_F32, 1, NPK_ADAMW_AMSGRAD};
   cfg mixed_clip = {NPK_BF16, NPK_F32, 1, NPK_ADAMW_AMSGRAD | NPK_ADAMW_CLIP};
@@ -449,6 +595,7 @@ int main(void) {
   test_clip_and_skip();
   test_foreign();
   test_errors();
+  test_q8();
   printf("test_adamw: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }
