@@ -295,7 +295,7 @@ where
         base = got;
     }
     println!("largest relative difference of a scale: {worst_scale:e}");
-    assert!(worst_scale < 1e-5, "{worst_scale:e}");
+    assert!(worst_scale < 1e-6, "{worst_scale:e}");
     (differ, total)
 }
 
