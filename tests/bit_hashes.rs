@@ -609,6 +609,9 @@ fn run_all(isa: Isa) -> Run {
     adamw_case::<f16, f16, f16>(&mut run, &cpu, 22, "f16.moments.l2.maximize", l2, false);
     let scaled = ADAMW_GRAD_SCALE | ADAMW_CLIP_COEF | ADAMW_AMSGRAD;
     adamw_case::<bf16, f32, bf16>(&mut run, &cpu, 23, "bf16.moments.scale.coef", scaled, false);
+    use adamw_cases::adamw_q8_case;
+    adamw_q8_case(&mut run, &cpu, 27, "q8.split.clip.amsgrad", clip_ams, true);
+    adamw_q8_case(&mut run, &cpu, 28, "q8.sr_params.l2.maximize", l2, false);
     run
 }
 

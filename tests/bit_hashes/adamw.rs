@@ -101,3 +101,102 @@ pub fn adamw_case<P: Float, G: Float, M: Float>(
 fn hash<T: Float>(list: &[Vec<T>]) -> u64 {
     list.iter().fold(BitHash::new(), |mut h, t| *h.floats(t)).0
 }
+
+/// One step with 8-bit moments (`quantized_moments`) over fixed-seed
+/// lists (a tensor of several quantization blocks and a partial one, an
+/// empty one, a partial lane group, a single element), from nonzero codes
+/// and scales, bf16 params with split masters or none: params, codes,
+/// scales and the masters' low halves hashed.
+pub fn adamw_q8_case(run: &mut Run, cpu: &Cpu, seed: u64, case: &str, flags: u32, split: bool) {
+    let mut rng = Rng(seed);
+    let ams = flags & ADAMW_AMSGRAD != 0;
+    let (mut p, mut g, mut low) = (vec![], vec![], vec![]);
+    let (mut c, mut s) = ([vec![], vec![], vec![]], [vec![], vec![], vec![]]);
+    for n in [3001usize, 0, 77, 1] {
+        p.push(vec_of::<bf16>(n, || rng.uniform(-1.0, 1.0)));
+        g.push(vec_of::<bf16>(n, || rng.mag() * 1e-5));
+        low.push((0..n).map(|_| rng.next_u64() as i16).collect::<Vec<i16>>());
+        for k in 0..3 {
+            c[k].push(
+                (0..n)
+                    .map(|_| rng.next_u64() as u8 & if k == 0 { 0xff } else { 0xf7 })
+                    .collect::<Vec<u8>>(),
+            );
+            s[k].push(vec_of::<f32>(q8_scales_len(n), || rng.mag().abs() * 1e-6));
+        }
+    }
+    let report = {
+        let mut pl: Vec<GradTensorMut> = p.iter_mut().map(|t| t.as_mut_slice().into()).collect();
+        let gl: Vec<GradTensor> = g.iter().map(|t| t.as_slice().into()).collect();
+        let [c0, c1, c2] = &mut c;
+        let [s0, s1, s2] = &mut s;
+        fn list<T>(l: &mut [Vec<T>]) -> Vec<GradTensorMut<'_>>
+        where
+            for<'a> &'a mut [T]: Into<GradTensorMut<'a>>,
+        {
+            l.iter_mut().map(|t| t.as_mut_slice().into()).collect()
+        }
+        let flist = list::<f32>;
+        let (mut ml, mut vl, mut sml, mut svl) = (list(c0), list(c1), flist(s0), flist(s1));
+        let (mut xl, mut sxl) = if ams {
+            (list(c2), flist(s2))
+        } else {
+            (vec![], vec![])
+        };
+        let mut wl: Vec<GradTensorMut> = if split {
+            low.iter_mut().map(|t| t.as_mut_slice().into()).collect()
+        } else {
+            vec![]
+        };
+        let mut t = AdamWTensors {
+            params: &mut pl,
+            grads: &gl,
+            exp_avgs: &mut ml,
+            exp_avg_sqs: &mut vl,
+            max_exp_avg_sqs: &mut xl,
+            masters: &mut wl,
+        };
+        let mut sc = AdamWScales {
+            exp_avgs: &mut sml,
+            exp_avg_sqs: &mut svl,
+            max_exp_avg_sqs: &mut sxl,
+        };
+        let f = AdamWFormats {
+            split_masters: split,
+            rounding: if split { 0 } else { ADAMW_SR_PARAMS },
+            quantized_moments: true,
+            seed: 0x5eed,
+            keys: &[],
+        };
+        let exec = Exec::new(cpu);
+        let o = options(flags);
+        let n = adamw_with_scales_workspace_size(&exec, &mut t, &mut sc, &o, &f).unwrap();
+        let mut ws = vec![0u8; n];
+        adamw_with_scales(&exec, &mut t, &mut sc, &o, &f, &mut ws).unwrap()
+    };
+    let name = |out: &str| format!("adamw.{case}.{out}");
+    run.put(name("params"), hash(&p));
+    let lists = if ams { 3 } else { 2 };
+    for (k, what) in ["exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"]
+        .iter()
+        .enumerate()
+        .take(lists)
+    {
+        let mut h = BitHash::new();
+        c[k].iter().for_each(|t| {
+            h.bytes(t);
+        });
+        run.put(name(what), h.0);
+        run.put(name(&format!("{what}.scales")), hash(&s[k]));
+    }
+    if split {
+        let mut h = BitHash::new();
+        low.iter().flatten().for_each(|&x| {
+            h.u64(x as u16 as u64);
+        });
+        run.put(name("masters"), h.0);
+    }
+    let mut h = BitHash::new();
+    h.u64(report.grad_norm.to_bits()).u64(report.stepped as u64);
+    run.put(name("report"), h.0);
+}
