@@ -11,7 +11,7 @@
 use super::formats::{
     join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
-use super::q8::{q8_decode, q8_encode, q8_scale, Q8_BLOCK, STREAM_Q8_M, STREAM_Q8_V};
+use super::q8::{q8_code, q8_decode, q8_scale, Q8_BLOCK, STREAM_Q8_M, STREAM_Q8_V};
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
@@ -358,16 +358,37 @@ unsafe fn encode<L: Lanes, const SIGNED: bool>(
     key: u64,
 ) {
     let s = q8_scale(&x[..n]);
+    let live = super::q8::live(s);
+    let den = L::splat(if live { s } else { 1.0 });
     // SAFETY: the caller's contract.
-    let c = unsafe {
-        scale.write(s);
-        core::slice::from_raw_parts_mut(codes, n)
-    };
-    for (i, (cg, xg)) in c.chunks_mut(GROUP).zip(x.chunks_exact(GROUP)).enumerate() {
-        let r = randoms::<L>(salt, key.wrapping_add((i * GROUP) as u64));
-        for j in 0..cg.len() {
-            cg[j] = q8_encode::<SIGNED>(xg[j], s, r[j]);
+    unsafe { scale.write(s) };
+    let mut i = 0;
+    while i < n {
+        let r = randoms::<L>(salt, key.wrapping_add(i as u64));
+        // SAFETY: i + GROUP <= 256.
+        let xg: &[f32; GROUP] = unsafe { &*x.as_ptr().add(i).cast() };
+        let mut a = [0f32; GROUP];
+        for j in 0..GROUP {
+            a[j] = f32::from_bits(xg[j].to_bits() & 0x7fff_ffff);
         }
+        // The normalized values: IEEE division on every ISA.
+        let mut y = [0f32; GROUP];
+        L::load(&a).div(den).store(&mut y);
+        let mut c = [0u8; GROUP];
+        for j in 0..GROUP {
+            c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j], live);
+        }
+        let k = (n - i).min(GROUP);
+        // SAFETY: `k` codes from `i` are the block's (caller); a whole
+        // group as one store (not a call to memcpy).
+        unsafe {
+            if k == GROUP {
+                codes.add(i).cast::<[u8; GROUP]>().write_unaligned(c);
+            } else {
+                core::ptr::copy_nonoverlapping(c.as_ptr(), codes.add(i), k);
+            }
+        }
+        i += GROUP;
     }
 }
 

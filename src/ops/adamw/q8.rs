@@ -111,32 +111,43 @@ pub fn q8_scale(x: &[f32]) -> f32 {
 /// rounded stochastically with the random bits `r >> 12` (the top 20).
 #[inline(always)]
 pub fn q8_encode<const SIGNED: bool>(x: f32, scale: f32, r: u32) -> u8 {
-    let sb = scale.to_bits();
-    // Zero or non-finite scale: every code 0 (0 / 0 avoided; a non-finite
-    // block decodes to NaN).
-    let live = sb != 0 && sb < 0x7f80_0000;
+    let live = live(scale);
     let y = f32::from_bits(x.to_bits() & 0x7fff_ffff) / if live { scale } else { 1.0 };
+    q8_code::<SIGNED>(y, x.to_bits(), r, live)
+}
+
+/// Whether a block of this scale has codes (not zero, not NaN or Inf);
+/// else its codes are all 0 (0 / 0 avoided; a non-finite block decodes to
+/// NaN).
+#[inline(always)]
+pub(crate) fn live(scale: f32) -> bool {
+    let sb = scale.to_bits();
+    sb != 0 && sb < 0x7f80_0000
+}
+
+/// The code of the normalized `y = |x| / scale` (`xb`: x's bits, for its
+/// sign; `live`: `live(scale)`), branch-free so that the lanes' loops over
+/// a group vectorize.
+#[inline(always)]
+pub(crate) fn q8_code<const SIGNED: bool>(y: f32, xb: u32, r: u32, live: bool) -> u8 {
     let yb = y.to_bits();
     let r = r >> 12;
     let o = off(SIGNED);
     let smallest = (o + 1) << 23;
-    let mag = if yb >= smallest {
-        // y <= 1: the sum stays <= 1.0's bits + 2^20 - 1, never past 1.0.
-        (yb.wrapping_add(r) >> 20).wrapping_sub(o << 3)
-    } else if SIGNED {
-        // 2^(20 - smallest's exponent): an exact scaling.
+    // y <= 1: the sum stays <= 1.0's bits + 2^20 - 1, never past 1.0.
+    let normal = (yb.wrapping_add(r) >> 20).wrapping_sub(o << 3);
+    let below = if SIGNED {
+        // 2^(20 - smallest's exponent): an exact scaling; r < 2^20 converts
+        // exactly (as an i32: AVX2 has no u32 conversion).
         let z = y * f32::from_bits((127 + 20 + 127 - (o + 1)) << 23);
-        ((r as f32) < z) as u32 * 8
+        (((r as i32) as f32) < z) as u32 * 8
     } else {
         // A positive second moment never becomes 0 (see the module docs).
         (yb != 0) as u32 * 8
     };
-    let sign = if SIGNED { (x.to_bits() >> 31) << 7 } else { 0 };
-    if live {
-        (mag | sign) as u8
-    } else {
-        0
-    }
+    let mag = if yb >= smallest { normal } else { below };
+    let sign = if SIGNED { (xb >> 31) << 7 } else { 0 };
+    ((mag | sign) * live as u32) as u8
 }
 
 #[cfg(test)]
