@@ -576,6 +576,16 @@ static void test_q8(void) {
             q_same(&b, &s0),
         "q8: quantized_moments 2 refused (%s)", g_detail.message);
   b.f.quantized_moments = 1;
+  /* A caller built before 8-bit moments: its struct_size ends at keys_count
+   * (no 8-bit moments: the u8 lists are refused, not the formats). */
+  b.f.struct_size = offsetof(npk_adamw_formats, quantized_moments);
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_DTYPE_UNSUPPORTED && !strcmp(g_detail.argument, "exp_avgs") &&
+            q_same(&b, &s0),
+        "q8: the shorter formats read as no 8-bit moments (%s)", g_detail.message);
+  b.f.struct_size = sizeof b.f - 8;
+  CHECK(q_step(&b, &e1, &o) == NPK_ERR_PARAM_INVALID && !strcmp(g_detail.argument, "formats"),
+        "q8: another struct_size refused (%s)", g_detail.message);
+  b.f.struct_size = sizeof b.f;
   CHECK(q_step(&b, &e1, &o) == NPK_OK && q_same(&a, &b), "q8: valid again, as before");
   q_free(&a);
   q_free(&b);

@@ -2034,7 +2034,9 @@ typedef struct npk_exec {
 typedef struct npk_adamw_formats {
   /**
    * `sizeof(npk_adamw_formats)` (lets the struct grow: a library reads
-   * the fields a caller was built with).
+   * the fields a caller was built with; the size before
+   * `quantized_moments`, `offsetof(npk_adamw_formats,
+   * quantized_moments)`, reads as no 8-bit moments).
    */
   size_t struct_size;
   /**

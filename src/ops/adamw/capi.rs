@@ -51,7 +51,9 @@ pub struct npk_adamw_tensors {
 #[derive(Clone, Copy, Debug)]
 pub struct npk_adamw_formats {
     /// `sizeof(npk_adamw_formats)` (lets the struct grow: a library reads
-    /// the fields a caller was built with).
+    /// the fields a caller was built with; the size before
+    /// `quantized_moments`, `offsetof(npk_adamw_formats,
+    /// quantized_moments)`, reads as no 8-bit moments).
     pub struct_size: usize,
     /// 1: the masters list holds the i16 low halves of bf16 params' split
     /// masters (master = param bits << 16 + low, exact); 0: f32 masters.
@@ -97,15 +99,38 @@ unsafe fn read_formats<'a>(
     }
     // SAFETY: readable (caller); the size is read alone first.
     let size = unsafe { core::ptr::addr_of!((*f).struct_size).read_unaligned() };
-    if size != size_of::<npk_adamw_formats>() {
+    // The struct before 8-bit moments (its fields up to `keys_count`) is
+    // read as it was, the rest zero: no 8-bit moments.
+    let before_q8 = core::mem::offset_of!(npk_adamw_formats, quantized_moments);
+    if size != size_of::<npk_adamw_formats>() && size != before_q8 {
         return Err(crate::error::invalid_fmt!(
             "formats",
             "struct_size {size}: want sizeof(npk_adamw_formats) = {}",
             size_of::<npk_adamw_formats>()
         ));
     }
-    // SAFETY: as above, the whole struct; plain numbers and a pointer.
-    let f = unsafe { f.read_unaligned() };
+    let mut out = npk_adamw_formats {
+        struct_size: size,
+        split_masters: 0,
+        rounding: 0,
+        seed: 0,
+        keys: core::ptr::null(),
+        keys_count: 0,
+        quantized_moments: 0,
+        exp_avg_scales: EMPTY,
+        exp_avg_sq_scales: EMPTY,
+        max_exp_avg_sq_scales: EMPTY,
+    };
+    // SAFETY: as above, the caller's `size` bytes (at most the struct's);
+    // plain numbers and pointers, any bytes valid.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            f.cast::<u8>(),
+            core::ptr::addr_of_mut!(out).cast::<u8>(),
+            size,
+        )
+    };
+    let f = out;
     let keys = if f.keys_count == 0 {
         &[][..]
     } else if f.keys.is_null() {
