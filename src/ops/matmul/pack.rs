@@ -10,6 +10,10 @@ use crate::lanes::{Lanes, GROUP};
 /// Row stride of A panels packed by rows (`pack_a_rows`).
 pub(crate) const KC: usize = MATMUL_KC as usize;
 
+/// f32 of the widened row a narrow-panel pack keeps (A's `MATMUL_MC`
+/// rows, rounded up to a group).
+const ROW_BUF: usize = (super::plan::MATMUL_MC as usize).div_ceil(GROUP) * GROUP;
+
 /// A row-major matrix in memory: element `(i, j)` at `i * ld + j`.
 #[derive(Clone, Copy)]
 pub(crate) struct Mat<T> {
@@ -54,9 +58,28 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
         // Stored [k][rows]: each step's row of x is read once, in order
         // (panel by panel it was strided: a TLB miss a step), and its w-wide
         // pieces go to the panels.
+        // Panels narrower than a group (A's MR: 14, 6, 4) take the row
+        // widened whole on the lanes first, then their pieces as copies (a
+        // 14-wide piece has no whole group: it went element by element).
+        let mut wide = [0f32; ROW_BUF];
+        let whole_row = !w.is_multiple_of(GROUP) && rows <= ROW_BUF;
         for k in 0..kc {
             // SAFETY: row p0 + k, columns r0 .. r0 + rows are inside x.
             let src = unsafe { core::slice::from_raw_parts(x.p.add((p0 + k) * x.ld + r0), rows) };
+            if whole_row {
+                // (widen_into fills whole groups: the tail group zero-padded.)
+                crate::lanes::widen_into::<L, T>(src, &mut wide[..rows.div_ceil(GROUP) * GROUP]);
+                for q in 0..panels {
+                    let base = q * w;
+                    let n = w.min(rows - base);
+                    // SAFETY: step k of panel q is inside dst.
+                    let o =
+                        unsafe { core::slice::from_raw_parts_mut(dst.add((q * kc + k) * w), w) };
+                    o[..n].copy_from_slice(&wide[base..base + n]);
+                    o[n..].fill(0.0);
+                }
+                continue;
+            }
             for q in 0..panels {
                 let base = q * w;
                 let n = w.min(rows - base);
