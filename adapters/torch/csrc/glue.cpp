@@ -58,9 +58,12 @@ npk_dtype dtype_of(const at::Tensor &t, const char *op, const char *arg) {
       return NPK_I64;
     case at::kShort:
       return NPK_I16;  // AdamW's split masters' low halves
+    case at::kByte:
+      return NPK_U8;  // AdamW's 8-bit moments' codes
     default:
       TORCH_CHECK_TYPE(false, op, ": ", arg, " has dtype ", t.scalar_type(),
-                       "; npukern takes float32, float16, bfloat16 (data) and int32, int64 (indices)");
+                       "; npukern takes float32, float16, bfloat16 (data), int32, int64 (indices) and int16, uint8 "
+                       "(AdamW's compact state)");
       return NPK_F32;  // unreachable: TORCH_CHECK_TYPE(false) throws
   }
 }

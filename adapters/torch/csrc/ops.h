@@ -38,7 +38,9 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters, double lr,
                   double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t flags,
                   double max_grad_norm, double grad_scale, double found_inf, double clip_coef,
-                  int64_t split_masters, int64_t rounding, int64_t seed, at::IntArrayRef keys);
+                  at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
+                  at::TensorList max_exp_avg_sq_scales, int64_t split_masters, int64_t rounding, int64_t seed,
+                  at::IntArrayRef keys, int64_t quantized_moments);
 
 at::Tensor swiglu(const at::Tensor &x, int64_t dim, bool eager);
 at::Tensor swiglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, bool eager);

@@ -97,10 +97,17 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters, double lr,
                   double beta1, double beta2, double eps, double weight_decay, int64_t step, int64_t flags,
                   double max_grad_norm, double grad_scale, double found_inf, double clip_coef,
-                  int64_t split_masters, int64_t rounding, int64_t seed, at::IntArrayRef keys) {
+                  at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
+                  at::TensorList max_exp_avg_sq_scales, int64_t split_masters, int64_t rounding, int64_t seed,
+                  at::IntArrayRef keys, int64_t quantized_moments) {
   const char *op = "npukern::adamw_";
   TORCH_CHECK_VALUE(split_masters == 0 || split_masters == 1, op, ": split_masters ", split_masters,
                     " is not 0 or 1");
+  // Everything else about 8-bit moments (codes' and scales' dtypes and
+  // lengths, the lists' counts, the mode's pairings) is the library's to
+  // check: only what the C types cannot carry is refused here.
+  TORCH_CHECK_VALUE(quantized_moments >= 0 && quantized_moments <= 0xffffffffLL, op, ": quantized_moments ",
+                    quantized_moments, " out of range");
   TORCH_CHECK_VALUE(rounding >= 0 && rounding <= 0xffffffffLL, op, ": rounding ", rounding, " out of range");
   for (int64_t k : keys) TORCH_CHECK_VALUE(k >= 0, op, ": key ", k, " is negative");
   TORCH_CHECK(step >= 1, op, ": step ", step, " is not >= 1");
@@ -111,10 +118,15 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   {"exp_avg_sqs", exp_avg_sqs},
                   {"max_exp_avg_sqs", max_exp_avg_sqs},
                   {"masters", masters},
+                  {"exp_avg_scales", exp_avg_scales},
+                  {"exp_avg_sq_scales", exp_avg_sq_scales},
+                  {"max_exp_avg_sq_scales", max_exp_avg_sq_scales},
                   {"grads", grads}},
-                 5);
+                 8);
   FlatList p(op, "params", params), g(op, "grads", grads), m(op, "exp_avgs", exp_avgs),
-      v(op, "exp_avg_sqs", exp_avg_sqs), x(op, "max_exp_avg_sqs", max_exp_avg_sqs), w(op, "masters", masters);
+      v(op, "exp_avg_sqs", exp_avg_sqs), x(op, "max_exp_avg_sqs", max_exp_avg_sqs), w(op, "masters", masters),
+      ms(op, "exp_avg_scales", exp_avg_scales), vs(op, "exp_avg_sq_scales", exp_avg_sq_scales),
+      xs(op, "max_exp_avg_sq_scales", max_exp_avg_sq_scales);
   npk_adamw_tensors t{};
   t.params = p.array();
   t.grads = g.array();
@@ -136,7 +148,8 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   o.clip_coef = static_cast<float>(clip_coef);
   Call call(op);
   npk_adamw_result r{};
-  // The state's formats (ABI 2.9): split masters, stochastic rounding.
+  // The state's formats (ABI 2.9): split masters, stochastic rounding,
+  // 8-bit moments (u8 codes in the moment lists, f32 block scales).
   npk_adamw_formats f{};
   f.struct_size = sizeof(npk_adamw_formats);
   f.split_masters = static_cast<uint32_t>(split_masters);
@@ -145,9 +158,13 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   static_assert(sizeof(int64_t) == sizeof(uint64_t), "keys pass as they are");
   f.keys = keys.empty() ? nullptr : reinterpret_cast<const uint64_t *>(keys.data());
   f.keys_count = keys.size();
+  f.quantized_moments = static_cast<uint32_t>(quantized_moments);
+  f.exp_avg_scales = ms.array();
+  f.exp_avg_sq_scales = vs.array();
+  f.max_exp_avg_sq_scales = xs.array();
   call.run([&](size_t *bytes) { return npk_adamw_v2_workspace_size(&t, &o, &f, call.exec(), bytes); },
            [&](void *ws, size_t bytes) { return npk_adamw_v2(&t, &o, &f, &r, ws, bytes, call.exec()); });
-  for (const FlatList *l : {&p, &m, &v, &x, &w}) l->copy_back();
+  for (const FlatList *l : {&p, &m, &v, &x, &w, &ms, &vs, &xs}) l->copy_back();
   at::Tensor out = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
   // Without CLIP no norm is taken: 0, not the C ABI's NaN (a NaN output
   // compares unequal to itself, and torch.library.opcheck's AOT check of the

@@ -33,7 +33,7 @@ def samples():
         # adamw_ without CLIP (its grad_norm output is 0, not NaN: aot_dispatch compares it).
         (ops.adamw_, ([_r(6), _r(5)], [_r(6), _r(5)], [torch.zeros(6), torch.zeros(5)],
                       [torch.zeros(6), torch.zeros(5)], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.01, 1, 0, 0.0, 1.0, 0.0,
-                      1.0)),
+                      1.0, [], [], [])),
         (ops.matmul, (_r(5, 7, grad=True), _r(7, 3, grad=True))),
         (ops.matmul, (_r(7, 5, dtype=torch.bfloat16, grad=True), _r(3, 7, dtype=torch.bfloat16, grad=True), True,
                       True)),

@@ -190,7 +190,8 @@ def test_op_errors_change_nothing():
     m, v = torch.zeros(10), torch.zeros(10)
     before = p.clone()
     with pytest.raises(Exception, match="grads"):
-        torch.ops.npukern.adamw_([p], [g], [m], [v], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 0.0, 1.0, 0.0, 1.0)
+        torch.ops.npukern.adamw_([p], [g], [m], [v], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 0.0, 1.0, 0.0, 1.0, [], [],
+                                 [])
     assert torch.equal(p, before)
     assert npukern_torch.optim.AdamW is AdamW
 

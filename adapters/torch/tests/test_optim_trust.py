@@ -206,7 +206,7 @@ def test_beta_powers_as_callers_pass_them(form):
         npu.npu_apply_adam_w(p1, p2, 1e-3, 0.0, beta1, beta2, 1e-8, grad, out=(var, m, v))
         # The same step through the optimizer's own kernel call, with the step given.
         torch.ops.npukern.adamw_([ref[0]], [grad], [ref[1]], [ref[2]], [], [], 1e-3, beta1, beta2, 1e-8, 0.0,
-                                 step, 0, 0.0, 1.0, 0.0, 1.0)
+                                 step, 0, 0.0, 1.0, 0.0, 1.0, [], [], [])
         assert torch.equal(var, ref[0]), step
     assert math.isfinite(float(var.sum()))
 

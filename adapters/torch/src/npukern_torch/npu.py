@@ -213,7 +213,7 @@ def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, e
         _same_shape("npu_apply_adam_w", "max_grad_norm", max_grad_norm, var)
         maxes = [max_grad_norm]
     torch.ops.npukern.adamw_([var], [grad], [m], [v], maxes, [], float(lr), float(beta1), float(beta2),
-                             float(epsilon), float(weight_decay), t, flags, 0.0, 1.0, 0.0, 1.0)
+                             float(epsilon), float(weight_decay), t, flags, 0.0, 1.0, 0.0, 1.0, [], [], [])
     return var, m, v
 
 
@@ -248,7 +248,7 @@ def npu_apply_fused_adamw_v2(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s
             back, max_exp_avg_sq = max_exp_avg_sq, max_exp_avg_sq.to(exp_avg_sq.dtype)
         maxes = [max_exp_avg_sq]
     torch.ops.npukern.adamw_([param], [grad], [exp_avg], [exp_avg_sq], maxes, [], float(lr), float(beta1),
-                             float(beta2), float(eps), float(weight_decay), step, flags, 0.0, 1.0, 0.0, 1.0)
+                             float(beta2), float(eps), float(weight_decay), step, flags, 0.0, 1.0, 0.0, 1.0, [], [], [])
     if back is not None:
         back.copy_(max_exp_avg_sq)
 

@@ -15,6 +15,22 @@ additions torch's optimizer does not have:
   stochastically with a counter-based hash of (``seed``, step, the
   element's index among all params), the same bits on every ISA, thread
   count and shard cut.
+- ``state_dtype="int8"``: 8-bit moments, blockwise quantized (the
+  library's ``quantized_moments``): ``exp_avg`` / ``exp_avg_sq`` (and
+  ``max_exp_avg_sq``) are ``torch.uint8`` codes, one per element, in the
+  param's shape, beside float32 scales ``exp_avg_scale`` /
+  ``exp_avg_sq_scale`` (/ ``max_exp_avg_sq_scale``), one per block of 256
+  elements from the param's element 0 (``ceil(numel / 256)``). A code is a
+  small float relative to its block's largest |value| (exp_avg: sign, 4
+  exponent, 3 mantissa bits; exp_avg_sq: 5 + 3), rounded stochastically
+  from the hash of (``seed``, step, the element's key): the same bits on
+  every ISA and thread count. A positive exp_avg_sq is never rounded to 0
+  (its smallest code instead). Params with fewer than 4096 elements keep
+  float32 moments (bitsandbytes' ``min_8bit_size``): their state is small
+  and 8-bit codes would cost them most. float64 and complex params keep
+  moments of their dtype. Split masters + int8 moments hold ~8.03 bytes
+  per parameter (param, grad, low half, two codes, scales),
+  ``stochastic_rounding=True`` + int8 ~6.03.
 - ``stochastic_rounding=True`` (bfloat16 params, no masters): the update is
   added in float32 and the param rounded stochastically (same hash): no
   master at all.
@@ -41,6 +57,9 @@ AMSGRAD, MAXIMIZE, L2, CLIP, GRAD_SCALE, FOUND_INF, CLIP_COEF = 1, 2, 4, 8, 16, 
 SR_MOMENTS, SR_PARAMS = 1, 2  # npk_adamw_formats.rounding
 _SIXTEEN = (torch.bfloat16, torch.float16)
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+Q8_BLOCK = 256  # elements per 8-bit moment block (one float32 scale each)
+Q8_MIN_NUMEL = 4096  # smaller params keep float32 moments under state_dtype="int8"
+_SCALE = {n: n + "_scale" for n in _MOMENTS}
 
 
 def split_master(master):
@@ -60,6 +79,77 @@ def join_master(param, low):
     hi = param.detach().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
     b = ((hi << 16) + low.to(torch.int64)) & 0xFFFFFFFF
     return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32).view(param.shape)
+
+
+def _q8_magnitudes(signed):
+    """The 256 codes' magnitudes relative to their block's scale (exact; the
+    library's ``q8_magnitude``): exp_avg ``s eeee fff`` = ``2^(e-15) (1 +
+    f/8)``, exp_avg_sq ``eeeee fff`` = ``2^(e-31) (1 + f/8)``, ``e = 0``: 0."""
+    c = torch.arange(256, dtype=torch.int64)
+    e = (c >> 3) & 15 if signed else c >> 3
+    bits = torch.where(e == 0, 0, ((e + (112 if signed else 96)) << 23) | ((c & 7) << 20))
+    if signed:
+        bits = bits | ((c >> 7) << 31)
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def dequantize_moment(codes, scales, signed):
+    """The float32 values of 8-bit moment codes (``signed``: exp_avg's code
+    map; else exp_avg_sq's), as the step decodes them: ``scale * magnitude``,
+    one float32 multiply (a non-finite block decodes to NaN). In ``codes``'
+    shape."""
+    n = codes.numel()
+    s = scales.float().reshape(-1).repeat_interleave(Q8_BLOCK)[:n]
+    return (s * _q8_magnitudes(signed)[codes.reshape(-1).long()]).view(codes.shape)
+
+
+def quantize_moments(exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, seed=0, step=1, key=0):
+    """Float moments (torch's AdamW state) as 8-bit codes and scales, by the
+    library's own quantizer: one npukern AdamW step with lr 0 and betas 0
+    from zero state, whose new moments are the gradient it is given (exp_avg
+    = g exactly; exp_avg_sq = g*g with g = sqrt(exp_avg_sq), within a float32
+    ulp or two of the value before its 3-bit mantissa rounding). Rounding is
+    the step's: stochastic from (``seed``, ``step``, ``key`` + element
+    index), deterministic. Returns ``{name: (codes, scales)}`` per moment
+    given, codes ``torch.uint8`` in each moment's shape."""
+    given = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if max_exp_avg_sq is not None:
+        given["max_exp_avg_sq"] = max_exp_avg_sq
+    n = exp_avg.numel()
+    nb = -(-n // Q8_BLOCK)
+    grads = [exp_avg.detach().float().reshape(-1)]
+    grads += [t.detach().float().reshape(-1).sqrt() for k, t in given.items() if k != "exp_avg"]
+    k = len(grads)  # tensor 0's exp_avg, then tensor i's exp_avg_sq (i >= 1)
+    params = [torch.zeros(n) for _ in range(k)]
+    m = [torch.zeros(n, dtype=torch.uint8) for _ in range(k)]
+    v = [torch.zeros(n, dtype=torch.uint8) for _ in range(k)]
+    ms = [torch.zeros(nb) for _ in range(k)]
+    vs = [torch.zeros(nb) for _ in range(k)]
+    torch.ops.npukern.adamw_(params, grads, m, v, [], [], 0.0, 0.0, 0.0, 1e-8, 0.0, max(1, int(step)), 0, 0.0, 1.0,
+                             0.0, 1.0, ms, vs, [], 0, 0, int(seed), [int(key)] * k, 1)
+    out = {"exp_avg": (m[0], ms[0])}
+    for i, name in enumerate(n for n in given if n != "exp_avg"):
+        out[name] = (v[i + 1], vs[i + 1])
+    return {name: (c.view(given[name].shape), s) for name, (c, s) in out.items()}
+
+
+def to_float32_state(state_dict):
+    """An optimizer ``state_dict`` with 8-bit moments (``state_dtype="int8"``)
+    as torch's AdamW keeps it: each code tensor decoded to float32 (what the
+    next step would decode) and the ``*_scale`` entries dropped; everything
+    else (steps, masters, groups) as it is, shared with ``state_dict``. For
+    ``torch.optim.AdamW.load_state_dict`` (torch casts float32 moments to
+    the param's dtype) or any reader that expects float moments."""
+    state = {}
+    for k, st in state_dict["state"].items():
+        st = dict(st)
+        for n in _MOMENTS:
+            t = st.get(n)
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and _SCALE[n] in st:
+                st[n] = dequantize_moment(t, st.pop(_SCALE[n]), n == "exp_avg")
+        state[k] = st
+    return {**state_dict, "state": state}
 
 
 def _value(x):
@@ -183,8 +273,9 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm}")
         if master_weights not in (True, False, "split"):
             raise ValueError(f"master_weights must be True, False or 'split', got {master_weights!r}")
-        if state_dtype not in (None, torch.float32, torch.bfloat16):
-            raise ValueError(f"state_dtype must be None, torch.float32 or torch.bfloat16, got {state_dtype!r}")
+        if not any(state_dtype is d or (isinstance(state_dtype, str) and state_dtype == d)
+                   for d in (None, torch.float32, torch.bfloat16, "int8")):
+            raise ValueError(f"state_dtype must be None, torch.float32, torch.bfloat16 or 'int8', got {state_dtype!r}")
         if stochastic_rounding and master_weights:
             raise ValueError("stochastic_rounding=True rounds params that have no master: "
                              "use it with master_weights=False")
@@ -268,7 +359,7 @@ class AdamW(torch.optim.Optimizer):
         opt._incoming = {
             k: {n: t for n, t in s.items()
                 if isinstance(t, torch.Tensor) and n != "step" and t.dtype in (torch.float32, torch.bfloat16,
-                                                                                torch.int16)}
+                                                                                torch.int16, torch.uint8)}
             for k, s in state_dict["state"].items()
         }
         return None
@@ -291,8 +382,10 @@ class AdamW(torch.optim.Optimizer):
         # param set to the master rounded, as the kernel keeps it) or none,
         # moments in the mode's dtype (a cast: the quantization of torch's
         # state is deterministic).
+        keys = opt._keys() if opt.state_dtype == "int8" else {}
+        seeds = {id(p): g.get("seed", 0) for g in opt.param_groups for p in g["params"]}
         for p, st in opt.state.items():
-            opt._normalize(p, st)
+            opt._normalize(p, st, seeds.get(id(p), 0), keys.get(id(p), 0))
         opt._incoming = {}
 
     def _master_kind(self, p):
@@ -301,12 +394,44 @@ class AdamW(torch.optim.Optimizer):
         return "f32" if self.master_weights and p.dtype in _SIXTEEN else None
 
     def _moment_dtype(self, p):
+        if self.state_dtype == "int8":
+            real = p.dtype in KERNEL_DTYPES and not p.is_meta and not _local(p).is_meta
+            if real and p.numel() >= Q8_MIN_NUMEL:
+                return torch.uint8
+            return torch.float32 if p.dtype in KERNEL_DTYPES else p.dtype
         if self.state_dtype is not None:
             return self.state_dtype
         return torch.float32 if self._master_kind(p) else p.dtype
 
     @torch.no_grad()
-    def _normalize(self, p, st):
+    def _convert_moments(self, p, st, seed, key):
+        """The moments in this optimizer's format for ``p``: float moments
+        quantized by the library (``quantize_moments``: a loaded torch state,
+        or one of another ``state_dtype``), codes decoded (a state of
+        ``state_dtype="int8"`` loaded into another format), else a cast."""
+        want = self._moment_dtype(p)
+        have = [n for n in _MOMENTS if isinstance(st.get(n), torch.Tensor)]
+        for n in have:
+            t = st[n]
+            if t.dtype == torch.uint8 and want != torch.uint8:
+                scale = st.pop(_SCALE[n], None)
+                st[n] = (torch.zeros_like(t, dtype=want) if scale is None else
+                         dequantize_moment(t, scale, n == "exp_avg").to(want))
+            elif t.dtype != torch.uint8 and t.dtype != want and want != torch.uint8:
+                st[n] = t.to(want)
+        if want == torch.uint8:
+            floats = {n: st[n] for n in have if st[n].dtype != torch.uint8 or _SCALE[n] not in st}
+            if floats:
+                z = lambda t: t if t.dtype != torch.uint8 else torch.zeros_like(t, dtype=torch.float32)  # noqa: E731
+                m = z(floats.get("exp_avg", torch.zeros_like(p, dtype=torch.float32)))
+                v = z(floats.get("exp_avg_sq", torch.zeros_like(p, dtype=torch.float32)))
+                x = z(floats["max_exp_avg_sq"]) if "max_exp_avg_sq" in floats else None
+                q = quantize_moments(m, v, x, seed=seed, step=float(st.get("step", 0)) or 1, key=key)
+                for n in floats:
+                    st[n], st[_SCALE[n]] = q[n][0].view(p.shape).to(p.device), q[n][1].to(p.device)
+
+    @torch.no_grad()
+    def _normalize(self, p, st, seed=0, key=0):
         kind = self._master_kind(p)
         low = st.get("master_low")
         if low is not None and low.dtype != torch.int16:
@@ -326,10 +451,7 @@ class AdamW(torch.optim.Optimizer):
                 st["master"] = p.detach().float()
             elif st["master"].dtype != torch.float32:
                 st["master"] = st["master"].float()
-        want = self._moment_dtype(p)
-        for n in _MOMENTS:
-            if n in st and isinstance(st[n], torch.Tensor) and st[n].dtype != want:
-                st[n] = st[n].to(want)
+        self._convert_moments(p, st, seed, key)
 
     def _init_state(self, p, group):
         st = self.state[p]
@@ -345,12 +467,11 @@ class AdamW(torch.optim.Optimizer):
                 st["master"] = st["master"].float()
             if kind == "split" and ("master_low" not in st or st["master_low"].dtype != torch.int16):
                 st["master_low"] = torch.zeros_like(p, dtype=torch.int16)
-            want = self._moment_dtype(p)
-            for n in _MOMENTS:
-                if n in st and st[n].dtype != want:
-                    st[n] = st[n].to(want)
+            self._convert_moments(p, st, group.get("seed", 0), getattr(self, "_key_of", {}).get(id(p), 0))
             if group["amsgrad"] and "max_exp_avg_sq" not in st:
                 st["max_exp_avg_sq"] = torch.zeros_like(st["exp_avg_sq"])
+                if "exp_avg_sq_scale" in st:
+                    st["max_exp_avg_sq_scale"] = torch.zeros_like(st["exp_avg_sq_scale"])
             return st
         moment = self._moment_dtype(p)
         st["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -358,6 +479,11 @@ class AdamW(torch.optim.Optimizer):
         st["exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
         if group["amsgrad"]:
             st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+        if moment == torch.uint8:  # codes 0 under scales 0: zero moments
+            blocks = -(-_local(p).numel() // Q8_BLOCK)
+            for n in _MOMENTS:
+                if n in st:
+                    st[_SCALE[n]] = torch.zeros(blocks, dtype=torch.float32, device=_local(p).device)
         if kind == "f32":
             st["master"] = p.detach().float()
         elif kind == "split":
@@ -385,7 +511,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._key_of = self._keys() if self.state_dtype == torch.bfloat16 or self.stochastic_rounding else {}
+        sr = self.state_dtype == torch.bfloat16 or self.state_dtype == "int8" or self.stochastic_rounding
+        self._key_of = self._keys() if sr else {}
         plans = [self._plan(group) for group in self.param_groups]
         if sum(len(b) for b in plans) > 1:  # one kernel call checks its own lists
             _check_disjoint(plans)
@@ -449,6 +576,8 @@ class AdamW(torch.optim.Optimizer):
             rounding = SR_MOMENTS if moment == torch.bfloat16 and self.state_dtype == torch.bfloat16 else 0
             if self.stochastic_rounding and master is None and real == torch.bfloat16:
                 rounding |= SR_PARAMS
+            q8 = moment == torch.uint8
+            scales = lambda n: [s[_SCALE[n]] for _, s in items] if q8 else []  # noqa: E731
             torch.ops.npukern.adamw_(
                 [_flat(p) for p, _ in items],
                 [_flat(p.grad) for p, _ in items],
@@ -468,10 +597,14 @@ class AdamW(torch.optim.Optimizer):
                 1.0,
                 0.0,
                 1.0 if coef is None else coef,
+                scales("exp_avg"),
+                scales("exp_avg_sq"),
+                scales("max_exp_avg_sq") if group["amsgrad"] else [],
                 1 if master == "split" else 0,
                 rounding,
                 int(group.get("seed", 0)),
-                [self._key_of[id(p)] for p, _ in items] if rounding else [],
+                [self._key_of[id(p)] for p, _ in items] if rounding or q8 else [],
+                1 if q8 else 0,
             )
             for _, st in items:
                 st["step"] += 1
