@@ -277,3 +277,49 @@ def test_the_library_refuses_a_short_scale_list_with_nothing_written():
     torch.ops.npukern.adamw_([p], [g], [m], [v], [], [], 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 0, 0.0, 1.0, 0.0, 1.0,
                              [ms], [torch.zeros(3)], [], 0, 0, 0, [0], 1)
     assert m.any() and (ms > 0).all()
+
+
+def test_grad_scaler_skips_an_inf_step_and_unscales_the_others():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 80))
+    opt = AdamW([w], lr=1e-2, state_dtype="int8")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ref_w = torch.nn.Parameter(w.detach().clone())
+    ref = AdamW([ref_w], lr=1e-2, state_dtype="int8")
+    g = torch.randn(64, 80)
+    scaler.scale((w * g).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    ref_w.grad = g.clone()
+    ref.step()
+    assert torch.equal(w, ref_w) and torch.equal(opt.state[w]["exp_avg"], ref.state[ref_w]["exp_avg"])
+    before = {k: t.clone() for k, t in opt.state[w].items()}
+    w.grad = None
+    scaler.scale((w * g).sum() * float("inf")).backward()
+    scaler.step(opt)  # found inf: skipped
+    scaler.update()
+    assert torch.equal(w, ref_w)
+    for k, t in before.items():
+        assert torch.equal(t, opt.state[w][k]), k
+
+
+def test_torchs_bf16_state_loads_into_int8():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(100, 50).to(BF16))
+    theirs = torch.optim.AdamW([w], lr=1e-3)
+    for _ in range(3):
+        w.grad = torch.randn_like(w)
+        theirs.step()
+    sd = theirs.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == BF16
+    ours = AdamW([w], state_dtype="int8", master_weights="split")
+    ours.load_state_dict(sd)
+    st = ours.state[w]
+    assert st["exp_avg"].dtype == torch.uint8 and st["master_low"].dtype == torch.int16
+    got = dequantize_moment(st["exp_avg_sq"], st["exp_avg_sq_scale"], False)
+    want = sd["state"][0]["exp_avg_sq"].float()
+    smallest = st["exp_avg_sq_scale"].repeat_interleave(256)[:want.numel()].view(want.shape) * 2.0 ** -30
+    assert ((got - want).abs() <= 0.125 * want + smallest).all()
+    w.grad = torch.randn_like(w)
+    ours.step()
+    assert float(ours.state[w]["step"]) == 4

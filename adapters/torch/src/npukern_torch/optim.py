@@ -26,11 +26,16 @@ additions torch's optimizer does not have:
   from the hash of (``seed``, step, the element's key): the same bits on
   every ISA and thread count. A positive exp_avg_sq is never rounded to 0
   (its smallest code instead). Params with fewer than 4096 elements keep
-  float32 moments (bitsandbytes' ``min_8bit_size``): their state is small
-  and 8-bit codes would cost them most. float64 and complex params keep
+  float32 moments (bitsandbytes' ``min_8bit_size``: biases and norms, a
+  small part of the state, stay exact). float64 and complex params keep
   moments of their dtype. Split masters + int8 moments hold ~8.03 bytes
   per parameter (param, grad, low half, two codes, scales),
-  ``stochastic_rounding=True`` + int8 ~6.03.
+  ``stochastic_rounding=True`` + int8 ~6.03. ``state_dict()`` keeps the
+  codes (an exact resume); float moments loaded (torch's AdamW state, or
+  another ``state_dtype``'s) are quantized by the library
+  (``quantize_moments``), codes loaded into another format decoded; for
+  torch's AdamW, load ``to_float32_state(opt.state_dict())`` (torch's own
+  loader would cast the raw codes to numbers).
 - ``stochastic_rounding=True`` (bfloat16 params, no masters): the update is
   added in float32 and the param rounded stochastically (same hash): no
   master at all.
