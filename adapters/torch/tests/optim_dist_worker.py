@@ -22,9 +22,9 @@ from npukern_torch.optim import AdamW
 STEPS = 10
 
 
-def mlp(dtype):
+def mlp(dtype, hidden=64):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32),
+    return torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 32),
                                torch.nn.GELU(), torch.nn.Linear(32, 8)).to(dtype)
 
 
@@ -37,12 +37,15 @@ def loss_of(m, x, y, dtype):
     return torch.nn.functional.mse_loss(m(x.to(dtype)).float(), y)
 
 
-def ddp(rank, world):
+def ddp(rank, world, int8=False):
     dtype = torch.bfloat16
-    model = mlp(dtype)
-    ref = mlp(dtype)
+    # int8: 4096-element weights (8-bit moments), split masters.
+    model = mlp(dtype, 128 if int8 else 64)
+    ref = mlp(dtype, 128 if int8 else 64)
     dmodel = torch.nn.parallel.DistributedDataParallel(model)
     kw = dict(lr=1e-2, weight_decay=0.1, master_weights=True, max_grad_norm=0.5)
+    if int8:
+        kw.update(master_weights="split", state_dtype="int8")
     opt, ref_opt = AdamW(dmodel.parameters(), **kw), AdamW(ref.parameters(), **kw)
     for step in range(STEPS):
         x, y = batch(step, world)
@@ -63,17 +66,24 @@ def ddp(rank, world):
         ref_opt.step()
     same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(model.parameters(),
                                                                                        ref.parameters()))
-    masters = all(torch.equal(opt.state[a]["master"], ref_opt.state[b]["master"])
+    name = "master_low" if int8 else "master"
+    masters = all(torch.equal(opt.state[a][name], ref_opt.state[b][name])
                   for a, b in zip(model.parameters(), ref.parameters()))
+    if int8:
+        masters = masters and all(torch.equal(opt.state[a][k], ref_opt.state[b][k])
+                                  for a, b in zip(model.parameters(), ref.parameters()) for k in opt.state[a])
+        assert opt.state[model[0].weight]["exp_avg"].dtype == torch.uint8
     return {"params_bit_identical": same, "masters_bit_identical": masters,
             "grad_norm": float(opt.grad_norm), "ref_grad_norm": float(ref_opt.grad_norm)}
 
 
-def fsdp2(rank, world, mesh_shape=None):
+def fsdp2(rank, world, mesh_shape=None, int8=False):
     from torch.distributed.fsdp import fully_shard
 
-    model = mlp(torch.float32)
-    ref = mlp(torch.float32)
+    # int8: 4096-element weights, 8-bit moments in shards of 2048 elements
+    # (offsets multiples of the 256-element block).
+    model = mlp(torch.float32, 128 if int8 else 64)
+    ref = mlp(torch.float32, 128 if int8 else 64)
     mesh = None
     if mesh_shape is not None:  # HSDP: (replicate, shard)
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,6 +94,8 @@ def fsdp2(rank, world, mesh_shape=None):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+    if int8:
+        kw["state_dtype"] = "int8"
     opt, ref_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw)
     norms = []
     for step in range(STEPS):
@@ -101,7 +113,14 @@ def fsdp2(rank, world, mesh_shape=None):
         full = a.full_tensor() if hasattr(a, "full_tensor") else a
         diff = max(diff, (full.detach() - b.detach()).abs().max().item())
     norm_rel = max(abs(a - b) / b for a, b in norms)
-    return {"max_param_diff": diff, "max_norm_rel": norm_rel}
+    res = {"max_param_diff": diff, "max_norm_rel": norm_rel}
+    if int8:
+        st, rst = opt.state[model[0].weight], ref_opt.state[ref[0].weight]
+        assert st["exp_avg"].to_local().dtype == torch.uint8
+        codes = st["exp_avg"].full_tensor()
+        res["codes_differ"] = int((codes != rst["exp_avg"]).sum())
+        res["codes"] = codes.numel()
+    return res
 
 
 def main():
@@ -110,7 +129,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         modes = {"ddp": ddp, "fsdp2": fsdp2, "hsdp12": lambda r, w: fsdp2(r, w, (1, 2)),
-                 "hsdp21": lambda r, w: fsdp2(r, w, (2, 1))}
+                 "hsdp21": lambda r, w: fsdp2(r, w, (2, 1)), "ddp_int8": lambda r, w: ddp(r, w, True),
+                 "fsdp2_int8": lambda r, w: fsdp2(r, w, int8=True)}
         res = modes[mode](rank, world)
         res["ok"] = True
     except Exception as e:  # reported to the test, which shows it
