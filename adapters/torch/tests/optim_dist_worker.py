@@ -6,8 +6,9 @@ averaged gradients (DDP divides each by the world size and all-reduces:
 g0 / 2 + g1 / 2, exact) -- bitwise equal after 10 steps. Mode ``fsdp2``:
 the float32 MLP under ``fully_shard`` (DTensor shards) against the
 unsharded model in this process on the full batch -- within the bound the
-test states; the clip's norm is all-reduced across the shards. Writes JSON
-to argv[2]."""
+test states; the clip's norm is all-reduced across the shards. Modes
+``fsdp2_int8_*``: 8-bit moments under ``fully_shard``, bit for bit (see
+``fsdp2_int8``). Writes JSON to argv[2]."""
 
 import datetime
 import json
@@ -77,13 +78,11 @@ def ddp(rank, world, int8=False):
             "grad_norm": float(opt.grad_norm), "ref_grad_norm": float(ref_opt.grad_norm)}
 
 
-def fsdp2(rank, world, mesh_shape=None, int8=False):
+def fsdp2(rank, world, mesh_shape=None):
     from torch.distributed.fsdp import fully_shard
 
-    # int8: 4096-element weights, 8-bit moments in shards of 2048 elements
-    # (offsets multiples of the 256-element block).
-    model = mlp(torch.float32, 128 if int8 else 64)
-    ref = mlp(torch.float32, 128 if int8 else 64)
+    model = mlp(torch.float32)
+    ref = mlp(torch.float32)
     mesh = None
     if mesh_shape is not None:  # HSDP: (replicate, shard)
         from torch.distributed.device_mesh import init_device_mesh
@@ -94,8 +93,6 @@ def fsdp2(rank, world, mesh_shape=None, int8=False):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
-    if int8:
-        kw["state_dtype"] = "int8"
     opt, ref_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw)
     norms = []
     for step in range(STEPS):
@@ -113,13 +110,108 @@ def fsdp2(rank, world, mesh_shape=None, int8=False):
         full = a.full_tensor() if hasattr(a, "full_tensor") else a
         diff = max(diff, (full.detach() - b.detach()).abs().max().item())
     norm_rel = max(abs(a - b) / b for a, b in norms)
-    res = {"max_param_diff": diff, "max_norm_rel": norm_rel}
-    if int8:
-        st, rst = opt.state[model[0].weight], ref_opt.state[ref[0].weight]
-        assert st["exp_avg"].to_local().dtype == torch.uint8
-        codes = st["exp_avg"].full_tensor()
-        res["codes_differ"] = int((codes != rst["exp_avg"]).sum())
-        res["codes"] = codes.numel()
+    return {"max_param_diff": diff, "max_norm_rel": norm_rel}
+
+
+def _gather_scales(t):
+    """The ranks' local block scales (plain tensors, one per 256-element
+    block of the rank's shard) concatenated in rank order."""
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([t.numel()]))
+    most = int(max(sizes).item())
+    parts = [torch.zeros(most) for _ in range(world)]
+    dist.all_gather(parts, torch.cat([t, torch.zeros(most - t.numel())]))
+    return torch.cat([q[:int(n)] for q, n in zip(parts, sizes)])
+
+
+def _whole(t):
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.dtype != torch.int16:
+        return t.full_tensor()
+    from torch.distributed.tensor import DTensor  # gloo gathers no int16: as int32
+
+    wide = DTensor.from_local(t.to_local().to(torch.int32), t.device_mesh, t.placements, shape=t.shape,
+                              stride=t.stride())
+    return wide.full_tensor().to(torch.int16)
+
+
+def _bits(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def fsdp2_int8(rank, world, dtype, feed=False):
+    """8-bit moments under ``fully_shard`` (shards of 2048 elements of each
+    4096-element weight, offsets multiples of the 256-element block), the
+    clip inside the step; bf16 params with split masters, or float32 params.
+    Against ``ref``, one process doing the ranks' arithmetic: each rank's
+    chunk of the batch backward on its own, the gradients summed in rank
+    order and divided by the world size (what FSDP2's reduce-scatter
+    computes), and compared bit for bit: params, low halves, codes, scales
+    (the ranks' concatenated), the small params' float32 moments, step
+    counts and the norm. ``feed``: each step's sharded grads are set from
+    ``ref``'s (cut by FSDP2's placements), the optimizer alone. Else FSDP2's
+    own backward and reduce-scatter, and beside it ``full``, one process on
+    the whole batch (one backward, its mean over 8 rows): how far that is."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    model, ref, full = mlp(dtype, 128), mlp(dtype, 128), mlp(dtype, 128)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, state_dtype="int8", seed=5)
+    if dtype == torch.bfloat16:
+        kw["master_weights"] = "split"
+    opt, ref_opt, full_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw), \
+        AdamW(full.parameters(), **kw)
+    norms_equal = True
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        xs, ys = x.chunk(world), y.chunk(world)
+        ref_opt.zero_grad()
+        per = [torch.autograd.grad(loss_of(ref, xs[r], ys[r], dtype), list(ref.parameters())) for r in range(world)]
+        for i, p in enumerate(ref.parameters()):
+            acc = per[0][i]
+            for g in per[1:]:
+                acc = acc + g[i]  # in rank order
+            p.grad = acc / world
+        opt.zero_grad()
+        if feed:
+            for p, r in zip(model.parameters(), ref.parameters()):
+                p.grad = distribute_tensor(r.grad.detach().clone(), p.device_mesh, p.placements)
+        else:
+            loss_of(model, xs[rank], ys[rank], dtype).backward()
+            full_opt.zero_grad()
+            loss_of(full, x, y, dtype).backward()
+            full_opt.step()
+        opt.step()
+        ref_opt.step()
+        norms_equal = norms_equal and bool(_bits(opt.grad_norm).eq(_bits(ref_opt.grad_norm)).all())
+    differ, compared, q8 = {}, 0, 0
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        if not torch.equal(_bits(_whole(p.detach())), _bits(r.detach())):
+            differ[name] = "param"
+        st, rst = opt.state[p], ref_opt.state[r]
+        if st.keys() != rst.keys():
+            differ[name + " keys"] = sorted(st.keys() ^ rst.keys())
+        for k in rst:
+            got = _gather_scales(st[k]) if k.endswith("_scale") else _whole(st[k])
+            if got.shape != rst[k].shape or not torch.equal(_bits(got), _bits(rst[k])):
+                differ[f"{name} {k}"] = int((got != rst[k]).sum()) if got.shape == rst[k].shape else "shape"
+            compared += 1
+        q8 += st["exp_avg"].dtype == torch.uint8
+    assert q8 == 2, q8  # the two 4096-element weights
+    res = {"differ": differ, "compared": compared, "norms_equal": norms_equal}
+    if not feed:
+        res["full_max_param_diff"] = max((_whole(a.detach()).float() - b.detach().float()).abs().max().item()
+                                         for a, b in zip(model.parameters(), full.parameters()))
+        res["full_codes_differ"] = sum(int((_whole(opt.state[a]["exp_avg"]) != full_opt.state[b]["exp_avg"]).sum())
+                                       for a, b in zip(model.parameters(), full.parameters())
+                                       if opt.state[a]["exp_avg"].dtype == torch.uint8)
+        res["codes"] = 2 * 4096
     return res
 
 
@@ -130,7 +222,9 @@ def main():
     try:
         modes = {"ddp": ddp, "fsdp2": fsdp2, "hsdp12": lambda r, w: fsdp2(r, w, (1, 2)),
                  "hsdp21": lambda r, w: fsdp2(r, w, (2, 1)), "ddp_int8": lambda r, w: ddp(r, w, True),
-                 "fsdp2_int8": lambda r, w: fsdp2(r, w, int8=True)}
+                 "fsdp2_int8_bf16": lambda r, w: fsdp2_int8(r, w, torch.bfloat16),
+                 "fsdp2_int8_float32": lambda r, w: fsdp2_int8(r, w, torch.float32),
+                 "fsdp2_int8_same_grads": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True)}
         res = modes[mode](rank, world)
         res["ok"] = True
     except Exception as e:  # reported to the test, which shows it

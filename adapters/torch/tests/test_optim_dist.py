@@ -1,6 +1,8 @@
 """npukern_torch.optim.AdamW beyond one process, on 2 gloo ranks
 (127.0.0.1): under DDP bitwise equal to one process after 10 steps (bf16
-params, f32 masters, the clip inside the step); under FSDP2 (`fully_shard`,
+params, f32 masters, the clip inside the step); 8-bit moments (split
+masters) under DDP and FSDP2 bitwise equal to one process doing the ranks'
+arithmetic, and under FSDP2 given the same gradients; under FSDP2 (`fully_shard`,
 DTensor shards) within 1e-6 of the unsharded model on the full batch (the
 sharded forward and backward sum in another order; the clip's norm is taken
 across the shards with one all-reduce, within 1e-6 relative)."""
@@ -75,14 +77,38 @@ def test_int8_moments_under_ddp_bitwise_equal_one_process(tmp_path):
         assert r["params_bit_identical"] and r["masters_bit_identical"], r
 
 
-def test_int8_moments_under_fsdp2(tmp_path):
-    # Shards of 2048 elements quantize as the whole tensor's blocks (offsets
-    # multiples of 256, passed as keys): the codes match the unsharded run's
-    # but where the sharded sums' last-bit differences cross a rounding
-    # (measured: 14 of 4096 after 10 steps), and such a code moves its
-    # element's later updates by up to 1/8 of a step (lr 1e-2; measured
-    # 8.8e-4 apart).
+@pytest.mark.parametrize("dtype", ["bf16", "float32"])
+def test_int8_moments_under_fsdp2_bitwise_equal_one_process(tmp_path, dtype):
+    # bf16 params with split masters (float32: none), 8-bit moments, the
+    # clip; shards of 2048 elements of the 4096-element weights (offsets
+    # multiples of the 256-element block, passed as keys). Against one
+    # process doing the ranks' arithmetic (each rank's chunk backward, the
+    # gradients summed in rank order and divided by 2, as the reduce-scatter
+    # does): params, low halves, codes, scales, float moments, step counts
+    # and the norm bit for bit after 10 steps. Against one process on the
+    # whole batch (one backward, its mean over the 8 rows) the gradients
+    # differ in their last bits (float32: 6922 of 8616 elements at step 0,
+    # up to 8.4e-9) and a few codes with them (float32: 7 of 8192 after 10
+    # steps, each moving its element's later updates by up to 1/8 of a
+    # step; params 4.2e-4 apart at lr 1e-2): the bound below. bf16's
+    # gradients, rounded to 8 bits, differ far more (3103 codes, params
+    # 1.2e-2 apart): no bound asserted.
     pytest.importorskip("torch.distributed.fsdp")
-    for r in run("fsdp2_int8", tmp_path):
-        assert r["max_param_diff"] <= 2.5e-3, r
-        assert r["codes_differ"] <= r["codes"] // 100, r
+    for r in run(f"fsdp2_int8_{dtype}", tmp_path):
+        assert not r["differ"] and r["norms_equal"], r
+        assert r["compared"] == (28 if dtype == "bf16" else 22), r
+        if dtype == "float32":
+            assert r["full_max_param_diff"] <= 2.5e-3, r
+            assert r["full_codes_differ"] <= r["codes"] // 100, r
+
+
+def test_int8_moments_under_fsdp2_bitwise_given_the_same_grads(tmp_path):
+    # The optimizer alone: each step's sharded grads are the unsharded
+    # model's, cut by FSDP2's placements (bf16 params, split masters, 8-bit
+    # moments, the clip's all-reduced norm). Params, low halves, codes,
+    # scales (the ranks' concatenated), the small params' float32 moments,
+    # step counts and the norm: the same bits as one process.
+    pytest.importorskip("torch.distributed.fsdp")
+    for r in run("fsdp2_int8_same_grads", tmp_path):
+        assert not r["differ"] and r["norms_equal"], r
+        assert r["compared"] == 28, r  # 2 x 6 entries (the 8-bit weights) + 4 x 4
