@@ -114,8 +114,11 @@ def fsdp2(rank, world, mesh_shape=None):
 
 
 def _gather_scales(t):
-    """The ranks' local block scales (plain tensors, one per 256-element
-    block of the rank's shard) concatenated in rank order."""
+    """The ranks' block scales concatenated in rank order: a DTensor's
+    whole (``Shard(0)``, rank r's at ``[r * padded, ...)``), or the ranks'
+    plain tensors (one per 256-element block of the rank's shard)."""
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor()
     world = dist.get_world_size()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([t.numel()]))
@@ -215,6 +218,103 @@ def fsdp2_int8(rank, world, dtype, feed=False):
     return res
 
 
+def fsdp2_int8_dcp(rank, world):
+    """torch.distributed.checkpoint of split masters + 8-bit moments under
+    ``fully_shard``: 10 steps uninterrupted against 5 steps, the model's and
+    optimizer's state dicts (``get_model_state_dict`` /
+    ``get_optimizer_state_dict``) saved with ``dcp.save``, a fresh model and
+    optimizer loaded (``dcp.load``, ``set_*_state_dict``) and 5 more steps:
+    every param and state tensor bit for bit, after the load and at the end.
+    Hidden 128: even shards of 2048 (the scales' whole is the unsharded
+    param's 16); hidden 129: 65 + 64 rows of the first weight (2080 and 2048
+    elements: 9 and 8 blocks, the second rank's scales padded to 9) and
+    offsets off the 256 grid. Also ``to_float32_state`` of the sharded
+    state dict (DTensor codes decoded shard by shard) and that state loaded
+    back into ``state_dtype="int8"`` (quantized on each rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from npukern_torch.optim import dequantize_moment, to_float32_state
+
+    dtype = torch.bfloat16
+    res = {}
+    for hidden in (128, 129):
+        def build():
+            m = mlp(dtype, hidden)
+            for layer in m:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(m)
+            return m, AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, master_weights="split",
+                            state_dtype="int8", seed=5)
+
+        def train(m, o, steps):
+            for step in steps:
+                x, y = batch(step, world)
+                o.zero_grad()
+                loss_of(m, x.chunk(world)[rank], y.chunk(world)[rank], dtype).backward()
+                o.step()
+
+        def compare(a, ao, b, bo):
+            differ = {}
+            for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                if not torch.equal(_bits(_whole(p.detach())), _bits(_whole(q.detach()))):
+                    differ[name] = "param"
+                if ao.state[p].keys() != bo.state[q].keys():
+                    differ[name + " keys"] = sorted(ao.state[p].keys() ^ bo.state[q].keys())
+                for k in ao.state[p]:
+                    x, y = ao.state[p][k], bo.state[q][k]
+                    if type(x) is not type(y):
+                        differ[f"{name} {k}"] = "type"
+                        continue
+                    x, y = (_whole(x), _whole(y))
+                    if x.shape != y.shape or not torch.equal(_bits(x), _bits(y)):
+                        differ[f"{name} {k}"] = int((x != y).sum()) if x.shape == y.shape else "shape"
+            return differ
+
+        whole_run, whole_opt = build()
+        train(whole_run, whole_opt, range(STEPS))
+        first, first_opt = build()
+        train(first, first_opt, range(STEPS // 2))
+        path = f"ckpt-{hidden}"
+        osd = get_optimizer_state_dict(first, first_opt)
+        dcp.save({"model": get_model_state_dict(first), "optim": osd}, checkpoint_id=path)
+        scale = osd["state"]["0.weight"]["exp_avg_scale"]
+        assert isinstance(scale, DTensor), type(scale)
+        res[f"{hidden} scales"] = [tuple(scale.shape), scale.to_local().numel()]
+        if hidden == 128:  # even, aligned shards: the whole scales are the unsharded layout
+            assert scale.shape == (16,), scale.shape
+        # to torch's float32 moments, shard by shard.
+        f32 = to_float32_state(osd)["state"]["0.weight"]
+        ea = f32["exp_avg"]
+        assert isinstance(ea, DTensor) and ea.dtype == torch.float32 and "exp_avg_scale" not in f32
+        codes = osd["state"]["0.weight"]["exp_avg"]
+        assert torch.equal(ea.to_local(), dequantize_moment(codes.to_local(), scale.to_local(), True))
+
+        resumed, resumed_opt = build()
+        sd = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_opt)}
+        dcp.load(sd, checkpoint_id=path)
+        set_model_state_dict(resumed, sd["model"])
+        set_optimizer_state_dict(resumed, resumed_opt, sd["optim"])
+        res[f"{hidden} after load"] = compare(first, first_opt, resumed, resumed_opt)
+        train(resumed, resumed_opt, range(STEPS // 2, STEPS))
+        res[f"{hidden} resumed"] = compare(whole_run, whole_opt, resumed, resumed_opt)
+
+        # torch's float32 moments loaded into int8 under FSDP2: quantized on each rank.
+        again, again_opt = build()
+        set_model_state_dict(again, get_model_state_dict(first))
+        set_optimizer_state_dict(again, again_opt, to_float32_state(get_optimizer_state_dict(first, first_opt)))
+        st = again_opt.state[again[0].weight]
+        assert st["exp_avg"].dtype == torch.uint8 and isinstance(st["exp_avg_scale"], DTensor)
+        ref = first_opt.state[first[0].weight]
+        res[f"{hidden} requantized exp_avg codes differ"] = int((_whole(st["exp_avg"]) != _whole(ref["exp_avg"])).sum())
+        train(again, again_opt, range(STEPS // 2, STEPS))
+    return res
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -224,7 +324,8 @@ def main():
                  "hsdp21": lambda r, w: fsdp2(r, w, (2, 1)), "ddp_int8": lambda r, w: ddp(r, w, True),
                  "fsdp2_int8_bf16": lambda r, w: fsdp2_int8(r, w, torch.bfloat16),
                  "fsdp2_int8_float32": lambda r, w: fsdp2_int8(r, w, torch.float32),
-                 "fsdp2_int8_same_grads": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True)}
+                 "fsdp2_int8_same_grads": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True),
+                 "fsdp2_int8_dcp": fsdp2_int8_dcp}
         res = modes[mode](rank, world)
         res["ok"] = True
     except Exception as e:  # reported to the test, which shows it

@@ -112,3 +112,19 @@ def test_int8_moments_under_fsdp2_bitwise_given_the_same_grads(tmp_path):
     for r in run("fsdp2_int8_same_grads", tmp_path):
         assert not r["differ"] and r["norms_equal"], r
         assert r["compared"] == 28, r  # 2 x 6 entries (the 8-bit weights) + 4 x 4
+
+
+def test_int8_moments_through_distributed_checkpoint_under_fsdp2(tmp_path):
+    # get_optimizer_state_dict + dcp.save, a fresh model and optimizer,
+    # dcp.load + set_optimizer_state_dict, 5 more steps: the uninterrupted
+    # run's bits (params, low halves, codes, scales, moments, steps), with
+    # even shards (the scales' whole is the unsharded param's 16) and uneven
+    # ones (65 + 64 rows: 9 and 8 blocks, the second rank's padded to 9).
+    # The scales are DTensors (Shard(0), each rank's padded to the largest
+    # shard's blocks): as plain tensors dcp kept one rank's (measured: rank
+    # 1's 8 of 16 scales of each weight were rank 0's after the load).
+    pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    for r in run("fsdp2_int8_dcp", tmp_path):
+        for hidden in (128, 129):
+            assert r[f"{hidden} after load"] == {} and r[f"{hidden} resumed"] == {}, r
+        assert r["128 scales"] == [[16], 8] and r["129 scales"] == [[18], 9], r

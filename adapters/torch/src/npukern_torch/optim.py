@@ -20,7 +20,10 @@ additions torch's optimizer does not have:
   ``max_exp_avg_sq``) are ``torch.uint8`` codes, one per element, in the
   param's shape, beside float32 scales ``exp_avg_scale`` /
   ``exp_avg_sq_scale`` (/ ``max_exp_avg_sq_scale``), one per block of 256
-  elements from the param's element 0 (``ceil(numel / 256)``). A code is a
+  elements from the param's element 0 (``ceil(numel / 256)``; a DTensor
+  shard's (FSDP2) from the shard's element 0, the scales a DTensor too, see
+  ``_scale_layout``: torch.distributed.checkpoint saves and loads them
+  exactly). A code is a
   small float relative to its block's largest |value| (exp_avg: sign, 4
   exponent, 3 mantissa bits; exp_avg_sq: 5 + 3), rounded stochastically
   from the hash of (``seed``, step, the element's key): the same bits on
@@ -104,8 +107,10 @@ def dequantize_moment(codes, scales, signed):
     map; else exp_avg_sq's), as the step decodes them: ``scale * magnitude``,
     one float32 multiply (a non-finite block decodes to NaN). In ``codes``'
     shape."""
+    if _DTENSOR is not None and isinstance(codes, _DTENSOR):  # FSDP2: each rank decodes its shard
+        return _like(codes, dequantize_moment(codes.to_local(), _local(scales), signed))
     n = codes.numel()
-    s = scales.float().reshape(-1).repeat_interleave(Q8_BLOCK)[:n]
+    s = scales.float().reshape(-1)[:-(-n // Q8_BLOCK)].repeat_interleave(Q8_BLOCK)[:n]
     return (s * _q8_magnitudes(signed)[codes.reshape(-1).long()]).view(codes.shape)
 
 
@@ -361,10 +366,15 @@ class AdamW(torch.optim.Optimizer):
     # cast, the loaded dict's own, as torch's load keeps them.
     @staticmethod
     def _keep_float32(opt, state_dict):
+        # Keyed by the param's position among the groups' params, as torch's
+        # load matches them: the saved keys are ints (``state_dict()``) or
+        # whatever the saved groups list (torch.distributed.checkpoint's
+        # ``set_optimizer_state_dict`` passes FQNs).
+        order = {k: i for i, k in enumerate(k for g in state_dict["param_groups"] for k in g["params"])}
         opt._incoming = {
-            k: {n: t for n, t in s.items()
-                if isinstance(t, torch.Tensor) and n != "step" and t.dtype in (torch.float32, torch.bfloat16,
-                                                                                torch.int16, torch.uint8)}
+            order.get(k, k): {n: t for n, t in s.items()
+                              if isinstance(t, torch.Tensor) and n != "step" and
+                              t.dtype in (torch.float32, torch.bfloat16, torch.int16, torch.uint8)}
             for k, s in state_dict["state"].items()
         }
         return None
@@ -431,9 +441,15 @@ class AdamW(torch.optim.Optimizer):
                 m = z(floats.get("exp_avg", torch.zeros_like(p, dtype=torch.float32)))
                 v = z(floats.get("exp_avg_sq", torch.zeros_like(p, dtype=torch.float32)))
                 x = z(floats["max_exp_avg_sq"]) if "max_exp_avg_sq" in floats else None
-                q = quantize_moments(m, v, x, seed=seed, step=float(st.get("step", 0)) or 1, key=key)
+                x = None if x is None else _local(x)
+                q = quantize_moments(_local(m), _local(v), x, seed=seed, step=float(st.get("step", 0)) or 1, key=key)
                 for n in floats:
-                    st[n], st[_SCALE[n]] = q[n][0].view(p.shape).to(p.device), q[n][1].to(p.device)
+                    codes = q[n][0].view(_local(p).shape).to(_local(p).device)
+                    st[n], st[_SCALE[n]] = _like(p, codes), _scales_like(p, q[n][1])
+            if _scale_layout(p) is not None:  # a sharded param's scales loaded as the rank's plain tensor
+                for n in have:
+                    if _SCALE[n] in st and not isinstance(st[_SCALE[n]], _DTENSOR):
+                        st[_SCALE[n]] = _scales_like(p, st[_SCALE[n]])
 
     @torch.no_grad()
     def _normalize(self, p, st, seed=0, key=0):
@@ -485,10 +501,9 @@ class AdamW(torch.optim.Optimizer):
         if group["amsgrad"]:
             st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
         if moment == torch.uint8:  # codes 0 under scales 0: zero moments
-            blocks = -(-_local(p).numel() // Q8_BLOCK)
             for n in _MOMENTS:
                 if n in st:
-                    st[_SCALE[n]] = torch.zeros(blocks, dtype=torch.float32, device=_local(p).device)
+                    st[_SCALE[n]] = _scales_like(p, torch.zeros(0))
         if kind == "f32":
             st["master"] = p.detach().float()
         elif kind == "split":
@@ -582,7 +597,7 @@ class AdamW(torch.optim.Optimizer):
             if self.stochastic_rounding and master is None and real == torch.bfloat16:
                 rounding |= SR_PARAMS
             q8 = moment == torch.uint8
-            scales = lambda n: [s[_SCALE[n]] for _, s in items] if q8 else []  # noqa: E731
+            scales = lambda n: [_local_scales(p, s[_SCALE[n]]) for p, s in items] if q8 else []  # noqa: E731
             torch.ops.npukern.adamw_(
                 [_flat(p) for p, _ in items],
                 [_flat(p.grad) for p, _ in items],
@@ -704,6 +719,66 @@ def _shard_offset(p):
         flat += offset[d] * stride
         stride *= p.shape[d]
     return flat * (2 if p.is_complex() else 1)
+
+
+def _like(p, local):
+    """``local`` (the rank's elements, in its shard's shape) as a DTensor placed
+    as ``p`` is, or itself when ``p`` is a plain tensor."""
+    if _DTENSOR is None or not isinstance(p, _DTENSOR):
+        return local
+    return _DTENSOR.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _scale_layout(p):
+    """How a sharded param's 8-bit block scales are laid out as a DTensor
+    (torch.distributed.checkpoint saves a plain tensor once, as a replica):
+    ``(placements, shards, padded)`` -- every rank holds ``padded`` scales
+    (the blocks of the largest shard, torch.chunk's first; a smaller shard's
+    unused ones stay 0) and the scales are ``Shard(0)`` over the mesh dim the
+    param is sharded on, ``shards * padded`` in all. Rank r's scales are
+    then ``[r * padded, (r + 1) * padded)`` whatever the param's shape and
+    cut; with even, block-aligned shards (no padding) exactly the unsharded
+    param's ``ceil(numel / 256)`` scales. None for a plain or replicated
+    param (plain scales) and for a param sharded over two mesh dims (plain
+    scales: torch.distributed.checkpoint would keep one rank's)."""
+    if not _sharded(p):
+        return None
+    shard = [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
+    if len(shard) != 1:
+        return None
+    i, pl = shard[0]
+    from torch.distributed.tensor import Shard
+
+    dim = pl.dim % p.dim()
+    shards, size = p.device_mesh.size(i), p.shape[dim]
+    largest = min(-(-size // shards), size) * (p.numel() // size if size else 0)
+    placements = tuple(Shard(0) if pl.is_shard() else pl for pl in p.placements)
+    return placements, shards, -(-largest // Q8_BLOCK)
+
+
+def _scales_like(p, local):
+    """The rank's block scales ``local`` (at least its blocks; more are
+    dropped, fewer padded with 0) as the state keeps them: a DTensor laid out
+    by ``_scale_layout`` for a sharded param, else a plain tensor of
+    ``ceil(numel / 256)``."""
+    local = _local(local).float().reshape(-1).to(_local(p).device)
+    layout = _scale_layout(p)
+    n = layout[2] if layout else -(-_local(p).numel() // Q8_BLOCK)
+    if local.numel() != n:
+        local = torch.cat([local[:n], local.new_zeros(max(0, n - local.numel()))])
+    if layout is None:
+        return local
+    placements, shards, padded = layout
+    return _DTENSOR.from_local(local, p.device_mesh, placements, run_check=False, shape=(shards * padded,),
+                               stride=(1,))
+
+
+def _local_scales(p, scales):
+    """The scales of the rank's own blocks, as the kernel takes them (a
+    DTensor's local scales, its padding dropped)."""
+    if _DTENSOR is None or not isinstance(scales, _DTENSOR):
+        return scales
+    return scales.to_local()[:-(-_local(p).numel() // Q8_BLOCK)]
 
 
 def _flat(t):
