@@ -9,6 +9,7 @@ quantization itself is checked against a float64 model in the Rust tests
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -154,6 +155,39 @@ def test_state_dict_resumes_ours_exactly(kw):
     c = copy.deepcopy(resumed)
     assert c.state_dtype == "int8"
     c.step()
+
+
+@pytest.mark.parametrize("door", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("kw", [dict(master_weights="split", amsgrad=True), dict(stochastic_rounding=True)])
+def test_copies_step_with_the_originals_bits(door, kw):
+    # The optimizer itself copied (its params, codes, scales, low halves and
+    # options with it), then both stepped 10 times on the same gradients.
+    (w, b), opt = _run(steps=12, state_dtype="int8", seed=7, **kw)
+    if door == "deepcopy":
+        twin = copy.deepcopy(opt)
+    elif door == "pickle":
+        twin = pickle.loads(pickle.dumps(opt))
+    else:
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    tw = twin.param_groups[0]["params"][0]
+    assert tw is not w and tw.data_ptr() != w.data_ptr()
+    assert (twin.state_dtype, twin.master_weights, twin.stochastic_rounding, twin.max_grad_norm) == \
+        (opt.state_dtype, opt.master_weights, opt.stochastic_rounding, opt.max_grad_norm)
+    assert twin.param_groups[0]["seed"] == 7 and torch.equal(twin.grad_norm, opt.grad_norm)
+    st = twin.state[tw]
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_sq_scale"].dtype == torch.float32
+    _same_state(opt, twin)
+    _run(steps=10, opt=opt, gen=torch.Generator().manual_seed(9))
+    _run(steps=10, opt=twin, gen=torch.Generator().manual_seed(9))
+    _same_state(opt, twin)
+    assert float(twin.state[tw]["step"]) == 22
+    # The copy is its own: stepping it again leaves the original as it was.
+    before = w.detach().clone()
+    _run(steps=1, opt=twin)
+    assert torch.equal(_bits(w.detach()), _bits(before)) and not torch.equal(_bits(tw.detach()), _bits(before))
 
 
 def test_state_dict_through_torch_adamw_and_back():
