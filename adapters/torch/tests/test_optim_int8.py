@@ -300,6 +300,16 @@ def test_bad_options_raise_before_any_state_changes():
     assert torch.equal(pw, w) and torch.equal(pb, b)
 
 
+def test_dequantize_refuses_a_scale_count_that_is_not_one_per_block():
+    # A full_state_dict of uneven FSDP2 shards holds each rank's blocks
+    # padded: decoding it as one tensor's blocks would be wrong, not close.
+    codes = torch.zeros(600, dtype=torch.uint8)
+    for n in (2, 4):
+        with pytest.raises(ValueError, match="scales for 600 codes"):
+            dequantize_moment(codes, torch.ones(n), True)
+    assert not dequantize_moment(codes, torch.ones(3), True).any()
+
+
 def test_the_library_refuses_a_short_scale_list_with_nothing_written():
     p, g = torch.zeros(600), torch.ones(600)
     m, v = torch.zeros(600, dtype=torch.uint8), torch.zeros(600, dtype=torch.uint8)

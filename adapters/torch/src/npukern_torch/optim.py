@@ -108,8 +108,15 @@ def dequantize_moment(codes, scales, signed):
     one float32 multiply (a non-finite block decodes to NaN). In ``codes``'
     shape."""
     if _DTENSOR is not None and isinstance(codes, _DTENSOR):  # FSDP2: each rank decodes its shard
-        return _like(codes, dequantize_moment(codes.to_local(), _local(scales), signed))
+        local = codes.to_local()
+        return _like(codes, dequantize_moment(local, _local(scales)[:-(-local.numel() // Q8_BLOCK)], signed))
     n = codes.numel()
+    if _DTENSOR is None or not isinstance(scales, _DTENSOR):
+        if scales.numel() != -(-n // Q8_BLOCK):
+            # e.g. a full_state_dict of uneven FSDP2 shards: each rank's
+            # blocks padded to the largest shard's, not the whole param's.
+            raise ValueError(f"dequantize_moment: {scales.numel()} scales for {n} codes, want one per 256 "
+                             f"({-(-n // Q8_BLOCK)}); decode each rank's shard with its own scales")
     s = scales.float().reshape(-1)[:-(-n // Q8_BLOCK)].repeat_interleave(Q8_BLOCK)[:n]
     return (s * _q8_magnitudes(signed)[codes.reshape(-1).long()]).view(codes.shape)
 
