@@ -26,7 +26,14 @@ large rms_norm / add_rms_norm rows also race npukern's C ABI called directly
 allocated by torch.empty as the other columns' are): "C ABI" with no page
 hint, "C ABI hinted" with the store hint this caller knows (it just
 allocated the outputs: NPK_OUTPUTS_FRESH, or with --resident
-NPK_OUTPUTS_RESIDENT), add_rms_norm with the row's outputs."""
+NPK_OUTPUTS_RESIDENT), add_rms_norm with the row's outputs.
+
+--gap S sleeps S seconds before every sample: calls seconds apart, as a
+training step makes a layer's large outputs. In a guest whose host takes
+freed memory back (a virtio balloon with free page reporting: Firecracker,
+QEMU), what a call's fresh pages cost depends on it (docs/performance.md
+"Fresh pages in a guest"); NPK_TORCH_HUGE_PAGES=0/1 in the environment fixes
+the adapter's choice of page size for its fresh outputs."""
 
 import argparse
 import os
@@ -45,6 +52,7 @@ def main():
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--resident", action="store_true")
     ap.add_argument("--filter", default="")
+    ap.add_argument("--gap", type=float, default=0.0)
     args = ap.parse_args()
     if args.resident and any(os.environ.get(k) != v for k, v in RESIDENT_ENV.items()):
         os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **RESIDENT_ENV})
@@ -163,7 +171,9 @@ def main():
         ("rope q32/k8 x128, 1 token bf16 (decode)", rope_case(1, 32, 8, 128, torch.bfloat16)),
     ]
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "
-          f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)\n")
+          f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)"
+          f"{f', {args.gap:g} s before each sample' if args.gap else ''}, "
+          f"NPK_TORCH_HUGE_PAGES={os.environ.get('NPK_TORCH_HUGE_PAGES', 'unset')}\n")
     print("| case | copy | npukern | C ABI | C ABI hinted | IPEX | torch | npukern / IPEX | C ABI / IPEX "
           "| hinted / IPEX |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -183,6 +193,8 @@ def main():
             order = list(fns.items())
             order = order[rep % len(order):] + order[:rep % len(order)]  # rotate who goes first
             for k, fn in order:
+                if args.gap:
+                    time.sleep(args.gap)
                 t = time.perf_counter()
                 for _ in range(loops):
                     out = fn()

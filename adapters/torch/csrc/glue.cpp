@@ -149,6 +149,31 @@ bool huge_pages_free(size_t want, uintptr_t page) {
   }
   return have / 2 >= want;
 }
+
+// NPK_TORCH_HUGE_PAGES=0: fresh large outputs on 4 KiB pages, never huge
+// ones. Unset or anything else: huge pages when free ones are at hand. In a
+// guest whose host takes freed memory back (a virtio balloon with free page
+// reporting: Firecracker, QEMU) a fresh huge page may be one the host must
+// fault in again; measured there (Sapphire Rapids guest, calls 3 s apart,
+// docs/performance.md "Fresh pages in a guest") huge pages were still the
+// faster choice on most runs (rms_norm 2048x5120 f32 0.64x IPEX, 4 KiB
+// pages 1.49x), and kept blocks (empty_output's pool) avoid the question
+// in a training loop. Read once.
+bool huge_pages_allowed() {
+  static const bool allowed = [] {
+    const char *v = std::getenv("NPK_TORCH_HUGE_PAGES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return allowed;
+}
+
+// Whether fresh memory of `bytes` (2 MiB-aligned within) should be made of
+// huge pages: THP usable, not turned off, and free huge pages at hand.
+bool use_huge_pages(size_t bytes, uintptr_t page) {
+  const size_t huge = bytes / kHugePage;
+  if (!huge_pages_allowed() || huge == 0 || !thp_usable()) return false;
+  return huge_pages_free(huge, page);
+}
 #endif
 
 // What an output just allocated by at::empty is, preparing a fresh one for
@@ -167,12 +192,10 @@ Pages prepare_output(const at::Tensor &t) {
   unsigned char in_core = 1;
   if (last < lo || mincore(reinterpret_cast<void *>(last), page, &in_core) != 0 || (in_core & 1))
     return Pages::Resident;
-  if (thp_usable()) {
-    const uintptr_t a = (lo + kHugePage - 1) & ~(kHugePage - 1), b = hi & ~(kHugePage - 1);
-    if (b > a && huge_pages_free((b - a) / kHugePage, page) &&
-        madvise(reinterpret_cast<void *>(a), b - a, MADV_HUGEPAGE) == 0)
-      return Pages::FreshHuge;
-  }
+  const uintptr_t a = (lo + kHugePage - 1) & ~(kHugePage - 1), b = hi & ~(kHugePage - 1);
+  if (b > a && use_huge_pages(b - a, page) &&
+      madvise(reinterpret_cast<void *>(a), b - a, MADV_HUGEPAGE) == 0)
+    return Pages::FreshHuge;
   return Pages::Fresh;
 #else
   (void)t;
@@ -313,9 +336,36 @@ void *Call::workspace(size_t bytes) {
 
 Call::~Call() { release_thread_workspace(); }
 
-at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype) {
-  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
+
+#ifdef __linux__
+namespace {
+
+// An anonymous mapping with room to start `bytes` on a 2 MiB boundary.
+struct Mapping {
+  void *base = nullptr;  // what munmap takes, with `mapped`
+  size_t mapped = 0;
+  void *data = nullptr;  // 2 MiB-aligned, `bytes` long
+};
+
+// A fresh mapping for `bytes` (one huge page more than asked, so the data
+// can start on a huge page), its pages' kind chosen by use_huge_pages: 4 KiB
+// pages are asked for explicitly when huge ones are not wanted, as THP
+// "always" would otherwise fault 2 MiB per first touch. {} on failure.
+Mapping map_aligned(size_t bytes) {
+  const long ps = sysconf(_SC_PAGESIZE);
+  size_t mapped = 0;
+  if (ps <= 0 || __builtin_add_overflow(bytes, size_t{kHugePage}, &mapped)) return {};
+  void *base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return {};
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(base);
+  void *data = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
+  const bool huge = use_huge_pages(bytes, static_cast<uintptr_t>(ps));
+  (void)madvise(data, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  return Mapping{base, mapped, data};
 }
+
+}  // namespace
+#endif
 
 at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t written_bytes) {
 #ifdef __linux__
@@ -323,27 +373,15 @@ at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t wri
   for (int64_t d : sizes)
     if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) return at::Tensor();
   if (bytes < kStreamMinBytes || written_bytes > bytes / 4) return at::Tensor();
-  const long ps = sysconf(_SC_PAGESIZE);
-  // One huge page more than asked, so the table can start on a huge page.
-  size_t mapped = 0;
-  if (ps <= 0 || __builtin_add_overflow(bytes, size_t{kHugePage}, &mapped)) return at::Tensor();
-  void *base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) return at::Tensor();
-  const uintptr_t lo = reinterpret_cast<uintptr_t>(base);
-  void *p = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
   // Whoever writes the untouched rows first (the clip's mul_, an optimizer's
   // decay of the grad) pays its page faults: 2 MiB pages make that about a
   // memset's cost (4 KiB pages: 3-4x one), and the kernel's hit rows fault
   // at most the whole table once, what torch's zeros cost anyway. Read-only
   // consumers (a norm, npukern's AdamW) see the zero page either way.
-  // Without huge pages at hand (a fault would compact memory inside the
-  // call), 4 KiB pages: THP "always" would otherwise fault 2 MiB per row.
-  const size_t huge = bytes / kHugePage;
-  const bool use_huge =
-      thp_usable() && huge > 0 && huge_pages_free(huge, static_cast<uintptr_t>(ps));
-  (void)madvise(p, bytes, use_huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  const Mapping m = map_aligned(bytes);
+  if (m.base == nullptr) return at::Tensor();
   return at::from_blob(
-      p, sizes, [base, mapped](void *) { munmap(base, mapped); },
+      m.data, sizes, [m](void *) { munmap(m.base, m.mapped); },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 #else
   (void)sizes;
@@ -355,17 +393,42 @@ at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t wri
 
 namespace {
 
-// The one large output kept after its tensor died (recycled_output): the
-// mapping, and the 2 MiB-aligned bytes inside it the tensor used.
+// Large outputs' memory (empty_output, 8 MiB or more): blocks kept after
+// their tensors died, handed to the next output that fits. Each block is a
+// 2 MiB-aligned mapping (map_aligned); a kept one's pages stay mapped
+// (MADV_FREE: the OS may still reclaim them under memory pressure), so the
+// output that reuses it takes no page fault and no zeroing. That is what a
+// training step does: each step allocates the outputs the last one freed,
+// and backward's gradients the size of the activations it frees.
 struct Kept {
   void *base = nullptr;
   size_t mapped = 0;
   void *data = nullptr;
-  size_t bytes = 0;
+  size_t bytes = 0;  // usable from data
+  uint64_t when = 0;  // when it was given back: the oldest goes first
 };
 
+constexpr size_t kMaxKept = 16;
+
+// NPK_TORCH_OUTPUT_CACHE_MB: the bytes kept at most (default 256 MiB; 0: no
+// block is kept, every large output a fresh mapping). The block given back
+// last is kept whatever its size (cross-entropy's dlogits: 262 MB at 4096 x
+// 32000 bf16, reused by the next step's). Read once.
+size_t kept_cap() {
+  static const size_t cap = [] {
+    const char *v = std::getenv("NPK_TORCH_OUTPUT_CACHE_MB");
+    if (v == nullptr || *v == '\0') return size_t{256} << 20;
+    char *end = nullptr;
+    const unsigned long long mb = std::strtoull(v, &end, 10);
+    if (end == v || *end != '\0' || mb > (SIZE_MAX >> 20)) return size_t{256} << 20;
+    return static_cast<size_t>(mb) << 20;
+  }();
+  return cap;
+}
+
 std::mutex kept_mu;
-Kept kept;
+Kept kept[kMaxKept];  // empty: base == nullptr
+uint64_t kept_clock = 0;
 
 void unmap(const Kept &k) {
 #ifdef __linux__
@@ -375,62 +438,104 @@ void unmap(const Kept &k) {
 #endif
 }
 
-// Back into the slot when it is empty (the pages handed to the kernel
-// lazily: MADV_FREE, reclaimed only under memory pressure), else unmapped.
-void give_back(const Kept &k) {
+// The kept block that fits `bytes` best (at least `bytes`, at most a
+// quarter more; of equal ones the last given back, its pages the likeliest
+// in cache), taken out of the pool; {} when none does.
+Kept take(size_t bytes) {
+  std::lock_guard<std::mutex> lock(kept_mu);
+  Kept *best = nullptr;
+  for (Kept &k : kept)
+    if (k.base != nullptr && k.bytes >= bytes && k.bytes - bytes <= k.bytes / 4 &&
+        (best == nullptr || k.bytes < best->bytes || (k.bytes == best->bytes && k.when > best->when)))
+      best = &k;
+  if (best == nullptr) return {};
+  const Kept k = *best;
+  *best = Kept{};
+  return k;
+}
+
+// A dead output's block back into the pool, the oldest kept ones unmapped
+// while the pool is over its cap or full.
+void give_back(Kept k) {
+  const size_t cap = kept_cap();
+  Kept drop[kMaxKept];
+  size_t n_drop = 0;
+  if (cap == 0) {
+    unmap(k);
+    return;
+  }
+#if defined(__linux__) && defined(MADV_FREE)
+  (void)madvise(k.data, k.bytes, MADV_FREE);
+#endif
   {
     std::lock_guard<std::mutex> lock(kept_mu);
-    if (kept.base == nullptr) {
-#if defined(__linux__) && defined(MADV_FREE)
-      (void)madvise(k.data, k.bytes, MADV_FREE);
-#endif
-      kept = k;
-      return;
+    k.when = ++kept_clock;
+    for (;;) {
+      size_t total = k.bytes, used = 0;
+      Kept *oldest = nullptr;
+      for (Kept &o : kept) {
+        if (o.base == nullptr) continue;
+        total += o.bytes;
+        ++used;
+        if (oldest == nullptr || o.when < oldest->when) oldest = &o;
+      }
+      if (oldest == nullptr || (total <= cap && used < kMaxKept)) break;
+      drop[n_drop++] = *oldest;
+      *oldest = Kept{};
     }
+    for (Kept &o : kept)
+      if (o.base == nullptr) {
+        o = k;
+        break;
+      }
   }
-  unmap(k);
+  for (size_t i = 0; i < n_drop; i++) unmap(drop[i]);  // outside the lock: munmap is slow
 }
+
+void release(void *ctx) {
+  Kept *k = static_cast<Kept *>(ctx);
+  give_back(*k);
+  delete k;
+}
+
+// PyTorch's allocator interface over the pool: a tensor's storage stays
+// resizable (a resize allocates through it again), and blocks under 8 MiB
+// come from PyTorch's own CPU allocator.
+struct LargeOutputAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t bytes) override {
+#ifdef __linux__
+    if (bytes >= kStreamMinBytes) {
+      Kept k = take(bytes);
+      if (k.base == nullptr) {
+        const Mapping m = map_aligned(bytes);
+        if (m.base != nullptr) k = Kept{m.base, m.mapped, m.data, bytes, 0};
+      }
+      if (k.base != nullptr) {
+        void *data = k.data;
+        return {data, new Kept(k), &release, c10::Device(c10::DeviceType::CPU)};
+      }
+    }
+#endif
+    return c10::GetDefaultCPUAllocator()->allocate(bytes);
+  }
+  void copy_data(void *dest, const void *src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+LargeOutputAllocator large_output_allocator;
 
 }  // namespace
 
-at::Tensor recycled_output(c10::IntArrayRef sizes, at::ScalarType dtype) {
-#ifdef __linux__
+at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype) {
   size_t bytes = c10::elementSize(dtype);
+  bool large = true;
   for (int64_t d : sizes)
-    if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) return empty_output(sizes, dtype);
-  if (bytes < kStreamMinBytes) return empty_output(sizes, dtype);
-  Kept k;
-  {
-    std::lock_guard<std::mutex> lock(kept_mu);
-    if (kept.base != nullptr && kept.bytes >= bytes && kept.bytes - bytes <= kept.bytes / 4) {
-      k = kept;  // its pages are mapped: no fault, no zeroing
-      kept = Kept{};
-    } else if (kept.base != nullptr) {
-      unmap(kept);  // another size now: the memory back to the OS
-      kept = Kept{};
-    }
-  }
-  if (k.base == nullptr) {
-    const long ps = sysconf(_SC_PAGESIZE);
-    size_t mapped = 0;
-    if (ps <= 0 || __builtin_add_overflow(bytes, size_t{kHugePage}, &mapped)) return empty_output(sizes, dtype);
-    void *base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (base == MAP_FAILED) return empty_output(sizes, dtype);
-    const uintptr_t lo = reinterpret_cast<uintptr_t>(base);
-    void *p = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
-    // As a fresh output's (prepare_output): huge pages when free ones cover
-    // it twice over, else 4 KiB (THP "always" would compact inside the call).
-    const size_t huge = bytes / kHugePage;
-    const bool use_huge =
-        thp_usable() && huge > 0 && huge_pages_free(huge, static_cast<uintptr_t>(ps));
-    (void)madvise(p, bytes, use_huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
-    k = Kept{base, mapped, p, bytes};
-  }
-  return at::from_blob(
-      k.data, sizes, [k](void *) { give_back(k); }, at::TensorOptions().dtype(dtype).device(at::kCPU));
-#else
-  return empty_output(sizes, dtype);
-#endif
+    if (d < 0 || __builtin_mul_overflow(bytes, static_cast<size_t>(d), &bytes)) large = false;
+  if (large && bytes >= kStreamMinBytes)
+    return at::detail::empty_generic(sizes, &large_output_allocator, c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
+                                     at::MemoryFormat::Contiguous);
+  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, at::MemoryFormat::Contiguous);
 }
 
 c10::SmallVector<int64_t, NPK_MAX_DIMS> reduced_shape(const at::Tensor &x, int64_t normalized_dims) {

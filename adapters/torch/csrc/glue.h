@@ -119,9 +119,21 @@ class Call {
   npk_exec exec_{};
 };
 
-// A new contiguous CPU tensor for an op's output (ATen's CPU allocator,
-// without the dispatcher's trip through empty_like / empty: the kernels run
-// below every other key; 0.15 us an output).
+// A new contiguous CPU tensor for an op's output, without the dispatcher's
+// trip through empty_like / empty (the kernels run below every other key;
+// 0.15 us an output). Under 8 MiB: ATen's CPU allocator. 8 MiB or more: a
+// block a dead output left (its pages mapped: no page fault, no zeroing),
+// else a fresh 2 MiB-aligned mapping on huge pages when THP allows. A fresh
+// output's first touch is most of a fast kernel's time, and more under a
+// hypervisor that takes free memory back (a balloon with free page
+// reporting: the host unmaps each free 2 MiB block soon after it is freed,
+// and the next touch faults it in from the host: 4096 x 32000 bf16 dlogits
+// on a Sapphire Rapids guest took 145-1069 ms where the kernel takes 60 and
+// reused pages 100). Kept blocks: at most 16 and 256 MiB
+// (NPK_TORCH_OUTPUT_CACHE_MB; the last one given back is kept whatever its
+// size), the oldest unmapped first, MADV_FREE while kept (the OS reclaims
+// them under memory pressure); a block serves an output of at least three
+// quarters its size. The storage is resizable, through the same allocator.
 at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype);
 
 // A zero-filled output for an op that writes at most `written_bytes` of it,
@@ -132,21 +144,6 @@ at::Tensor empty_output(c10::IntArrayRef sizes, at::ScalarType dtype);
 // only the pages written are ever faulted and zeroed; a 131 MB table
 // gradient of 1024 tokens touches 3% of them), freed by munmap.
 at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t written_bytes);
-// An output of 8 MiB or more that the op writes whole, from the one large
-// block the last such output left when it died (its pages mapped: no page
-// faults, no zeroing), else a fresh mapping on huge pages when THP allows;
-// smaller outputs are empty_output's. A fresh output's first touch is most
-// of a fast kernel's time, and more under a hypervisor that takes free
-// memory back: a VM whose balloon reports free pages (virtio's free page
-// reporting, Firecracker's, at order 9: every free 2 MiB block) has the
-// host unmap each huge page two seconds after it is freed, and the next
-// touch faults it in from the host (4096 x 32000 bf16 dlogits on a Sapphire
-// Rapids guest: 145-1069 ms, where the kernel takes 60 and reused huge
-// pages 100). One block is kept, and only while the sizes asked stay within
-// a quarter of it; its pages are MADV_FREE while kept (the OS reclaims them
-// under memory pressure), and a request of another size unmaps it.
-// Cross-entropy's dlogits (the training forward's, the backward's).
-at::Tensor recycled_output(c10::IntArrayRef sizes, at::ScalarType dtype);
 inline at::Tensor empty_output_like(const at::Tensor &t) { return empty_output(t.sizes(), t.scalar_type()); }
 
 // x's shape with its trailing `normalized_dims` dims set to 1 (torch_npu's rstd).

@@ -157,7 +157,7 @@ at::Tensor cross_entropy_backward(const at::Tensor &grad_in, const at::Tensor &l
   at::Tensor grad = cpu_contiguous(grad_in, op, "grad");
   rows_of(logits, op);
   Optional weight = optional(weight_in, op, "weight");
-  at::Tensor dlogits = recycled_output(logits.sizes(), logits.scalar_type());
+  at::Tensor dlogits = empty_output(logits.sizes(), logits.scalar_type());
   npk_tensor lt = describe(logits, op, "logits"), tt = describe(target, op, "target");
   npk_tensor lset = describe(lse, op, "lse"), gt = describe(grad, op, "grad");
   npk_tensor dt = describe(dlogits, op, "dlogits");
@@ -210,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_train(
   const npk_cross_entropy_options o = ce_options(reduction, ignore_index, label_smoothing, lse_square_scale, softcap);
   const at::Tensor scale = scalar_f32(grad_scale_of(op, target, weight, o, 1.0f));
   at::Tensor rows = empty_output({n}, at::kFloat), lse = empty_output({n}, at::kFloat);
-  at::Tensor dlogits = recycled_output(logits.sizes(), logits.scalar_type());
+  at::Tensor dlogits = empty_output(logits.sizes(), logits.scalar_type());
   fused_rows(op, logits, target, weight, scale,
              ce_options(0, ignore_index, label_smoothing, lse_square_scale, softcap), rows, lse, dlogits);
   return {reduce_rows(op, rows, target, weight, o), lse, dlogits};

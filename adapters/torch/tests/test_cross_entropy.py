@@ -268,11 +268,11 @@ def test_linear_cross_entropy_compiles_fullgraph_with_grad():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the recycled block is Linux's mmap")
 def test_large_dlogits_reuse_the_last_block_and_overwrite_it():
     """dlogits of 8 MiB or more come from the block the last one left when
-    it died (its pages mapped: no page faults, no zeroing; issue 58 item 8),
-    and every element is written again: over a block holding another call's
-    gradient, the training forward and the backward op give the bits of a
-    fresh call (other logits, targets and ignored rows). The slot holds one
-    block: a gradient still alive is never handed out."""
+    it died (the adapter's pool of large outputs: its pages mapped, no page
+    faults, no zeroing; issue 58 item 8), and every element is written
+    again: over a block holding another call's gradient, the training
+    forward and the backward op give the bits of a fresh call (other logits,
+    targets and ignored rows). A gradient still alive is never handed out."""
     n, c = 1024, 4096  # bf16: 8 MiB
     ops = torch.ops.npukern
 
@@ -294,14 +294,14 @@ def test_large_dlogits_reuse_the_last_block_and_overwrite_it():
     x1, t1, lse1 = case(1)
     want = ops.cross_entropy_backward(torch.tensor(1.0), x1, t1, None, lse1, 2, -100, 0.0, 0.0, 0.0)
     assert want.data_ptr() != p  # first is alive
-    del first  # its block into the slot
+    del first  # its block into the pool
     got = train_grad(x1, t1)
     assert got.data_ptr() == p  # the training forward over case 0's gradient
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     x2, t2, lse2 = case(2)
-    fresh = train_grad(x2, t2)  # got and want alive, the slot empty: a new block
+    fresh = train_grad(x2, t2)  # got and want alive: another block
     assert fresh.data_ptr() not in (p, want.data_ptr())
-    del got  # the slot: p again
+    del got  # p into the pool, the last given back
     again = ops.cross_entropy_backward(torch.tensor(1.0), x2, t2, None, lse2, 2, -100, 0.0, 0.0, 0.0)
     assert again.data_ptr() == p  # the backward op over case 1's gradient
     assert torch.equal(again.view(torch.int16), fresh.view(torch.int16))
