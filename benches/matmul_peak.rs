@@ -24,6 +24,23 @@ fn thread_secs() -> f64 {
     t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
 }
 
+/// The least thread CPU time of three runs of `f`, in seconds.
+///
+/// # Safety
+/// `f`'s ISA is available.
+#[cfg(target_arch = "x86_64")]
+unsafe fn best_of_3(f: unsafe fn() -> f32) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = thread_secs();
+        // SAFETY: the caller's.
+        let s = unsafe { f() };
+        best = best.min(thread_secs() - t);
+        std::hint::black_box(s);
+    }
+    best
+}
+
 /// GFLOP/s of 12 independent FMA chains on the widest vectors of `isa`.
 #[cfg(target_arch = "x86_64")]
 fn fma_peak(isa: Isa) -> Option<f64> {
@@ -107,14 +124,8 @@ fn fma_peak(isa: Isa) -> Option<f64> {
     }
     if std::env::var("NPK_MIX").is_ok() && isa.name() == "avx512bf16" {
         for (chains, f) in [(12, dpbf16::<12> as unsafe fn() -> f32), (24, dpbf16::<24>)] {
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t = thread_secs();
-                // SAFETY: the ISA (AVX512-BF16) was detected as available.
-                let s = unsafe { f() };
-                best = best.min(thread_secs() - t);
-                std::hint::black_box(s);
-            }
+            // SAFETY: the ISA (AVX512-BF16) was detected as available.
+            let best = unsafe { best_of_3(f) };
             println!(
                 "VDPBF16PS, {chains} chains: {:.1} GFLOP/s (2 flops a bf16 product)",
                 (chains * ITERS * 64) as f64 / best / 1e9
@@ -122,14 +133,8 @@ fn fma_peak(isa: Isa) -> Option<f64> {
         }
     }
     if std::env::var("NPK_MIX").is_ok() && isa.name().starts_with("avx512") {
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t = thread_secs();
-            // SAFETY: the ISA was detected as available.
-            let s = unsafe { zmm_mix() };
-            best = best.min(thread_secs() - t);
-            std::hint::black_box(s);
-        }
+        // SAFETY: the ISA was detected as available.
+        let best = unsafe { best_of_3(zmm_mix) };
         println!(
             "microkernel mix on L1 panels: {:.1} GFLOP/s",
             (ITERS / 128 * 128 * 28 * 16 * 2) as f64 / best / 1e9
@@ -143,14 +148,8 @@ fn fma_peak(isa: Isa) -> Option<f64> {
     } else {
         return None;
     };
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = thread_secs();
-        // SAFETY: the ISA was detected as available.
-        let s = unsafe { f() };
-        best = best.min(thread_secs() - t);
-        std::hint::black_box(s);
-    }
+    // SAFETY: the ISA was detected as available.
+    let best = unsafe { best_of_3(f) };
     Some((N * ITERS * lanes * 2) as f64 / best / 1e9)
 }
 
