@@ -56,6 +56,7 @@ fails is reported with its error, the others run.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -120,25 +121,12 @@ def make_opt(v, params, lr, wd):
 
 def child(a):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from loss_curve import model_and_batches  # the same model, init and corpus
 
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
-                      num_attention_heads=a.hidden // 64, num_key_value_heads=max(1, a.hidden // 128),
-                      vocab_size=a.vocab, max_position_embeddings=a.seq, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(1)
-    succ = torch.randint(0, a.vocab, (a.vocab, 4), generator=g)  # a Markov chain, 4 likely successors per token
-
-    def batch(step):
-        gb = torch.Generator().manual_seed(1000 + step)
-        x = torch.empty(a.batch, a.seq, dtype=torch.long)
-        x[:, 0] = torch.randint(0, a.vocab, (a.batch,), generator=gb)
-        for t in range(1, a.seq):
-            pick = torch.randint(0, 4, (a.batch,), generator=gb)
-            x[:, t] = succ[x[:, t - 1], pick]
-        return x
+    model, batch = model_and_batches(a)
 
     v = a.child
     bf16 = v.startswith("npukern") or "_bf16" in v

@@ -45,11 +45,13 @@ FORMATS = {
 }
 
 
-def child(a):
+def model_and_batches(a):
+    """The small recipe's Llama (float32, seeded) and its batch function:
+    step -> tokens of a fixed Markov-chain corpus (also
+    benches/adamw8bit_compare.py's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3 // 64 * 64, num_hidden_layers=a.layers,
                       num_attention_heads=a.hidden // 64, num_key_value_heads=max(1, a.hidden // 128),
@@ -67,6 +69,15 @@ def child(a):
             pick = torch.randint(0, 4, (a.batch,), generator=gb)
             x[:, t] = succ[x[:, t - 1], pick]
         return x
+
+    return model, batch
+
+
+def child(a):
+    import torch
+
+    torch.set_num_threads(a.threads)
+    model, batch = model_and_batches(a)
 
     v = a.child
     if v == "stock_autocast":
