@@ -217,6 +217,8 @@ unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
         }
         let (s, e) = t.block_range(b);
         let first = ps.partition_point(|g| g.end() <= s);
+        // The decoded moments of one quantization block, reused by each.
+        let mut bufs = [[0f32; Q8_BLOCK]; 3];
         for (r, row) in ps.iter().enumerate().skip(first) {
             if row.start >= e {
                 break;
@@ -237,6 +239,7 @@ unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
                         || {
                             q8_block::<L, P, G>(
                                 &tables, &scales, r, at, n, key, k, &state, step, ams, salts,
+                                &mut bufs,
                             )
                         },
                     )
@@ -265,6 +268,7 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     step: u64,
     ams: bool,
     (salt_m, salt_v): (u32, u32),
+    [m, v, x]: &mut [[f32; Q8_BLOCK]; 3],
 ) {
     let [ps, gs, ms, vs, xs, ws] = *t;
     let q = at / Q8_BLOCK;
@@ -272,16 +276,13 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     let scale = |l: &[ListSeg]| (l[r].data as *mut f32).wrapping_add(q);
     let (cm, cv) = (code(ms), code(vs));
     let (sm, sv) = (scale(sc[0]), scale(sc[1]));
-    let mut m = [0f32; Q8_BLOCK];
-    let mut v = [0f32; Q8_BLOCK];
-    let mut x = [0f32; Q8_BLOCK];
     // SAFETY: the codes' `n` elements from `at` and the block's scale are
     // this block's (validated lengths: one scale per 256 elements).
     unsafe {
-        decode::<true>(&mut m, cm, *sm, n);
-        decode::<false>(&mut v, cv, *sv, n);
+        decode::<true>(m, cm, *sm, n);
+        decode::<false>(v, cv, *sv, n);
         if ams {
-            decode::<false>(&mut x, code(xs), *scale(sc[2]), n);
+            decode::<false>(x, code(xs), *scale(sc[2]), n);
         }
     }
     let split_masters = st.split_masters != 0;
@@ -316,11 +317,10 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     // moments are the local buffers (n <= 256 elements each).
     unsafe {
         piece_step::<L, P, G, f32>(&piece, n, k, st, step);
-        encode::<L, true>(&m, cm, sm, n, salt_m, key);
-        encode::<L, false>(&v, cv, sv, n, salt_v, key);
+        encode2::<L>(m, v, [cm, cv], [sm, sv], n, [salt_m, salt_v], key);
         if ams {
             // The maximum takes exp_avg_sq's random bits.
-            encode::<L, false>(&x, code(xs), scale(sc[2]), n, salt_v, key);
+            encode::<L, false>(x, code(xs), scale(sc[2]), n, salt_v, key);
         }
     }
 }
@@ -359,43 +359,129 @@ unsafe fn encode<L: Lanes, const SIGNED: bool>(
 ) {
     let s = q8_scale(&x[..n]);
     let live = super::q8::live(s);
-    let den = L::splat(if live { s } else { 1.0 });
     // SAFETY: the caller's contract.
     unsafe { scale.write(s) };
+    let den = L::splat(if live { s } else { 1.0 });
+    let full = n / GROUP * GROUP;
     let mut i = 0;
-    while i < n {
-        let r = randoms::<L>(salt, key.wrapping_add(i as u64));
-        // SAFETY: i + GROUP <= 256.
-        let xg: &[f32; GROUP] = unsafe { &*x.as_ptr().add(i).cast() };
-        let mut a = [0f32; GROUP];
-        for j in 0..GROUP {
-            a[j] = f32::from_bits(xg[j].to_bits() & 0x7fff_ffff);
+    while i < full {
+        let c = code_group::<L, SIGNED>(x, i, den, live, salt, key);
+        // SAFETY: the group's codes are the block's (caller); one store.
+        unsafe { codes.add(i).cast::<[u8; GROUP]>().write_unaligned(c) };
+        i += GROUP;
+    }
+    if i < n {
+        let c = code_group::<L, SIGNED>(x, i, den, live, salt, key);
+        for (j, &c) in c.iter().enumerate().take(n - i) {
+            // SAFETY: as above, `n - i` codes.
+            unsafe { codes.add(i + j).write(c) };
         }
-        // The normalized values: IEEE division on every ISA.
-        let mut y = [0f32; GROUP];
-        L::load(&a).div(den).store(&mut y);
-        let mut c = [0u8; GROUP];
-        for j in 0..GROUP {
-            c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j], live);
-        }
-        let k = (n - i).min(GROUP);
-        // SAFETY: `k` codes from `i` are the block's (caller); a whole
-        // group as one store (not a call to memcpy).
+    }
+}
+
+/// `encode` of both moments (exp_avg signed, exp_avg_sq unsigned) in one
+/// loop: two independent chains per group for the core to overlap.
+///
+/// # Safety
+/// As `encode`'s, for each.
+#[inline(always)]
+unsafe fn encode2<L: Lanes>(
+    m: &[f32; Q8_BLOCK],
+    v: &[f32; Q8_BLOCK],
+    codes: [*mut u8; 2],
+    scale: [*mut f32; 2],
+    n: usize,
+    salt: [u32; 2],
+    key: u64,
+) {
+    let (sm, sv) = q8_scale2(&m[..n], &v[..n]);
+    let (lm, lv) = (super::q8::live(sm), super::q8::live(sv));
+    // SAFETY: the caller's contract.
+    unsafe {
+        scale[0].write(sm);
+        scale[1].write(sv);
+    }
+    let dm = L::splat(if lm { sm } else { 1.0 });
+    let dv = L::splat(if lv { sv } else { 1.0 });
+    let full = n / GROUP * GROUP;
+    let mut i = 0;
+    while i < full {
+        let a = code_group::<L, true>(m, i, dm, lm, salt[0], key);
+        let b = code_group::<L, false>(v, i, dv, lv, salt[1], key);
+        // SAFETY: the group's codes are the block's (caller); one store.
         unsafe {
-            if k == GROUP {
-                codes.add(i).cast::<[u8; GROUP]>().write_unaligned(c);
-            } else {
-                core::ptr::copy_nonoverlapping(c.as_ptr(), codes.add(i), k);
-            }
+            codes[0].add(i).cast::<[u8; GROUP]>().write_unaligned(a);
+            codes[1].add(i).cast::<[u8; GROUP]>().write_unaligned(b);
         }
         i += GROUP;
     }
+    if i < n {
+        let a = code_group::<L, true>(m, i, dm, lm, salt[0], key);
+        let b = code_group::<L, false>(v, i, dv, lv, salt[1], key);
+        for (j, (&a, &b)) in a.iter().zip(&b).enumerate().take(n - i) {
+            // SAFETY: as above, `n - i` codes.
+            unsafe {
+                codes[0].add(i + j).write(a);
+                codes[1].add(i + j).write(b);
+            }
+        }
+    }
+}
+
+/// `q8_scale` of two blocks in one pass.
+#[inline(always)]
+fn q8_scale2(m: &[f32], v: &[f32]) -> (f32, f32) {
+    let (mut a, mut b) = (0u32, 0u32);
+    for (x, y) in m.iter().zip(v) {
+        a = a.max(x.to_bits() & 0x7fff_ffff);
+        b = b.max(y.to_bits() & 0x7fff_ffff);
+    }
+    (f32::from_bits(a), f32::from_bits(b))
+}
+
+/// The codes of the group at `i` of a block (`encode`; a function, not a
+/// closure: a closure may be compiled outside the ISA's target features,
+/// every lane operation a call).
+#[inline(always)]
+fn code_group<L: Lanes, const SIGNED: bool>(
+    x: &[f32; Q8_BLOCK],
+    i: usize,
+    den: L,
+    live: bool,
+    salt: u32,
+    key: u64,
+) -> [u8; GROUP] {
+    let r = randoms::<L>(salt, key.wrapping_add(i as u64));
+    let xg: &[f32; GROUP] = x
+        .get(i..i + GROUP)
+        .and_then(|s| s.try_into().ok())
+        .unwrap_or(&[0.0; GROUP]);
+    let mut a = [0f32; GROUP];
+    for j in 0..GROUP {
+        a[j] = f32::from_bits(xg[j].to_bits() & 0x7fff_ffff);
+    }
+    // The normalized values: IEEE division on every ISA.
+    let mut y = [0f32; GROUP];
+    L::load(&a).div(den).store(&mut y);
+    let mut c = [0u8; GROUP];
+    for j in 0..GROUP {
+        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j], live);
+    }
+    c
 }
 
 /// Elements ahead the loop prefetches: 256 (1 KiB of an f32 stream).
 /// Seven streams at once outrun one core's hardware prefetchers; measured
 /// on Zen 3 (`benches/benches/adamw.rs`, one core) 10-15% faster than none.
 const PREFETCH: usize = 256;
+
+/// `1 / s` when it is exact: `s` a power of two with a normal reciprocal.
+#[inline(always)]
+fn exact_inverse(s: f32) -> Option<f32> {
+    let b = s.to_bits();
+    let e = b >> 23;
+    (b & 0x007f_ffff == 0 && (1..=253).contains(&e)).then(|| f32::from_bits((254 - e) << 23))
+}
 
 /// The lane constants.
 struct K<L> {
@@ -412,6 +498,9 @@ struct K<L> {
     /// for an infinite or NaN `p`, where torch's moments stay finite).
     l2: Option<L>,
     scale: L,
+    /// `1 / grad_scale` when that is exact (a power of two): the division
+    /// as a multiplication, the same bits (both round `g 2^-k` once).
+    inv_scale: Option<L>,
     sign: L,
     coef: L,
     /// The moments' hash salt (stochastically rounded bf16 moments).
@@ -443,6 +532,7 @@ unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
             None
         },
         scale: L::splat(k.grad_scale),
+        inv_scale: exact_inverse(k.grad_scale).map(L::splat),
         sign: L::splat(k.sign),
         coef: L::splat(k.clip_coef),
         sr_moments: (st.rounding & ADAMW_SR_MOMENTS != 0)
@@ -634,7 +724,11 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     master: Master<'_>,
     key: u64,
 ) {
-    let gv = G::load::<L>(g).div(c.scale).mul(c.coef).mul(c.sign);
+    let gv = match c.inv_scale {
+        Some(r) => G::load::<L>(g).mul(r),
+        None => G::load::<L>(g).div(c.scale),
+    };
+    let gv = gv.mul(c.coef).mul(c.sign);
     let mut pv = match &master {
         Master::F32(w) => L::load(w),
         Master::Split(low) => match bits(p) {
@@ -712,5 +806,38 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
             Some(s) => store_sr::<L, P, 16>(pv, p, &randoms::<L>(s, key)),
             None => P::store::<L>(pv, p),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_inverses_are_powers_of_two() {
+        assert_eq!(exact_inverse(1.0), Some(1.0));
+        assert_eq!(exact_inverse(65536.0), Some(1.0 / 65536.0));
+        assert_eq!(exact_inverse(0.5), Some(2.0));
+        assert_eq!(exact_inverse(3.0), None);
+        assert_eq!(exact_inverse(f32::MAX), None);
+        // 2^127: its inverse is subnormal; 2^126's is normal.
+        assert_eq!(exact_inverse(f32::from_bits(0x7f00_0000)), None);
+        assert_eq!(
+            exact_inverse(f32::from_bits(0x7e80_0000)),
+            Some(f32::from_bits(0x0080_0000))
+        );
+        assert_eq!(exact_inverse(f32::from_bits(0x0040_0000)), None);
+        // The division and the multiplication agree on every value.
+        let mut s = 0x2545_f491u32;
+        for _ in 0..1_000_000 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            let g = f32::from_bits(s);
+            for d in [1.0f32, 65536.0, 2f32.powi(-20), 2f32.powi(126)] {
+                let r = exact_inverse(d).unwrap_or(f32::NAN);
+                assert_eq!((g * r).to_bits(), (g / d).to_bits(), "{g:e} / {d:e}");
+            }
+        }
     }
 }
