@@ -9,11 +9,11 @@ quantization itself is checked against a float64 model in the Rust tests
 
 import copy
 import io
-import pickle
 
 import pytest
 import torch
 
+from conftest import copied
 from npukern_torch.optim import Adam, AdamW, dequantize_moment, quantize_moments, to_float32_state
 
 BF16 = torch.bfloat16
@@ -163,15 +163,7 @@ def test_copies_step_with_the_originals_bits(door, kw):
     # The optimizer itself copied (its params, codes, scales, low halves and
     # options with it), then both stepped 10 times on the same gradients.
     (w, b), opt = _run(steps=12, state_dtype="int8", seed=7, **kw)
-    if door == "deepcopy":
-        twin = copy.deepcopy(opt)
-    elif door == "pickle":
-        twin = pickle.loads(pickle.dumps(opt))
-    else:
-        buf = io.BytesIO()
-        torch.save(opt, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)
+    twin = copied(opt, door)
     tw = twin.param_groups[0]["params"][0]
     assert tw is not w and tw.data_ptr() != w.data_ptr()
     assert (twin.state_dtype, twin.master_weights, twin.stochastic_rounding, twin.max_grad_norm) == \

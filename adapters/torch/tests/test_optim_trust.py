@@ -5,14 +5,12 @@ them, parameters torch's AdamW takes (complex, float64, > 8 dims), and
 errors raised before anything is written (every group checked first; step
 counts unmoved). Each test failed on the code before its fix."""
 
-import copy
-import io
 import math
-import pickle
 
 import pytest
 import torch
 
+from conftest import copied
 from npukern_torch import npu
 from npukern_torch.optim import Adam, AdamW
 
@@ -124,15 +122,7 @@ def test_state_survives_copies(door):
     ps = _params(torch.bfloat16)
     opt = AdamW(ps, lr=1e-2, master_weights=True, max_grad_norm=1.0)
     opt.step()
-    if door == "deepcopy":
-        twin = copy.deepcopy(opt)
-    elif door == "pickle":
-        twin = pickle.loads(pickle.dumps(opt))
-    else:
-        buf = io.BytesIO()
-        torch.save(opt, buf)
-        buf.seek(0)
-        twin = torch.load(buf, weights_only=False)
+    twin = copied(opt, door)
     assert twin.master_weights is True and twin.max_grad_norm == 1.0
     assert torch.equal(twin.grad_norm, opt.grad_norm)
     tp = [p for g in twin.param_groups for p in g["params"]]
