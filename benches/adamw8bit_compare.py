@@ -258,15 +258,11 @@ def cpu_name():
 
 
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from loss_curve import recipe_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--threads", type=int, default=1)
+    recipe_args(p)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the mean step time (torchao compiles)")
     p.add_argument("--mnumel", type=int, default=1 << 20)

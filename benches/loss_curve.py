@@ -45,6 +45,18 @@ FORMATS = {
 }
 
 
+def recipe_args(p):
+    """The small recipe's options (also benches/adamw8bit_compare.py's)."""
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--threads", type=int, default=1)
+
+
 def model_and_batches(a):
     """The small recipe's Llama (float32, seeded) and its batch function:
     step -> tokens of a fixed Markov-chain corpus (also
@@ -111,14 +123,7 @@ def child(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--threads", type=int, default=1)
+    recipe_args(p)
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--png", default="")
     p.add_argument("--variants", default=",".join(VARIANTS))
