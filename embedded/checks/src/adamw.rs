@@ -2,11 +2,15 @@
 //! the library's f64 reference (within one ulp of each output's dtype plus
 //! 1e-5 of the list's largest value), the clip's norm against grad_stats'
 //! to the bit, a NaN gradient skipping the step with nothing written; every
-//! updated list and the report hashed.
+//! updated list and the report hashed. 8-bit moments (split masters, and
+//! stochastically rounded params without masters): two steps against the
+//! reference (params within a bf16 step, decoded moments within a code
+//! step), codes, scales, params and low halves hashed.
 
 use npukern::{bf16, f16};
+use npukern::{q8_decode, q8_scales_len, AdamWFormats, AdamWScales, Q8_BLOCK};
 use npukern::{AdamWOptions, AdamWReport, AdamWTensors, Float, GradTensor, GradTensorMut, Result};
-use npukern::{ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_L2, ADAMW_MAXIMIZE};
+use npukern::{ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_L2, ADAMW_MAXIMIZE, ADAMW_SR_PARAMS};
 
 use crate::api;
 use crate::data::{pow2, same_bits, ulp, Rng};
@@ -168,8 +172,168 @@ where
     c.hash(name!("adamw.{tag}.report").as_str(), h.0);
 }
 
+/// Scales per moment tensor of the q8 case.
+const NQ: usize = q8_scales_len(A) + q8_scales_len(B) + q8_scales_len(1);
+
+/// The 8-bit state: bf16 params and grads, u8 codes and f32 scales of
+/// both moments and amsgrad's maximum, split masters' low halves.
+#[derive(Clone, Copy)]
+struct Q8 {
+    p: [bf16; N],
+    g: [bf16; N],
+    c: [[u8; N]; 3],
+    s: [[f32; NQ]; 3],
+    low: [i16; N],
+}
+
+/// A tensor list's scale pieces (one per 256 elements of each tensor).
+fn split_scales(a: &mut [f32; NQ]) -> [&mut [f32]; 3] {
+    let (x, rest) = a.split_at_mut(q8_scales_len(A));
+    let (y, z) = rest.split_at_mut(q8_scales_len(B));
+    [x, y, z]
+}
+
+impl Q8 {
+    fn new(seed: u64) -> Self {
+        let mut rng = Rng(seed);
+        let mut f = |e: i64| rng.mag::<f32>() * pow2(e) as f32;
+        Q8 {
+            p: core::array::from_fn(|_| bf16::from_f32(f(-10))),
+            g: core::array::from_fn(|_| bf16::from_f32(f(-16))),
+            c: [[0; N]; 3],
+            s: [[0.0; NQ]; 3],
+            low: [0; N],
+        }
+    }
+
+    fn step(
+        &mut self,
+        reference: bool,
+        o: &AdamWOptions,
+        split_masters: bool,
+    ) -> Result<AdamWReport> {
+        let gl = [&self.g[..A], &self.g[A..A + B], &self.g[A + B..]].map(Into::into);
+        let mut p = split(&mut self.p).map(Into::into);
+        let [c0, c1, c2] = &mut self.c;
+        let [s0, s1, s2] = &mut self.s;
+        let mut m = split(c0).map(Into::into);
+        let mut v = split(c1).map(Into::into);
+        let mut x = split(c2).map(Into::into);
+        let mut sm = split_scales(s0).map(Into::into);
+        let mut sv = split_scales(s1).map(Into::into);
+        let mut sx = split_scales(s2).map(Into::into);
+        let mut w = split(&mut self.low).map(Into::into);
+        let mut t = AdamWTensors {
+            params: &mut p,
+            grads: &gl,
+            exp_avgs: &mut m,
+            exp_avg_sqs: &mut v,
+            max_exp_avg_sqs: &mut x,
+            masters: if split_masters { &mut w } else { &mut [] },
+        };
+        let mut s = AdamWScales {
+            exp_avgs: &mut sm,
+            exp_avg_sqs: &mut sv,
+            max_exp_avg_sqs: &mut sx,
+        };
+        let f = AdamWFormats {
+            split_masters,
+            rounding: if split_masters { 0 } else { ADAMW_SR_PARAMS },
+            quantized_moments: true,
+            seed: 5,
+            keys: &[],
+        };
+        api::adamw_with_scales(reference, &mut t, &mut s, o, &f)
+    }
+
+    /// Moment `k`'s element `i`, decoded, and its block's scale.
+    fn decoded(&self, k: usize, i: usize) -> (f32, f32) {
+        // The scale index: the element's tensor, then its block.
+        let q = if i < A {
+            i / Q8_BLOCK
+        } else if i < A + B {
+            q8_scales_len(A) + (i - A) / Q8_BLOCK
+        } else {
+            q8_scales_len(A) + q8_scales_len(B)
+        };
+        let s = self.s[k][q];
+        if k == 0 {
+            (q8_decode::<true>(s, self.c[0][i]), s)
+        } else {
+            (q8_decode::<false>(s, self.c[k][i]), s)
+        }
+    }
+}
+
+/// Two steps with 8-bit moments against the reference.
+fn q8_case(c: &mut Checker<'_>, seed: u64, split_masters: bool) {
+    let tag = if split_masters { "split" } else { "sr" };
+    let o = AdamWOptions {
+        flags: ADAMW_AMSGRAD,
+        ..AdamWOptions::new(1e-3)
+    };
+    let s0 = Q8::new(seed);
+    let (mut cpu, mut re) = (s0, s0);
+    for step in 1..=2 {
+        let o = AdamWOptions { step, ..o };
+        let ok =
+            cpu.step(false, &o, split_masters).is_ok() && re.step(true, &o, split_masters).is_ok();
+        c.check(
+            name!("adamw.q8.{tag}.step{step}").as_str(),
+            ok,
+            format_args!("an error"),
+        );
+        if !ok {
+            return;
+        }
+        // Params: a bf16 step (stochastic roundings decided apart) and
+        // the update's size (codes one step apart).
+        let p_ok = cpu.p.iter().zip(&re.p).all(|(a, b)| {
+            let (a, b) = (a.to_f64(), b.to_f64());
+            (a - b).abs() <= b.abs() * pow2(-7) + 4e-3
+        });
+        c.check(
+            name!("adamw.q8.{tag}.params{step}").as_str(),
+            p_ok,
+            format_args!("params off"),
+        );
+        // Decoded moments: one code step (1/8 of the value) apart, or the
+        // smallest code (2^-14 of the block's scale for exp_avg, 2^-30 for
+        // the second moments), beside f32's error on the scale.
+        let m_ok = (0..3).all(|k| {
+            let floor = pow2(if k == 0 { -13 } else { -29 });
+            (0..N).all(|i| {
+                let ((a, _), (b, s)) = (cpu.decoded(k, i), re.decoded(k, i));
+                let (a, b, s) = (a as f64, b as f64, s as f64);
+                (a - b).abs() <= a.abs().max(b.abs()) / 8.0 + s * (floor + pow2(-20))
+            })
+        });
+        c.check(
+            name!("adamw.q8.{tag}.moments{step}").as_str(),
+            m_ok,
+            format_args!("moments off"),
+        );
+    }
+    c.hash(name!("adamw.q8.{tag}.params").as_str(), BitHash::of(&cpu.p));
+    let mut h = BitHash::new();
+    for k in 0..3 {
+        for &b in &cpu.c[k] {
+            h.u64(b as u64);
+        }
+        for &s in &cpu.s[k] {
+            h.u64(s.to_bits() as u64);
+        }
+    }
+    for &l in &cpu.low {
+        h.u64(l as u16 as u64);
+    }
+    c.hash(name!("adamw.q8.{tag}.state").as_str(), h.0);
+}
+
 /// Runs the AdamW checks.
 pub fn run(c: &mut Checker<'_>) {
+    q8_case(c, 34, true);
+    q8_case(c, 35, false);
     case::<bf16, bf16, f32>(c, 31, ADAMW_CLIP | ADAMW_AMSGRAD, true);
     case::<f32, f32, f32>(c, 32, 0, false);
     case::<f16, f16, f16>(c, 33, ADAMW_L2 | ADAMW_MAXIMIZE, false);

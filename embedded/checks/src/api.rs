@@ -236,6 +236,23 @@ pub fn adamw(
     npukern::adamw(&exec, tensors, opts, &mut ws[..n])
 }
 
+/// One AdamW step with the state in `formats` (8-bit moments' block scales
+/// in `scales`), on `grad_exec(reference)`.
+pub fn adamw_with_scales(
+    reference: bool,
+    tensors: &mut AdamWTensors<'_, '_>,
+    scales: &mut AdamWScales<'_, '_>,
+    opts: &AdamWOptions,
+    formats: &AdamWFormats<'_>,
+) -> Result<AdamWReport> {
+    let exec = grad_exec(reference);
+    let n = sized(adamw_with_scales_workspace_size(
+        &exec, tensors, scales, opts, formats,
+    ))?;
+    let mut ws = [0u8; WS];
+    npukern::adamw_with_scales(&exec, tensors, scales, opts, formats, &mut ws[..n])
+}
+
 /// The inputs of one CrossEntropy: logits `[rows, cols]`, targets and
 /// optional class weights.
 pub struct CeIn<'a, T, I> {
