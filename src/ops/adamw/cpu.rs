@@ -276,6 +276,13 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     let scale = |l: &[ListSeg]| (l[r].data as *mut f32).wrapping_add(q);
     let (cm, cv) = (code(ms), code(vs));
     let (sm, sv) = (scale(sc[0]), scale(sc[1]));
+    // The next block's codes, a block ahead as the other streams (an
+    // address past the tensor is never dereferenced: a prefetch does not
+    // fault).
+    for l in (0..Q8_BLOCK).step_by(64) {
+        L::prefetch(cm.wrapping_add(Q8_BLOCK + l));
+        L::prefetch(cv.wrapping_add(Q8_BLOCK + l));
+    }
     // SAFETY: the codes' `n` elements from `at` and the block's scale are
     // this block's (validated lengths: one scale per 256 elements).
     unsafe {
