@@ -176,8 +176,16 @@ bool use_huge_pages(size_t bytes, uintptr_t page) {
 }
 #endif
 
-// What an output just allocated by at::empty is, preparing a fresh one for
-// huge pages when it can. Small outputs are never streamed: "resident".
+#ifdef __linux__
+// Whether `t`'s memory is a block of empty_output's pool, and then (`huge`)
+// whether it was mapped on huge pages: the page size was chosen when it was
+// mapped (map_aligned).
+bool pooled_pages(const at::Tensor &t, bool *huge);
+#endif
+
+// What an output just allocated is, preparing a fresh one for huge pages
+// when it can (empty_output's pool chose when it mapped the block). Small
+// outputs are never streamed: "resident".
 Pages prepare_output(const at::Tensor &t) {
 #ifdef __linux__
   const size_t bytes = t.nbytes();
@@ -192,6 +200,8 @@ Pages prepare_output(const at::Tensor &t) {
   unsigned char in_core = 1;
   if (last < lo || mincore(reinterpret_cast<void *>(last), page, &in_core) != 0 || (in_core & 1))
     return Pages::Resident;
+  bool huge = false;
+  if (pooled_pages(t, &huge)) return huge ? Pages::FreshHuge : Pages::Fresh;
   const uintptr_t a = (lo + kHugePage - 1) & ~(kHugePage - 1), b = hi & ~(kHugePage - 1);
   if (b > a && use_huge_pages(b - a, page) &&
       madvise(reinterpret_cast<void *>(a), b - a, MADV_HUGEPAGE) == 0)
@@ -345,6 +355,7 @@ struct Mapping {
   void *base = nullptr;  // what munmap takes, with `mapped`
   size_t mapped = 0;
   void *data = nullptr;  // 2 MiB-aligned, `bytes` long
+  bool huge = false;     // madvised to huge pages
 };
 
 // A fresh mapping for `bytes` (one huge page more than asked, so the data
@@ -361,7 +372,7 @@ Mapping map_aligned(size_t bytes) {
   void *data = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
   const bool huge = use_huge_pages(bytes, static_cast<uintptr_t>(ps));
   (void)madvise(data, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
-  return Mapping{base, mapped, data};
+  return Mapping{base, mapped, data, huge};
 }
 
 }  // namespace
@@ -406,6 +417,7 @@ struct Kept {
   void *data = nullptr;
   size_t bytes = 0;  // usable from data
   uint64_t when = 0;  // when it was given back: the oldest goes first
+  bool huge = false;  // mapped on huge pages
 };
 
 constexpr size_t kMaxKept = 16;
@@ -498,6 +510,15 @@ void release(void *ctx) {
   delete k;
 }
 
+#ifdef __linux__
+bool pooled_pages(const at::Tensor &t, bool *huge) {
+  const c10::DataPtr &dp = t.storage().data_ptr();
+  if (dp.get_deleter() != &release) return false;
+  *huge = static_cast<const Kept *>(dp.get_context())->huge;
+  return true;
+}
+#endif
+
 // PyTorch's allocator interface over the pool: a tensor's storage stays
 // resizable (a resize allocates through it again), and blocks under 8 MiB
 // come from PyTorch's own CPU allocator.
@@ -508,7 +529,7 @@ struct LargeOutputAllocator final : c10::Allocator {
       Kept k = take(bytes);
       if (k.base == nullptr) {
         const Mapping m = map_aligned(bytes);
-        if (m.base != nullptr) k = Kept{m.base, m.mapped, m.data, bytes, 0};
+        if (m.base != nullptr) k = Kept{m.base, m.mapped, m.data, bytes, 0, m.huge};
       }
       if (k.base != nullptr) {
         void *data = k.data;
