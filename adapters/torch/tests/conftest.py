@@ -116,3 +116,13 @@ def copied(obj, door):
     torch.save(obj, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+def bytes_per_param(params, opt):
+    """Bytes a parameter holds, counted from the tensors: param, grad and
+    every state tensor of `opt` but the step count."""
+    n = sum(p.numel() for p in params)
+    total = sum(2 * p.numel() * p.element_size() for p in params)  # param and grad
+    for p in params:
+        total += sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
+    return total / n

@@ -10,6 +10,7 @@ import io
 import pytest
 import torch
 
+from conftest import bytes_per_param
 from npukern_torch.optim import AdamW, join_master, split_master
 
 BF16 = torch.bfloat16
@@ -57,14 +58,6 @@ def test_split_masters_are_float32_masters_bit_for_bit():
         assert bool(((master.view(torch.int32)[differ] & 0xFFFF) == 0x8000).all())
 
 
-def _bytes_per_param(params, opt):
-    n = sum(p.numel() for p in params)
-    total = sum(2 * p.numel() * p.element_size() for p in params)  # param and grad
-    for p in params:
-        total += sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
-    return total / n
-
-
 @pytest.mark.parametrize("kw, want", [
     (dict(master_weights=True), 16),
     (dict(master_weights="split"), 14),
@@ -73,7 +66,7 @@ def _bytes_per_param(params, opt):
 ])
 def test_bytes_per_param_counted_from_the_tensors(kw, want):
     params, opt = _run(steps=1, **kw)
-    assert _bytes_per_param(params, opt) == want
+    assert bytes_per_param(params, opt) == want
 
 
 @pytest.mark.parametrize("kw", [

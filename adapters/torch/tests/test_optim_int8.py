@@ -13,7 +13,7 @@ import io
 import pytest
 import torch
 
-from conftest import copied
+from conftest import bytes_per_param, copied
 from npukern_torch.optim import Adam, AdamW, dequantize_moment, quantize_moments, to_float32_state
 
 BF16 = torch.bfloat16
@@ -237,14 +237,6 @@ def test_quantize_moments_keeps_zeros_and_second_moments_positive():
     assert ((dm - m).abs() <= 0.125 * m.abs() + q["exp_avg"][1].repeat_interleave(256)[:5000] * 2.0 ** -14).all()
 
 
-def _bytes_per_param(params, opt):
-    n = sum(p.numel() for p in params)
-    total = sum(2 * p.numel() * p.element_size() for p in params)  # param and grad
-    for p in params:
-        total += sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
-    return total / n
-
-
 @pytest.mark.parametrize("kw, most", [
     (dict(master_weights="split"), 8.1),
     (dict(stochastic_rounding=True), 6.1),
@@ -256,7 +248,7 @@ def test_bytes_per_param_counted_from_the_tensors(kw, most):
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
-    got = _bytes_per_param(params, opt)
+    got = bytes_per_param(params, opt)
     print(f"{kw}: {got:.4f} bytes per parameter")
     assert got <= most
 
