@@ -259,7 +259,7 @@ def cpu_name():
 
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from loss_curve import recipe_args
+    from loss_curve import print_loss_tables, recipe_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     recipe_args(p)
@@ -299,27 +299,8 @@ def main():
     print(f"Llama hidden {a.hidden}, {a.layers} layers, seq {a.seq} x batch {a.batch}, vocab {a.vocab}, lr {a.lr}, "
           f"wd 0.01, clip 1.0, {a.steps} steps; loss averaged over the 10 steps ending at each row\n")
 
-    def smooth(c, i, w=10):
-        lo = max(0, i - w + 1)
-        return sum(c[lo:i + 1]) / (i + 1 - lo)
-
     ok = [v for v in variants if len(runs[v]["losses"]) == a.steps]
-    rows = list(range(a.every - 1, a.steps, a.every))
-    if a.steps - 1 not in rows:
-        rows.append(a.steps - 1)
-    print("| step | " + " | ".join(ok) + " |")
-    print("|---:|" + "---:|" * len(ok))
-    for i in rows:
-        print(f"| {i + 1} | " + " | ".join(f"{smooth(runs[v]['losses'], i):.4f}" for v in ok) + " |")
-    if REF in ok:
-        others = [v for v in ok if v != REF]
-        print(f"\nRelative to {REF} (10-step means, %)\n")
-        print("| step | " + " | ".join(others) + " |")
-        print("|---:|" + "---:|" * len(others))
-        for i in rows:
-            r = smooth(runs[REF]["losses"], i)
-            print(f"| {i + 1} | " + " | ".join(f"{100 * (smooth(runs[v]['losses'], i) - r) / r:+.3f}" for v in others)
-                  + " |")
+    print_loss_tables({v: runs[v]["losses"] for v in ok}, REF, a.steps, a.every)
     print(f"\nStep time (means of steps {a.warmup + 1}-{a.steps}: the process's CPU time, robust to a shared core, and "
           f"wall time; the optimizer's wall mean over the first {a.warmup} steps apart) and state\n")
     print("| variant | params | step ms (CPU time) | step ms (wall) | optimizer ms (wall) | first steps' optimizer ms | "

@@ -121,6 +121,34 @@ def child(a):
     print(json.dumps(losses))
 
 
+def smooth(c, i, w=10):
+    """The mean of losses c over the w steps ending at step index i."""
+    lo = max(0, i - w + 1)
+    return sum(c[lo:i + 1]) / (i + 1 - lo)
+
+
+def print_loss_tables(curves, ref, steps, every):
+    """Markdown: each curve's 10-step means every `every` steps (and the
+    last), then each relative to `ref`'s (%) when `ref` ran (also
+    benches/adamw8bit_compare.py's)."""
+    names = list(curves)
+    rows = list(range(every - 1, steps, every))
+    if steps - 1 not in rows:
+        rows.append(steps - 1)
+    print("| step | " + " | ".join(names) + " |")
+    print("|---:|" + "---:|" * len(names))
+    for i in rows:
+        print(f"| {i + 1} | " + " | ".join(f"{smooth(curves[v], i):.4f}" for v in names) + " |")
+    if ref in curves:
+        others = [v for v in names if v != ref]
+        print(f"\nRelative to {ref} (10-step means, %)\n")
+        print("| step | " + " | ".join(others) + " |")
+        print("|---:|" + "---:|" * len(others))
+        for i in rows:
+            r = smooth(curves[ref], i)
+            print(f"| {i + 1} | " + " | ".join(f"{100 * (smooth(curves[v], i) - r) / r:+.3f}" for v in others) + " |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     recipe_args(p)
@@ -141,28 +169,9 @@ def main():
         out = subprocess.run([sys.executable, __file__, *args, "--child", v], check=True, capture_output=True, text=True)
         curves[v] = json.loads(out.stdout.strip().splitlines()[-1])
 
-    def smooth(c, i, w=10):
-        lo = max(0, i - w + 1)
-        return sum(c[lo:i + 1]) / (i + 1 - lo)
-
     print(f"Llama hidden {a.hidden}, {a.layers} layers, seq {a.seq} x batch {a.batch}, vocab {a.vocab}, lr {a.lr}; "
           f"loss averaged over the 10 steps ending at each row")
-    rows = list(range(a.every - 1, a.steps, a.every))
-    if a.steps - 1 not in rows:
-        rows.append(a.steps - 1)
-    print("| step | " + " | ".join(variants) + " |")
-    print("|---:|" + "---:|" * len(variants))
-    for i in rows:
-        print(f"| {i + 1} | " + " | ".join(f"{smooth(curves[v], i):.4f}" for v in variants) + " |")
-    ref = "npukern_bf16_master"
-    if ref in curves:
-        others = [v for v in variants if v != ref]
-        print(f"\nRelative to {ref} (10-step means, %)")
-        print("| step | " + " | ".join(others) + " |")
-        print("|---:|" + "---:|" * len(others))
-        for i in rows:
-            r = smooth(curves[ref], i)
-            print(f"| {i + 1} | " + " | ".join(f"{100 * (smooth(curves[v], i) - r) / r:+.3f}" for v in others) + " |")
+    print_loss_tables(curves, "npukern_bf16_master", a.steps, a.every)
     if a.png:
         import matplotlib
 
