@@ -144,6 +144,23 @@ fn lists<P: Float, G: Float>(master: bool) -> Lists<P, G> {
     }
 }
 
+/// The group `adamw/{name}/{elems}x8`, its throughput `bytes`, with
+/// `copy_floor` (a memcpy of `bytes`) timed first.
+fn group_with_copy_floor<'a>(
+    c: &'a mut Criterion<ThreadCpu>,
+    name: &str,
+    bytes: usize,
+) -> Group<'a> {
+    let mut grp = c.benchmark_group(format!("adamw/{name}/{}x8", elems()));
+    grp.throughput(Throughput::Bytes(bytes as u64));
+    let src = Aligned::filled(1u8, bytes);
+    let mut dst = Aligned::filled(0u8, bytes);
+    grp.bench_function("copy_floor", |b| {
+        b.iter(|| dst.copy_from_slice(black_box(&src)))
+    });
+    grp
+}
+
 fn run<P: Float, G: Float>(
     c: &mut Criterion<ThreadCpu>,
     name: &str,
@@ -153,15 +170,7 @@ fn run<P: Float, G: Float>(
     wrap_p: fn(&mut [P]) -> GradTensorMut<'_>,
     wrap_g: fn(&[G]) -> GradTensor<'_>,
 ) {
-    let bytes = elems() * floor_bytes_per_elem;
-    let mut grp = c.benchmark_group(format!("adamw/{name}/{}x8", elems()));
-    grp.throughput(Throughput::Bytes(bytes as u64));
-    let src = Aligned::filled(1u8, bytes);
-    let mut dst = Aligned::filled(0u8, bytes);
-    grp.bench_function("copy_floor", |b| {
-        b.iter(|| dst.copy_from_slice(black_box(&src)))
-    });
-    drop((src, dst));
+    let mut grp = group_with_copy_floor(c, name, elems() * floor_bytes_per_elem);
     let mut l = lists::<P, G>(master);
     let mut p: Vec<_> = l.p.iter_mut().map(|t| wrap_p(t)).collect();
     let g: Vec<_> = l.g.iter().map(|t| wrap_g(t)).collect();
@@ -306,15 +315,7 @@ fn mode_bytes(mode: &Mode, s: &[usize]) -> (usize, usize) {
 fn run_mode(c: &mut Criterion<ThreadCpu>, mode: &Mode) {
     let s = sizes();
     let (read, written) = mode_bytes(mode, &s);
-    let bytes = (read + written) / 2;
-    let mut grp = c.benchmark_group(format!("adamw/{}/{}x8", mode.name, elems()));
-    grp.throughput(Throughput::Bytes(bytes as u64));
-    let src = Aligned::filled(1u8, bytes);
-    let mut dst = Aligned::filled(0u8, bytes);
-    grp.bench_function("copy_floor", |b| {
-        b.iter(|| dst.copy_from_slice(black_box(&src)))
-    });
-    drop((src, dst));
+    let mut grp = group_with_copy_floor(c, mode.name, (read + written) / 2);
     let mut l = lists::<bf16, bf16>(false);
     let mut low: Vec<Aligned<i16>> = if mode.split {
         s.iter().map(|&n| Aligned::filled(0i16, n)).collect()
