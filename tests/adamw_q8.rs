@@ -484,8 +484,9 @@ fn the_codes_rounding_is_unbiased_through_the_kernel() {
 /// A quadratic with curvatures spread over `decades`, so each block holds
 /// moments of very different sizes: 500 steps with 8-bit moments against
 /// f32 moments from the same start. Returns the losses (start, f32, 8-bit)
-/// and the largest param difference on the way and at the end.
-fn quadratic(decades: f64) -> (f64, f64, f64, f64, f64) {
+/// and the largest param difference on the way and at the end; `seed` is
+/// the rounding's.
+fn quadratic(decades: f64, seed: u64) -> (f64, f64, f64, f64, f64) {
     let n = 4096;
     let mut rng = Rng(77);
     let a: Vec<f64> = (0..n)
@@ -558,7 +559,7 @@ fn quadratic(decades: f64) -> (f64, f64, f64, f64, f64) {
             exp_avg_sqs: &mut svl,
             max_exp_avg_sqs: &mut [],
         };
-        let f = q8(false, 0, 5);
+        let f = q8(false, 0, seed);
         let nws =
             adamw_with_scales_workspace_size(&Exec::cpu(), &mut t, &mut s, &o(step), &f).unwrap();
         let mut ws = vec![0u8; nws];
@@ -582,23 +583,33 @@ fn quadratic(decades: f64) -> (f64, f64, f64, f64, f64) {
 fn a_500_step_run_stays_near_f32_moments() {
     // Curvatures over 2 decades (gradients within a block over ~3, as a
     // layer's are): the params stay within 10 steps of lr of f32 moments'
-    // on the way, and the loss within 5%. Over 4 decades the
+    // on the way, and the loss near theirs. Over 4 decades the
     // flattest elements' first moments lie below exp_avg's smallest code
     // (2^-14 of their block's largest) early on and are kept only on
     // average (0 or the smallest code): they wander by tens of steps of
     // lr before their gradients rise, and still end where f32 moments do.
-    for (decades, on_the_way, at_end, loss_tol) in [(2.0, 0.1, 0.01, 0.05), (4.0, 0.5, 0.01, 0.15)]
-    {
-        let (l0, l32, l8, worst, fin) = quadratic(decades);
-        println!(
-            "{decades} decades, 500 steps: loss {l0:.4} -> f32 moments {l32:.6}, 8-bit moments \
-             {l8:.6} ({:+.2}%); largest param difference on the way {worst:.2e}, at the end \
-             {fin:.2e} (lr 1e-2)",
-            (l8 / l32 - 1.0) * 100.0
-        );
-        assert!((l8 - l32).abs() <= loss_tol * l32, "{l8} vs {l32}");
-        assert!(worst < on_the_way, "{worst}");
-        assert!(fin < at_end, "{fin}");
+    // The end loss is ~1e-6 of the start, where one rounding seed lands
+    // anywhere from -18% to +35% of f32 moments' (seeds 1-7), and the
+    // params within 1.5 steps of lr: the mean over four seeds is held to
+    // 15% (+7.5% over 2 decades, +2.4% over 4), each seed to 40%.
+    for (decades, on_the_way, at_end) in [(2.0, 0.1, 0.015), (4.0, 0.5, 0.015)] {
+        let mut rel = Vec::new();
+        for seed in 1..=4 {
+            let (l0, l32, l8, worst, fin) = quadratic(decades, seed);
+            let r = l8 / l32 - 1.0;
+            println!(
+                "{decades} decades, 500 steps, seed {seed}: loss {l0:.4} -> f32 moments \
+                 {l32:.6}, 8-bit moments {l8:.6} ({:+.2}%); largest param difference on the \
+                 way {worst:.2e}, at the end {fin:.2e} (lr 1e-2)",
+                r * 100.0
+            );
+            assert!(r.abs() <= 0.4, "{l8} vs {l32}");
+            assert!(worst < on_the_way, "{worst}");
+            assert!(fin < at_end, "{fin}");
+            rel.push(r);
+        }
+        let mean = rel.iter().sum::<f64>() / rel.len() as f64;
+        assert!(mean.abs() <= 0.15, "mean {mean}");
     }
 }
 

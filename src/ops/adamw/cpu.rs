@@ -11,7 +11,7 @@
 use super::formats::{
     join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
-use super::q8::{q8_code, q8_decode, q8_scale, Q8_BLOCK, STREAM_Q8_M, STREAM_Q8_V};
+use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
@@ -207,10 +207,7 @@ unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
     let (tables, scales, keys) = unsafe { (call.tables(), call.scale_tables(), call.keys()) };
     let ps = tables[0];
     let (state, step) = (call.state, call.options.step);
-    let salts = (
-        salt(state.seed, step, STREAM_Q8_M),
-        salt(state.seed, step, STREAM_Q8_V),
-    );
+    let q8_salt = salt(state.seed, step, STREAM_Q8);
     runner.parallel_for(nb, &|b| {
         if b >= nb {
             return;
@@ -238,7 +235,7 @@ unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
                         #[inline(always)]
                         || {
                             q8_block::<L, P, G>(
-                                &tables, &scales, r, at, n, key, k, &state, step, ams, salts,
+                                &tables, &scales, r, at, n, key, k, &state, step, ams, q8_salt,
                                 &mut bufs,
                             )
                         },
@@ -267,7 +264,7 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     st: &super::AdamWState,
     step: u64,
     ams: bool,
-    (salt_m, salt_v): (u32, u32),
+    q8_salt: u32,
     [m, v, x]: &mut [[f32; Q8_BLOCK]; 3],
 ) {
     let [ps, gs, ms, vs, xs, ws] = *t;
@@ -324,10 +321,10 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     // moments are the local buffers (n <= 256 elements each).
     unsafe {
         piece_step::<L, P, G, f32>(&piece, n, k, st, step);
-        encode2::<L>(m, v, [cm, cv], [sm, sv], n, [salt_m, salt_v], key);
+        encode2::<L>(m, v, [cm, cv], [sm, sv], n, q8_salt, key);
         if ams {
-            // The maximum takes exp_avg_sq's random bits.
-            encode::<L, false>(x, code(xs), scale(sc[2]), n, salt_v, key);
+            // The maximum takes exp_avg_sq's random bits (the high 16).
+            encode::<L, false, 16>(x, code(xs), scale(sc[2]), n, q8_salt, key);
         }
     }
 }
@@ -351,12 +348,12 @@ unsafe fn decode<const SIGNED: bool>(
 }
 
 /// Codes the first `n` values of a block against its new scale (written to
-/// `*scale`), with the top 20 random bits of each element's key.
+/// `*scale`), with the random bits `>> SHIFT` of each element's key.
 ///
 /// # Safety
 /// `codes` is writable for `n` <= 256 bytes, `scale` for one f32.
 #[inline(always)]
-unsafe fn encode<L: Lanes, const SIGNED: bool>(
+unsafe fn encode<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
     x: &[f32; Q8_BLOCK],
     codes: *mut u8,
     scale: *mut f32,
@@ -365,29 +362,29 @@ unsafe fn encode<L: Lanes, const SIGNED: bool>(
     key: u64,
 ) {
     let s = q8_scale(&x[..n]);
-    let live = super::q8::live(s);
     // SAFETY: the caller's contract.
     unsafe { scale.write(s) };
-    let den = L::splat(if live { s } else { 1.0 });
+    let f = Factors::new(s);
     let full = n / GROUP * GROUP;
     let mut i = 0;
     while i < full {
-        let c = code_group::<L, SIGNED>(x, i, den, live, salt, key);
+        let r = randoms::<L>(salt, key.wrapping_add(i as u64));
+        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &r);
         // SAFETY: the group's codes are the block's (caller); one store.
         unsafe { codes.add(i).cast::<[u8; GROUP]>().write_unaligned(c) };
         i += GROUP;
     }
     if i < n {
-        let c = code_group::<L, SIGNED>(x, i, den, live, salt, key);
-        for (j, &c) in c.iter().enumerate().take(n - i) {
-            // SAFETY: as above, `n - i` codes.
-            unsafe { codes.add(i + j).write(c) };
-        }
+        let r = randoms::<L>(salt, key.wrapping_add(i as u64));
+        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &r);
+        // SAFETY: as above, `n - i` codes.
+        unsafe { core::ptr::copy_nonoverlapping(c.as_ptr(), codes.add(i), n - i) };
     }
 }
 
-/// `encode` of both moments (exp_avg signed, exp_avg_sq unsigned) in one
-/// loop: two independent chains per group for the core to overlap.
+/// `encode` of both moments (exp_avg signed with the hash's low 16 bits,
+/// exp_avg_sq unsigned with its high 16) in one loop: one hash per element
+/// for both, two independent chains per group for the core to overlap.
 ///
 /// # Safety
 /// As `encode`'s, for each.
@@ -398,23 +395,28 @@ unsafe fn encode2<L: Lanes>(
     codes: [*mut u8; 2],
     scale: [*mut f32; 2],
     n: usize,
-    salt: [u32; 2],
+    salt: u32,
     key: u64,
 ) {
     let (sm, sv) = q8_scale2(&m[..n], &v[..n]);
-    let (lm, lv) = (super::q8::live(sm), super::q8::live(sv));
     // SAFETY: the caller's contract.
     unsafe {
         scale[0].write(sm);
         scale[1].write(sv);
     }
-    let dm = L::splat(if lm { sm } else { 1.0 });
-    let dv = L::splat(if lv { sv } else { 1.0 });
+    let (fm, fv) = (Factors::new(sm), Factors::new(sv));
+    // The block's random bits first, in a loop of their own: the hashes'
+    // multiply chains overlap there (inside the coding loop they did not).
+    let mut rs = [[0u32; GROUP]; Q8_BLOCK / GROUP];
+    for (g, r) in rs.iter_mut().enumerate().take(n.div_ceil(GROUP)) {
+        *r = randoms::<L>(salt, key.wrapping_add((g * GROUP) as u64));
+    }
     let full = n / GROUP * GROUP;
     let mut i = 0;
     while i < full {
-        let a = code_group::<L, true>(m, i, dm, lm, salt[0], key);
-        let b = code_group::<L, false>(v, i, dv, lv, salt[1], key);
+        let r = rs[i / GROUP];
+        let a = code_group::<L, true, 0>(m, i, &fm, &r);
+        let b = code_group::<L, false, 16>(v, i, &fv, &r);
         // SAFETY: the group's codes are the block's (caller); one store.
         unsafe {
             codes[0].add(i).cast::<[u8; GROUP]>().write_unaligned(a);
@@ -423,14 +425,33 @@ unsafe fn encode2<L: Lanes>(
         i += GROUP;
     }
     if i < n {
-        let a = code_group::<L, true>(m, i, dm, lm, salt[0], key);
-        let b = code_group::<L, false>(v, i, dv, lv, salt[1], key);
-        for (j, (&a, &b)) in a.iter().zip(&b).enumerate().take(n - i) {
-            // SAFETY: as above, `n - i` codes.
-            unsafe {
-                codes[0].add(i + j).write(a);
-                codes[1].add(i + j).write(b);
-            }
+        let r = rs[i / GROUP];
+        let a = code_group::<L, true, 0>(m, i, &fm, &r);
+        let b = code_group::<L, false, 16>(v, i, &fv, &r);
+        // SAFETY: as above, `n - i` codes of each.
+        unsafe {
+            core::ptr::copy_nonoverlapping(a.as_ptr(), codes[0].add(i), n - i);
+            core::ptr::copy_nonoverlapping(b.as_ptr(), codes[1].add(i), n - i);
+        }
+    }
+}
+
+/// A block's normalization as lanes (`q8_inverse`) and whether it has
+/// codes.
+struct Factors<L> {
+    pre: L,
+    rcp: L,
+    live: bool,
+}
+
+impl<L: Lanes> Factors<L> {
+    #[inline(always)]
+    fn new(scale: f32) -> Self {
+        let (pre, rcp) = q8_inverse(scale);
+        Factors {
+            pre: L::splat(pre),
+            rcp: L::splat(rcp),
+            live: super::q8::live(scale),
         }
     }
 }
@@ -448,17 +469,14 @@ fn q8_scale2(m: &[f32], v: &[f32]) -> (f32, f32) {
 
 /// The codes of the group at `i` of a block (`encode`; a function, not a
 /// closure: a closure may be compiled outside the ISA's target features,
-/// every lane operation a call).
+/// every lane operation a call), with the random bits `r >> SHIFT`.
 #[inline(always)]
-fn code_group<L: Lanes, const SIGNED: bool>(
+fn code_group<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
     x: &[f32; Q8_BLOCK],
     i: usize,
-    den: L,
-    live: bool,
-    salt: u32,
-    key: u64,
+    f: &Factors<L>,
+    r: &[u32; GROUP],
 ) -> [u8; GROUP] {
-    let r = randoms::<L>(salt, key.wrapping_add(i as u64));
     let xg: &[f32; GROUP] = x
         .get(i..i + GROUP)
         .and_then(|s| s.try_into().ok())
@@ -467,12 +485,12 @@ fn code_group<L: Lanes, const SIGNED: bool>(
     for j in 0..GROUP {
         a[j] = f32::from_bits(xg[j].to_bits() & 0x7fff_ffff);
     }
-    // The normalized values: IEEE division on every ISA.
+    // The normalized values: two IEEE multiplications on every ISA.
     let mut y = [0f32; GROUP];
-    L::load(&a).div(den).store(&mut y);
+    L::load(&a).mul(f.pre).mul(f.rcp).store(&mut y);
     let mut c = [0u8; GROUP];
     for j in 0..GROUP {
-        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j], live);
+        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j] >> SHIFT, f.live);
     }
     c
 }

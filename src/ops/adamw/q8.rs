@@ -12,10 +12,12 @@
 //! After the step's f32 update, a block's scale is its largest |value| of
 //! the new f32 moment, stored exactly (the largest bit pattern with the
 //! sign cleared: a NaN if the block holds one). Each element is normalized
-//! with one correctly rounded f32 division, `y = |x| / scale` (so
-//! `y <= 1`), and coded as a small float relative to the block's maximum,
-//! so entries far below the maximum keep ~12.5% relative precision instead
-//! of being flushed to zero (as linear absmax int8 would):
+//! with two f32 multiplications by the block's factors (`q8_inverse`: the
+//! correctly rounded reciprocal of the scale, after an exact power-of-two
+//! prescaling when the scale is subnormal), `y = min((|x| pre) rcp, 1)`,
+//! and coded as a small float relative to the block's maximum, so entries
+//! far below the maximum keep ~12.5% relative precision instead of being
+//! flushed to zero (as linear absmax int8 would):
 //!
 //! ```text
 //! exp_avg (signed):     s eeee fff   |x| = 2^(e-15) (1 + f/8), e >= 1;  e = 0: 0
@@ -24,19 +26,22 @@
 //! The largest code used is 1.0 (`e` = 15 resp. 31, `f` = 0); the smallest
 //! nonzero is 2^-14 resp. 2^-30 of the scale. Decoding is one f32 multiply,
 //! `scale * magnitude` (the magnitude built exactly from the bits), signed
-//! for exp_avg.
+//! for exp_avg. (A multiplication, not the division it replaced in ABI
+//! 2.9's first codes: three divider operations an element were the step's
+//! bound; codes written either way decode alike.)
 //!
 //! # Stochastic rounding
-//! Codes are rounded stochastically with 20 random bits `r` per element
-//! from the counter hash of (seed, step, element key) (`formats::random`;
-//! exp_avg on its own stream, exp_avg_sq and its maximum on another, their
-//! top 20 bits). For `y` at least the smallest normal code, `r` is added to
-//! `y`'s f32 bit pattern below the 3 kept mantissa bits and the sum
-//! truncated: a carry into the exponent is the correct round-up, and
+//! Codes are rounded stochastically with 16 random bits `r` per element:
+//! one 32-bit counter hash of (seed, step, element key) per element
+//! (`formats::random`, stream `STREAM_Q8`), exp_avg taking its low 16 bits
+//! and exp_avg_sq and its maximum the high 16 (one hash for both, as the
+//! bf16 moments do). For `y` at least the smallest normal code, `r << 4` is
+//! added to `y`'s f32 bit pattern below the 3 kept mantissa bits and the
+//! sum truncated: a carry into the exponent is the correct round-up, and
 //! `y <= 1` never carries past 1.0. Below the smallest normal code, an
-//! exp_avg rounds to it when `r < y * 2^34` (an exact power-of-two
-//! scaling), else to 0. Both are unbiased (the second to 2^-20 of the
-//! smallest code). Integer work on bit patterns and exact f32 operations
+//! exp_avg rounds to it when `r < y * 2^30` (an exact power-of-two
+//! scaling), else to 0. Both are unbiased to 2^-16 of a code step. Integer
+//! work on bit patterns and exact or correctly rounded f32 operations
 //! only: the same codes on every ISA, thread count and block cut.
 //!
 //! The one biased rule: a positive exp_avg_sq (or maximum) below the
@@ -57,9 +62,9 @@
 /// Elements per quantization block (one f32 scale each).
 pub const Q8_BLOCK: usize = 256;
 
-/// Hash streams of the codes' random bits.
-pub(crate) const STREAM_Q8_M: u32 = 0x7138_6d31;
-pub(crate) const STREAM_Q8_V: u32 = 0x7138_7631;
+/// Hash stream of the codes' random bits (exp_avg the low 16 of an
+/// element's 32, exp_avg_sq and its maximum the high 16).
+pub(crate) const STREAM_Q8: u32 = 0x7138_7232;
 
 /// The scale tensor length of a moment tensor of `numel` elements.
 pub const fn q8_scales_len(numel: usize) -> usize {
@@ -108,12 +113,31 @@ pub fn q8_scale(x: &[f32]) -> f32 {
 }
 
 /// The code of `x` in a block of scale `scale` (`q8_scale` of the block),
-/// rounded stochastically with the random bits `r >> 12` (the top 20).
+/// rounded stochastically with the 16 random bits `r & 0xffff`.
 #[inline(always)]
 pub fn q8_encode<const SIGNED: bool>(x: f32, scale: f32, r: u32) -> u8 {
     let live = live(scale);
-    let y = f32::from_bits(x.to_bits() & 0x7fff_ffff) / if live { scale } else { 1.0 };
+    let (pre, rcp) = q8_inverse(scale);
+    let y = f32::from_bits(x.to_bits() & 0x7fff_ffff) * pre * rcp;
     q8_code::<SIGNED>(y, x.to_bits(), r, live)
+}
+
+/// A block's normalization factors `(pre, rcp)`: `y = (|x| pre) rcp`, both
+/// products exact or correctly rounded. `rcp` is `1 / (scale pre)`
+/// rounded once; `pre` is 1, or 2^64 for a subnormal scale (whose
+/// reciprocal would overflow; the prescaling is exact there). A block
+/// without codes (`live` false) gets `(1, 1)`.
+#[inline(always)]
+pub(crate) fn q8_inverse(scale: f32) -> (f32, f32) {
+    if !live(scale) {
+        return (1.0, 1.0);
+    }
+    let pre = if scale.to_bits() < 0x0080_0000 {
+        f32::from_bits((127 + 64) << 23)
+    } else {
+        1.0
+    };
+    (pre, 1.0 / (scale * pre))
 }
 
 /// Whether a block of this scale has codes (not zero, not NaN or Inf);
@@ -125,21 +149,23 @@ pub(crate) fn live(scale: f32) -> bool {
     sb != 0 && sb < 0x7f80_0000
 }
 
-/// The code of the normalized `y = |x| / scale` (`xb`: x's bits, for its
-/// sign; `live`: `live(scale)`), branch-free so that the lanes' loops over
-/// a group vectorize.
+/// The code of the normalized `y = (|x| pre) rcp` (`xb`: x's bits, for its
+/// sign; `r`: random bits, the low 16 taken; `live`: `live(scale)`),
+/// clamped to 1 (the product may pass it by a rounding), branch-free so
+/// that the lanes' loops over a group vectorize.
 #[inline(always)]
 pub(crate) fn q8_code<const SIGNED: bool>(y: f32, xb: u32, r: u32, live: bool) -> u8 {
-    let yb = y.to_bits();
-    let r = r >> 12;
+    // y >= 0 (live blocks hold finite values): the bits order as the values.
+    let yb = y.to_bits().min(0x3f80_0000);
+    let r = r & 0xffff;
     let o = off(SIGNED);
     let smallest = (o + 1) << 23;
-    // y <= 1: the sum stays <= 1.0's bits + 2^20 - 1, never past 1.0.
-    let normal = (yb.wrapping_add(r) >> 20).wrapping_sub(o << 3);
+    // y <= 1: the sum stays <= 1.0's bits + 2^20 - 16, never past 1.0.
+    let normal = (yb.wrapping_add(r << 4) >> 20).wrapping_sub(o << 3);
     let below = if SIGNED {
-        // 2^(20 - smallest's exponent): an exact scaling; r < 2^20 converts
+        // 2^(16 - smallest's exponent): an exact scaling; r < 2^16 converts
         // exactly (as an i32: AVX2 has no u32 conversion).
-        let z = y * f32::from_bits((127 + 20 + 127 - (o + 1)) << 23);
+        let z = f32::from_bits(yb) * f32::from_bits((127 + 16 + 127 - (o + 1)) << 23);
         (((r as i32) as f32) < z) as u32 * 8
     } else {
         // A positive second moment never becomes 0 (see the module docs).
@@ -196,7 +222,7 @@ mod tests {
             (-1e30, 1e30),
             (1.0, 1.0),
         ] {
-            for r in [0, 1 << 12, u32::MAX] {
+            for r in [0, 1, 0x8000, u32::MAX] {
                 assert_eq!(q8_encode::<true>(x, sc, r), q8_encode_f64(x, sc, r, true));
                 assert_eq!(
                     q8_encode::<false>(x.abs(), sc, r),
@@ -217,7 +243,7 @@ mod tests {
         assert_eq!(q8_magnitude::<false>(0x07), 0.0);
         // 1.0 stays 1.0 whatever the random bits; just below rounds to it
         // or to the code below.
-        for r in [0, 0x8000_0000, u32::MAX] {
+        for r in [0, 0x8000, 0xffff] {
             assert_eq!(q8_encode::<true>(2.5, 2.5, r), 0x78);
             assert_eq!(q8_encode::<false>(2.5, 2.5, r), 0xf8);
             assert_eq!(q8_encode::<true>(-2.5, 2.5, r), 0xf8);
@@ -238,7 +264,7 @@ mod tests {
     #[test]
     fn a_positive_second_moment_never_rounds_to_zero() {
         for y in [5e-10f32, 1e-20, f32::from_bits(1)] {
-            for r in [0, 0x8000_0000, u32::MAX] {
+            for r in [0, 0x8000, 0xffff] {
                 assert_eq!(q8_encode::<false>(y, 1.0, r), 8);
             }
         }

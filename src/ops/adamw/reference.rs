@@ -12,7 +12,7 @@ use super::formats::{
     join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
 use super::plan::powi;
-use super::q8::{Q8_BLOCK, STREAM_Q8_M, STREAM_Q8_V};
+use super::q8::{Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, ADAMW_AMSGRAD, ADAMW_L2, ADAMW_MAXIMIZE};
 use crate::dtype::{DType, Float};
 use crate::ops::grad_stats::reference::stats;
@@ -117,7 +117,14 @@ impl<M: Float> Moment<'_, M> {
 /// Codes one block (`x`: its new moments, rounded once to f32) with the
 /// f64 model, against the block's largest |value| (its bit pattern, as the
 /// kernel takes it: a NaN if any).
-fn q8_store(c: &mut [u8], scale: &mut f32, x: &[f32], salt: u32, key: u64, signed: bool) {
+fn q8_store(
+    c: &mut [u8],
+    scale: &mut f32,
+    x: &[f32],
+    (salt, shift): (u32, u32),
+    key: u64,
+    signed: bool,
+) {
     let s = f32::from_bits(
         x.iter()
             .map(|v| v.to_bits() & 0x7fff_ffff)
@@ -126,7 +133,8 @@ fn q8_store(c: &mut [u8], scale: &mut f32, x: &[f32], salt: u32, key: u64, signe
     );
     *scale = s;
     for (j, (c, &v)) in c.iter_mut().zip(x).enumerate() {
-        *c = q8_encode_f64(v, s, random(salt, key.wrapping_add(j as u64)), signed);
+        let r = random(salt, key.wrapping_add(j as u64)) >> shift;
+        *c = q8_encode_f64(v, s, r, signed);
     }
 }
 
@@ -143,10 +151,7 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
     let q8 = st.quantized_moments != 0;
     let sr_m = (st.rounding & ADAMW_SR_MOMENTS != 0).then(|| salt(st.seed, o.step, STREAM_MOMENTS));
     let sr_p = (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, o.step, STREAM_PARAMS));
-    let (q8_m, q8_v) = (
-        salt(st.seed, o.step, STREAM_Q8_M),
-        salt(st.seed, o.step, STREAM_Q8_V),
-    );
+    let q8_salt = salt(st.seed, o.step, STREAM_Q8);
     // SAFETY: the front end lowered the lists (and the keys).
     let ([ps, gs, ms, vs, xs, ws], keys) = unsafe { (call.tables(), call.keys()) };
     // SAFETY: as above.
@@ -248,17 +253,19 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
             }
             let k0 = key.wrapping_add(at as u64);
             let q = at / Q8_BLOCK;
-            for (mm, new, salt, signed) in [
-                (Some(&mut m), &nm, q8_m, true),
-                (Some(&mut v), &nv, q8_v, false),
-                (x.as_mut(), &nx, q8_v, false),
+            // exp_avg takes the hash's low 16 bits, exp_avg_sq and its
+            // maximum the high 16.
+            for (mm, new, shift, signed) in [
+                (Some(&mut m), &nm, 0, true),
+                (Some(&mut v), &nv, 16, false),
+                (x.as_mut(), &nx, 16, false),
             ] {
                 if let Some(Moment::Q8(c, s)) = mm {
                     q8_store(
                         &mut c[at..at + len],
                         &mut s[q],
                         &new[..len],
-                        salt,
+                        (q8_salt, shift),
                         k0,
                         signed,
                     );
@@ -274,17 +281,26 @@ fn pow2(e: i32) -> f64 {
 }
 
 /// The f64 model of `q8::q8_encode`: the code of `x` in a block of scale
-/// `scale`, rounded stochastically with the top 20 bits of `r`, from exact
-/// arithmetic on the normalized value (not from its bit pattern).
+/// `scale`, rounded stochastically with the 16 random bits `r & 0xffff`,
+/// from exact arithmetic on the normalized value (not from its bit
+/// pattern).
 pub(crate) fn q8_encode_f64(x: f32, scale: f32, r: u32, signed: bool) -> u8 {
     if !scale.is_finite() || scale == 0.0 {
         return 0;
     }
-    let r = (r >> 12) as f64;
-    let two20 = pow2(20);
-    // The correctly rounded f32 quotient (f64's 53 bits round it once more
+    let r = (r & 0xffff) as f64;
+    let two16 = pow2(16);
+    // y = min((|x| pre) rcp, 1): the prescaling is exact, the reciprocal and
+    // the product rounded once to f32 (f64's 53 bits round each once more
     // without a double-rounding error: 53 >= 2 * 24 + 2).
-    let y = ((x.abs() as f64) / (scale as f64)) as f32 as f64;
+    let pre = if scale.abs() < f32::MIN_POSITIVE {
+        pow2(64)
+    } else {
+        1.0
+    };
+    let rcp = (1.0 / (scale as f64 * pre)) as f32 as f64;
+    let y = ((x.abs() as f64 * pre) * rcp) as f32 as f64;
+    let y = if y > 1.0 { 1.0 } else { y };
     let emin = if signed { -14 } else { -30 };
     let mag = if y >= pow2(emin) {
         let e = ((y.to_bits() >> 52) & 0x7ff) as i32 - 1023;
@@ -292,13 +308,13 @@ pub(crate) fn q8_encode_f64(x: f32, scale: f32, r: u32, signed: bool) -> u8 {
         // A positive quotient below 2^53: truncation is the floor.
         let below = (y / step) as u64 as f64;
         let frac = y / step - below;
-        let q = below as u32 + (frac * two20 + r >= two20) as u32;
+        let q = below as u32 + (frac * two16 + r >= two16) as u32;
         let (e, f) = if q == 16 { (e + 1, 0) } else { (e, q - 8) };
         (((e - emin + 1) as u32) << 3) | f
     } else if !signed {
         // Never 0 from a positive value (q8's one biased rule).
         8 * (y > 0.0) as u32
-    } else if r < y * pow2(20 - emin) {
+    } else if r < y * pow2(16 - emin) {
         8
     } else {
         0
