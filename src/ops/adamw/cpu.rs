@@ -321,10 +321,11 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     // moments are the local buffers (n <= 256 elements each).
     unsafe {
         piece_step::<L, P, G, f32>(&piece, n, k, st, step);
-        encode2::<L>(m, v, [cm, cv], [sm, sv], n, q8_salt, key);
+        let rs = block_randoms::<L>(n, q8_salt, key);
+        encode2::<L>(m, v, [cm, cv], [sm, sv], n, &rs);
         if ams {
             // The maximum takes exp_avg_sq's random bits (the high 16).
-            encode::<L, false, 16>(x, code(xs), scale(sc[2]), n, q8_salt, key);
+            encode::<L, false, 16>(x, code(xs), scale(sc[2]), n, &rs);
         }
     }
 }
@@ -348,7 +349,8 @@ unsafe fn decode<const SIGNED: bool>(
 }
 
 /// Codes the first `n` values of a block against its new scale (written to
-/// `*scale`), with the random bits `>> SHIFT` of each element's key.
+/// `*scale`), with the block's random bits `rs` (`block_randoms`) `>>
+/// SHIFT`.
 ///
 /// # Safety
 /// `codes` is writable for `n` <= 256 bytes, `scale` for one f32.
@@ -358,8 +360,7 @@ unsafe fn encode<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
     codes: *mut u8,
     scale: *mut f32,
     n: usize,
-    salt: u32,
-    key: u64,
+    rs: &BlockRandoms,
 ) {
     let s = q8_scale(&x[..n]);
     // SAFETY: the caller's contract.
@@ -368,15 +369,13 @@ unsafe fn encode<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
     let full = n / GROUP * GROUP;
     let mut i = 0;
     while i < full {
-        let r = randoms::<L>(salt, key.wrapping_add(i as u64));
-        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &r);
+        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &rs[i / GROUP]);
         // SAFETY: the group's codes are the block's (caller); one store.
         unsafe { codes.add(i).cast::<[u8; GROUP]>().write_unaligned(c) };
         i += GROUP;
     }
     if i < n {
-        let r = randoms::<L>(salt, key.wrapping_add(i as u64));
-        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &r);
+        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &rs[i / GROUP]);
         // SAFETY: as above, `n - i` codes.
         unsafe { core::ptr::copy_nonoverlapping(c.as_ptr(), codes.add(i), n - i) };
     }
@@ -395,8 +394,7 @@ unsafe fn encode2<L: Lanes>(
     codes: [*mut u8; 2],
     scale: [*mut f32; 2],
     n: usize,
-    salt: u32,
-    key: u64,
+    rs: &BlockRandoms,
 ) {
     let (sm, sv) = q8_scale2(&m[..n], &v[..n]);
     // SAFETY: the caller's contract.
@@ -405,18 +403,12 @@ unsafe fn encode2<L: Lanes>(
         scale[1].write(sv);
     }
     let (fm, fv) = (Factors::new(sm), Factors::new(sv));
-    // The block's random bits first, in a loop of their own: the hashes'
-    // multiply chains overlap there (inside the coding loop they did not).
-    let mut rs = [[0u32; GROUP]; Q8_BLOCK / GROUP];
-    for (g, r) in rs.iter_mut().enumerate().take(n.div_ceil(GROUP)) {
-        *r = randoms::<L>(salt, key.wrapping_add((g * GROUP) as u64));
-    }
     let full = n / GROUP * GROUP;
     let mut i = 0;
     while i < full {
-        let r = rs[i / GROUP];
-        let a = code_group::<L, true, 0>(m, i, &fm, &r);
-        let b = code_group::<L, false, 16>(v, i, &fv, &r);
+        let r = &rs[i / GROUP];
+        let a = code_group::<L, true, 0>(m, i, &fm, r);
+        let b = code_group::<L, false, 16>(v, i, &fv, r);
         // SAFETY: the group's codes are the block's (caller); one store.
         unsafe {
             codes[0].add(i).cast::<[u8; GROUP]>().write_unaligned(a);
@@ -425,15 +417,31 @@ unsafe fn encode2<L: Lanes>(
         i += GROUP;
     }
     if i < n {
-        let r = rs[i / GROUP];
-        let a = code_group::<L, true, 0>(m, i, &fm, &r);
-        let b = code_group::<L, false, 16>(v, i, &fv, &r);
+        let r = &rs[i / GROUP];
+        let a = code_group::<L, true, 0>(m, i, &fm, r);
+        let b = code_group::<L, false, 16>(v, i, &fv, r);
         // SAFETY: as above, `n - i` codes of each.
         unsafe {
             core::ptr::copy_nonoverlapping(a.as_ptr(), codes[0].add(i), n - i);
             core::ptr::copy_nonoverlapping(b.as_ptr(), codes[1].add(i), n - i);
         }
     }
+}
+
+/// The random bits of a quantization block, a group at a time.
+type BlockRandoms = [[u32; GROUP]; Q8_BLOCK / GROUP];
+
+/// The block's random bits (one hash an element: exp_avg takes the low 16,
+/// exp_avg_sq and its maximum the high 16), in a loop of their own: the
+/// hashes' multiply chains overlap there (inside the coding loop they did
+/// not). Computed once for every moment of the block.
+#[inline(always)]
+fn block_randoms<L: Lanes>(n: usize, salt: u32, key: u64) -> BlockRandoms {
+    let mut rs = [[0u32; GROUP]; Q8_BLOCK / GROUP];
+    for (g, r) in rs.iter_mut().enumerate().take(n.div_ceil(GROUP)) {
+        *r = randoms::<L>(salt, key.wrapping_add((g * GROUP) as u64));
+    }
+    rs
 }
 
 /// A block's normalization as lanes (`q8_inverse`) and whether it has
