@@ -217,6 +217,29 @@ def test_fused_loss_head_on_npukern_matches_float64(dtype):
         npukern_torch.linear_cross_entropy(x, w, t, matmul="oneDNN")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=IDS.get)
+def test_fused_loss_head_weight_grad_bits_do_not_depend_on_chunks(dtype):
+    # One chunk writes the weight gradient in its dtype directly; several
+    # write the float32 sums, then accumulate into them and round at the
+    # end. Both are one chain per element (rows ascending) and one rounding,
+    # so every chunking gives the same bits.
+    n, h, v = 97, 40, 75
+    x = _r(n, h, dtype=dtype, seed=30)
+    w = _r(v, h, dtype=dtype, seed=31, scale=0.3)
+    t = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(32))
+    t[::5] = -100
+    grads = []
+    for rows in (n, 40, 1):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        npukern_torch.linear_cross_entropy(xg, wg, t, matmul="npukern",
+                                           chunk_bytes=rows * v * x.element_size()).backward()
+        assert wg.grad.dtype == dtype and xg.grad.dtype == dtype
+        grads.append((xg.grad, wg.grad))
+    for dx, dw in grads[1:]:
+        assert torch.equal(dx, grads[0][0]) and torch.equal(dw, grads[0][1])
+    assert grads[0][1].abs().sum() > 0
+
+
 def test_patched_model_projections_on_npukern(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from hf_models import build, tokens, twin

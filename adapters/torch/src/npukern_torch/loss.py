@@ -226,11 +226,18 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
     """:func:`_lce_grads` on npukern's matmul: each chunk's logits ``x W^T``
     rounded once, its input gradient ``dlogits W``, and the weight gradient's
     float32 sums accumulated by the kernel itself (``dlogits^T x`` added into
-    them, chunk after chunk, k ascending), rounded once at the end."""
+    them, chunk after chunk, k ascending), rounded once at the end. The
+    first chunk writes the sums (no zeroed buffer first), and one chunk alone
+    writes the gradient in the weight's dtype directly: the same chain and
+    one rounding, without a vocab x hidden float32 buffer (its zeroing, a
+    second pass over it, and the cast were 40% of the head's weight
+    gradient)."""
     want_input, want_weight, _ = want
     n = x.shape[0]
     d_input = torch.empty_like(x) if want_input else None
-    sums = torch.zeros(weight.shape, dtype=torch.float32) if want_weight else None
+    sums = None
+    if want_weight and n == 0:
+        sums = torch.zeros(weight.shape, dtype=torch.float32)
     for start in range(0, n, rows):
         xc = x[start:start + rows]
         logits = ops.matmul(xc, weight, False, True)
@@ -239,12 +246,16 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
         losses[start:start + rows] = loss
         if d_input is not None:
             d_input[start:start + rows] = ops.matmul(logits, weight, False, False)
-        if sums is not None:
-            ops.matmul_accumulate_(sums, logits, xc, True, False)
+        if want_weight:
+            if sums is not None:
+                ops.matmul_accumulate_(sums, logits, xc, True, False)
+            else:
+                single = start + rows >= n
+                sums = ops.matmul(logits, xc, True, False, None if single else torch.float32)
         del logits
     d_weight = None
     if sums is not None:
-        d_weight = sums if weight.dtype == torch.float32 else sums.to(weight.dtype)
+        d_weight = sums if sums.dtype == weight.dtype else sums.to(weight.dtype)
     total = ops.cross_entropy_reduce(losses, t, None, red, ignore_index)
     return total, d_input, d_weight, None
 
