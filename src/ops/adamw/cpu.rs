@@ -4,14 +4,12 @@
 //! lanes from a zero-padded copy, so tails round like the rest). The
 //! compact formats' bit work (split masters, stochastic rounding) runs on
 //! each group's 16 f32 values in plain integer loops, the same on every ISA.
-//! 8-bit moments go by quantization block: its codes decoded into f32
-//! buffers, the block stepped through the same lanes on them, then coded
-//! again against the block's new maximum.
+//! 8-bit moments go by quantization block (`cpu_q8.rs`), stepped through
+//! the same `piece_step` on decoded buffers.
 
 use super::formats::{
     join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
-use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, AdamWConsts, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_FOUND_INF};
 use crate::dtype::{DType, Float};
 use crate::lanes::detect::Available;
@@ -110,17 +108,17 @@ use dispatch_pgm;
 
 /// Pointers of one piece: `n` elements of row `r` of each table, from
 /// element `lo` of the tensor.
-struct Piece<P, G, M> {
-    p: *mut P,
-    g: *const G,
-    m: *mut M,
-    v: *mut M,
-    vmax: *mut M,
-    master: *mut f32,
+pub(super) struct Piece<P, G, M> {
+    pub p: *mut P,
+    pub g: *const G,
+    pub m: *mut M,
+    pub v: *mut M,
+    pub vmax: *mut M,
+    pub master: *mut f32,
     /// Split masters' low halves (instead of `master`).
-    low: *mut i16,
+    pub low: *mut i16,
     /// The key of the piece's element 0 (stochastic rounding).
-    key: u64,
+    pub key: u64,
 }
 
 unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
@@ -131,7 +129,7 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
 ) {
     if call.state.quantized_moments != 0 {
         // SAFETY: forwarded.
-        return unsafe { run_q8::<L, P, G>(call, k, ams, runner) };
+        return unsafe { super::cpu_q8::run_q8::<L, P, G>(call, k, ams, runner) };
     }
     let t = call.tiling;
     let nb = t.blocks as usize;
@@ -193,316 +191,6 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
 
 use core::mem::size_of;
 
-/// The step with 8-bit moments: block `b` steps the quantization blocks
-/// whose first element lies in its flat range (so none is cut).
-unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
-    call: &AdamWCall,
-    k: &AdamWConsts,
-    ams: bool,
-    runner: &dyn Runner,
-) {
-    let t = call.tiling;
-    let nb = t.blocks as usize;
-    // SAFETY: the front end wrote each present list's table (and the keys).
-    let (tables, scales, keys) = unsafe { (call.tables(), call.scale_tables(), call.keys()) };
-    let ps = tables[0];
-    let (state, step) = (call.state, call.options.step);
-    let q8_salt = salt(state.seed, step, STREAM_Q8);
-    runner.parallel_for(nb, &|b| {
-        if b >= nb {
-            return;
-        }
-        let (s, e) = t.block_range(b);
-        let first = ps.partition_point(|g| g.end() <= s);
-        // The decoded moments of one quantization block, reused by each.
-        let mut bufs = [[0f32; Q8_BLOCK]; 3];
-        for (r, row) in ps.iter().enumerate().skip(first) {
-            if row.start >= e {
-                break;
-            }
-            let lo = s.max(row.start) - row.start;
-            let hi = e.min(row.end()) - row.start;
-            let mut q = lo.div_ceil(Q8_BLOCK);
-            while q * Q8_BLOCK < hi {
-                let at = q * Q8_BLOCK;
-                let n = (row.numel - at).min(Q8_BLOCK);
-                let key = keys.get(r).map_or(0, |k| k.wrapping_add(at as u64));
-                // SAFETY: the rows describe validated, pairwise disjoint
-                // tensors; this quantization block is this block's alone;
-                // `L` is available.
-                unsafe {
-                    L::enter(
-                        #[inline(always)]
-                        || {
-                            q8_block::<L, P, G>(
-                                &tables, &scales, r, at, n, key, k, &state, step, ams, q8_salt,
-                                &mut bufs,
-                            )
-                        },
-                    )
-                };
-                q += 1;
-            }
-        }
-    });
-}
-
-/// One quantization block of row `r`: `n` (<= 256) elements from `at`.
-///
-/// # Safety
-/// The tables are the call's; the block is the caller's alone.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
-    t: &[&[ListSeg]; 6],
-    sc: &[&[ListSeg]; 3],
-    r: usize,
-    at: usize,
-    n: usize,
-    key: u64,
-    k: &AdamWConsts,
-    st: &super::AdamWState,
-    step: u64,
-    ams: bool,
-    q8_salt: u32,
-    [m, v, x]: &mut [[f32; Q8_BLOCK]; 3],
-) {
-    let [ps, gs, ms, vs, xs, ws] = *t;
-    let q = at / Q8_BLOCK;
-    let code = |l: &[ListSeg]| (l[r].data as *mut u8).wrapping_add(at);
-    let scale = |l: &[ListSeg]| (l[r].data as *mut f32).wrapping_add(q);
-    let (cm, cv) = (code(ms), code(vs));
-    let (sm, sv) = (scale(sc[0]), scale(sc[1]));
-    // The next block's codes, a block ahead as the other streams (an
-    // address past the tensor is never dereferenced: a prefetch does not
-    // fault).
-    for l in (0..Q8_BLOCK).step_by(64) {
-        L::prefetch(cm.wrapping_add(Q8_BLOCK + l));
-        L::prefetch(cv.wrapping_add(Q8_BLOCK + l));
-    }
-    // SAFETY: the codes' `n` elements from `at` and the block's scale are
-    // this block's (validated lengths: one scale per 256 elements).
-    unsafe {
-        decode::<true>(m, cm, *sm, n);
-        decode::<false>(v, cv, *sv, n);
-        if ams {
-            decode::<false>(x, code(xs), *scale(sc[2]), n);
-        }
-    }
-    let split_masters = st.split_masters != 0;
-    let at_ = |l: &[ListSeg], size: usize| -> *mut u8 {
-        l.get(r).map_or(core::ptr::null_mut(), |s| {
-            (s.data as *mut u8).wrapping_add(at * size)
-        })
-    };
-    let piece = Piece::<P, G, f32> {
-        p: at_(ps, size_of::<P>()).cast(),
-        g: at_(gs, size_of::<G>()).cast(),
-        m: m.as_mut_ptr(),
-        v: v.as_mut_ptr(),
-        vmax: if ams {
-            x.as_mut_ptr()
-        } else {
-            core::ptr::null_mut()
-        },
-        master: if split_masters {
-            core::ptr::null_mut()
-        } else {
-            at_(ws, 4).cast()
-        },
-        low: if split_masters {
-            at_(ws, 2).cast()
-        } else {
-            core::ptr::null_mut()
-        },
-        key,
-    };
-    // SAFETY: the params, grads and masters of the block are its own; the
-    // moments are the local buffers (n <= 256 elements each).
-    unsafe {
-        piece_step::<L, P, G, f32>(&piece, n, k, st, step);
-        let rs = block_randoms::<L>(n, q8_salt, key);
-        encode2::<L>(m, v, [cm, cv], [sm, sv], n, &rs);
-        if ams {
-            // The maximum takes exp_avg_sq's random bits (the high 16).
-            encode::<L, false, 16>(x, code(xs), scale(sc[2]), n, &rs);
-        }
-    }
-}
-
-/// The first `n` values of a block from their codes and scale.
-///
-/// # Safety
-/// `codes` is readable for `n` <= 256 bytes.
-#[inline(always)]
-unsafe fn decode<const SIGNED: bool>(
-    dst: &mut [f32; Q8_BLOCK],
-    codes: *const u8,
-    s: f32,
-    n: usize,
-) {
-    // SAFETY: the caller's contract.
-    let c = unsafe { core::slice::from_raw_parts(codes, n) };
-    for (d, &c) in dst.iter_mut().zip(c) {
-        *d = q8_decode::<SIGNED>(s, c);
-    }
-}
-
-/// Codes the first `n` values of a block against its new scale (written to
-/// `*scale`), with the block's random bits `rs` (`block_randoms`) `>>
-/// SHIFT`.
-///
-/// # Safety
-/// `codes` is writable for `n` <= 256 bytes, `scale` for one f32.
-#[inline(always)]
-unsafe fn encode<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
-    x: &[f32; Q8_BLOCK],
-    codes: *mut u8,
-    scale: *mut f32,
-    n: usize,
-    rs: &BlockRandoms,
-) {
-    let s = q8_scale(&x[..n]);
-    // SAFETY: the caller's contract.
-    unsafe { scale.write(s) };
-    let f = Factors::new(s);
-    let full = n / GROUP * GROUP;
-    let mut i = 0;
-    while i < full {
-        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &rs[i / GROUP]);
-        // SAFETY: the group's codes are the block's (caller); one store.
-        unsafe { codes.add(i).cast::<[u8; GROUP]>().write_unaligned(c) };
-        i += GROUP;
-    }
-    if i < n {
-        let c = code_group::<L, SIGNED, SHIFT>(x, i, &f, &rs[i / GROUP]);
-        // SAFETY: as above, `n - i` codes.
-        unsafe { core::ptr::copy_nonoverlapping(c.as_ptr(), codes.add(i), n - i) };
-    }
-}
-
-/// `encode` of both moments (exp_avg signed with the hash's low 16 bits,
-/// exp_avg_sq unsigned with its high 16) in one loop: one hash per element
-/// for both, two independent chains per group for the core to overlap.
-///
-/// # Safety
-/// As `encode`'s, for each.
-#[inline(always)]
-unsafe fn encode2<L: Lanes>(
-    m: &[f32; Q8_BLOCK],
-    v: &[f32; Q8_BLOCK],
-    codes: [*mut u8; 2],
-    scale: [*mut f32; 2],
-    n: usize,
-    rs: &BlockRandoms,
-) {
-    let (sm, sv) = q8_scale2(&m[..n], &v[..n]);
-    // SAFETY: the caller's contract.
-    unsafe {
-        scale[0].write(sm);
-        scale[1].write(sv);
-    }
-    let (fm, fv) = (Factors::new(sm), Factors::new(sv));
-    let full = n / GROUP * GROUP;
-    let mut i = 0;
-    while i < full {
-        let r = &rs[i / GROUP];
-        let a = code_group::<L, true, 0>(m, i, &fm, r);
-        let b = code_group::<L, false, 16>(v, i, &fv, r);
-        // SAFETY: the group's codes are the block's (caller); one store.
-        unsafe {
-            codes[0].add(i).cast::<[u8; GROUP]>().write_unaligned(a);
-            codes[1].add(i).cast::<[u8; GROUP]>().write_unaligned(b);
-        }
-        i += GROUP;
-    }
-    if i < n {
-        let r = &rs[i / GROUP];
-        let a = code_group::<L, true, 0>(m, i, &fm, r);
-        let b = code_group::<L, false, 16>(v, i, &fv, r);
-        // SAFETY: as above, `n - i` codes of each.
-        unsafe {
-            core::ptr::copy_nonoverlapping(a.as_ptr(), codes[0].add(i), n - i);
-            core::ptr::copy_nonoverlapping(b.as_ptr(), codes[1].add(i), n - i);
-        }
-    }
-}
-
-/// The random bits of a quantization block, a group at a time.
-type BlockRandoms = [[u32; GROUP]; Q8_BLOCK / GROUP];
-
-/// The block's random bits (one hash an element: exp_avg takes the low 16,
-/// exp_avg_sq and its maximum the high 16), in a loop of their own: the
-/// hashes' multiply chains overlap there (inside the coding loop they did
-/// not). Computed once for every moment of the block.
-#[inline(always)]
-fn block_randoms<L: Lanes>(n: usize, salt: u32, key: u64) -> BlockRandoms {
-    let mut rs = [[0u32; GROUP]; Q8_BLOCK / GROUP];
-    for (g, r) in rs.iter_mut().enumerate().take(n.div_ceil(GROUP)) {
-        *r = randoms::<L>(salt, key.wrapping_add((g * GROUP) as u64));
-    }
-    rs
-}
-
-/// A block's normalization as lanes (`q8_inverse`) and whether it has
-/// codes.
-struct Factors<L> {
-    pre: L,
-    rcp: L,
-    live: bool,
-}
-
-impl<L: Lanes> Factors<L> {
-    #[inline(always)]
-    fn new(scale: f32) -> Self {
-        let (pre, rcp) = q8_inverse(scale);
-        Factors {
-            pre: L::splat(pre),
-            rcp: L::splat(rcp),
-            live: super::q8::live(scale),
-        }
-    }
-}
-
-/// `q8_scale` of two blocks in one pass.
-#[inline(always)]
-fn q8_scale2(m: &[f32], v: &[f32]) -> (f32, f32) {
-    let (mut a, mut b) = (0u32, 0u32);
-    for (x, y) in m.iter().zip(v) {
-        a = a.max(x.to_bits() & 0x7fff_ffff);
-        b = b.max(y.to_bits() & 0x7fff_ffff);
-    }
-    (f32::from_bits(a), f32::from_bits(b))
-}
-
-/// The codes of the group at `i` of a block (`encode`; a function, not a
-/// closure: a closure may be compiled outside the ISA's target features,
-/// every lane operation a call), with the random bits `r >> SHIFT`.
-#[inline(always)]
-fn code_group<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
-    x: &[f32; Q8_BLOCK],
-    i: usize,
-    f: &Factors<L>,
-    r: &[u32; GROUP],
-) -> [u8; GROUP] {
-    let xg: &[f32; GROUP] = x
-        .get(i..i + GROUP)
-        .and_then(|s| s.try_into().ok())
-        .unwrap_or(&[0.0; GROUP]);
-    let mut a = [0f32; GROUP];
-    for j in 0..GROUP {
-        a[j] = f32::from_bits(xg[j].to_bits() & 0x7fff_ffff);
-    }
-    // The normalized values: two IEEE multiplications on every ISA.
-    let mut y = [0f32; GROUP];
-    L::load(&a).mul(f.pre).mul(f.rcp).store(&mut y);
-    let mut c = [0u8; GROUP];
-    for j in 0..GROUP {
-        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j] >> SHIFT, f.live);
-    }
-    c
-}
-
 /// Elements ahead the loop prefetches: 256 (1 KiB of an f32 stream).
 /// Seven streams at once outrun one core's hardware prefetchers; measured
 /// on Zen 3 (`benches/benches/adamw.rs`, one core) 10-15% faster than none.
@@ -542,8 +230,13 @@ struct K<L> {
     sr_params: Option<u32>,
 }
 
+/// Steps the piece's `n` elements.
+///
+/// # Safety
+/// Inside `L`'s context; the piece's `n` elements of each present tensor
+/// are the caller's alone.
 #[inline(always)]
-unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
+pub(super) unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
     x: &Piece<P, G, M>,
     n: usize,
     k: &AdamWConsts,
@@ -705,7 +398,7 @@ fn store_sr<L: Lanes, T: Float, const SHIFT: u32>(v: L, dst: &mut [T; GROUP], r:
 /// on 32-bit lanes while the group's keys share their high half (all but
 /// a group straddling a multiple of 2^32).
 #[inline(always)]
-fn randoms<L: Lanes>(salt: u32, key: u64) -> [u32; GROUP] {
+pub(super) fn randoms<L: Lanes>(salt: u32, key: u64) -> [u32; GROUP] {
     let lo = key as u32;
     if lo <= u32::MAX - GROUP as u32 {
         L::hash16(lo, salt ^ ((key >> 32) as u32).wrapping_mul(0x9e37_79b9))

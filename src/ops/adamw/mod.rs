@@ -78,6 +78,7 @@
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
 pub(crate) mod cpu;
+mod cpu_q8;
 pub(crate) mod formats;
 mod plan;
 pub(crate) mod q8;

@@ -1,0 +1,340 @@
+//! AdamW's pass with 8-bit moments on the CPU, by quantization block: its
+//! codes decoded into f32 buffers, the block stepped through the same lanes
+//! as the other formats (`piece_step`), then coded again against its new
+//! maximum, a group at a time (`Coder`).
+//!
+//! Tried and not kept (Sapphire Rapids, `NPK_ADAMW_ELEMS=65536`, one core):
+//! coding a block a group beside each group of the next block's update, so
+//! that the update's divisions and the coding's integer work overlap: 12%
+//! slower (108 against 95-96 us; 20% slower before the two sets of buffers
+//! were kept off each other's 4 KiB aliases).
+
+use super::cpu::{piece_step, randoms, Piece};
+use super::formats::salt;
+use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8_BLOCK, STREAM_Q8};
+use super::{AdamWCall, AdamWConsts};
+use crate::dtype::Float;
+use crate::lanes::{Lanes, GROUP};
+use crate::runner::Runner;
+use crate::tensor_list::ListSeg;
+use core::mem::size_of;
+
+/// Groups of a quantization block.
+const GROUPS: usize = Q8_BLOCK / GROUP;
+
+/// The decoded moments of one block: exp_avg, exp_avg_sq, and amsgrad's
+/// maximum.
+type Bufs = [[f32; Q8_BLOCK]; 3];
+
+/// The step with 8-bit moments: block `b` steps the quantization blocks
+/// whose first element lies in its flat range (so none is cut).
+///
+/// # Safety
+/// As `cpu::run`'s.
+pub(super) unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
+    call: &AdamWCall,
+    k: &AdamWConsts,
+    ams: bool,
+    runner: &dyn Runner,
+) {
+    let t = call.tiling;
+    let nb = t.blocks as usize;
+    // SAFETY: the front end wrote each present list's table (and the keys).
+    let (tables, scales, keys) = unsafe { (call.tables(), call.scale_tables(), call.keys()) };
+    let ps = tables[0];
+    let (state, step) = (call.state, call.options.step);
+    let q8_salt = salt(state.seed, step, STREAM_Q8);
+    runner.parallel_for(nb, &|b| {
+        if b >= nb {
+            return;
+        }
+        let (s, e) = t.block_range(b);
+        let first = ps.partition_point(|g| g.end() <= s);
+        // The decoded moments of one quantization block, reused by each.
+        let mut bufs = [[0f32; Q8_BLOCK]; 3];
+        for (r, row) in ps.iter().enumerate().skip(first) {
+            if row.start >= e {
+                break;
+            }
+            let lo = s.max(row.start) - row.start;
+            let hi = e.min(row.end()) - row.start;
+            let mut q = lo.div_ceil(Q8_BLOCK);
+            while q * Q8_BLOCK < hi {
+                let at = q * Q8_BLOCK;
+                let n = (row.numel - at).min(Q8_BLOCK);
+                let key = keys.get(r).map_or(0, |k| k.wrapping_add(at as u64));
+                let blk = Block {
+                    tables: &tables,
+                    scales: &scales,
+                    r,
+                    at,
+                    n,
+                    key,
+                };
+                // SAFETY: the rows describe validated, pairwise disjoint
+                // tensors; this quantization block is this block's alone;
+                // `L` is available.
+                unsafe {
+                    L::enter(
+                        #[inline(always)]
+                        || q8_block::<L, P, G>(&blk, k, &state, step, ams, q8_salt, &mut bufs),
+                    )
+                };
+                q += 1;
+            }
+        }
+    });
+}
+
+/// Where one quantization block is.
+struct Block<'a> {
+    tables: &'a [&'a [ListSeg]; 6],
+    scales: &'a [&'a [ListSeg]; 3],
+    r: usize,
+    at: usize,
+    n: usize,
+    key: u64,
+}
+
+/// One quantization block of row `r`: `n` (<= 256) elements from `at`,
+/// decoded into `bufs`, stepped, and coded again.
+///
+/// # Safety
+/// The tables are the call's; the block is the caller's alone.
+#[inline(always)]
+unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
+    b: &Block<'_>,
+    k: &AdamWConsts,
+    st: &super::AdamWState,
+    step: u64,
+    ams: bool,
+    q8_salt: u32,
+    [m, v, x]: &mut Bufs,
+) {
+    let [ps, gs, ms, vs, xs, ws] = *b.tables;
+    let (r, at, n) = (b.r, b.at, b.n);
+    let q = at / Q8_BLOCK;
+    let code = |l: &[ListSeg]| (l[r].data as *mut u8).wrapping_add(at);
+    let scale = |l: &[ListSeg]| (l[r].data as *mut f32).wrapping_add(q);
+    let (cm, cv) = (code(ms), code(vs));
+    // The next block's codes, a block ahead as the other streams (an
+    // address past the tensor is never dereferenced: a prefetch does not
+    // fault).
+    for l in (0..Q8_BLOCK).step_by(64) {
+        L::prefetch(cm.wrapping_add(Q8_BLOCK + l));
+        L::prefetch(cv.wrapping_add(Q8_BLOCK + l));
+    }
+    // SAFETY: the codes' `n` elements from `at` and the block's scale are
+    // this block's (validated lengths: one scale per 256 elements).
+    unsafe {
+        decode::<true>(m, cm, *scale(b.scales[0]), n);
+        decode::<false>(v, cv, *scale(b.scales[1]), n);
+        if ams {
+            decode::<false>(x, code(xs), *scale(b.scales[2]), n);
+        }
+    }
+    let split_masters = st.split_masters != 0;
+    let at_ = |l: &[ListSeg], size: usize| -> *mut u8 {
+        l.get(r).map_or(core::ptr::null_mut(), |s| {
+            (s.data as *mut u8).wrapping_add(at * size)
+        })
+    };
+    let piece = Piece::<P, G, f32> {
+        p: at_(ps, size_of::<P>()).cast(),
+        g: at_(gs, size_of::<G>()).cast(),
+        m: m.as_mut_ptr(),
+        v: v.as_mut_ptr(),
+        vmax: if ams {
+            x.as_mut_ptr()
+        } else {
+            core::ptr::null_mut()
+        },
+        master: if split_masters {
+            core::ptr::null_mut()
+        } else {
+            at_(ws, 4).cast()
+        },
+        low: if split_masters {
+            at_(ws, 2).cast()
+        } else {
+            core::ptr::null_mut()
+        },
+        key: b.key,
+    };
+    // SAFETY: the params, grads and masters of the block are its own; the
+    // moments are the local buffers (n <= 256 elements each).
+    unsafe { piece_step::<L, P, G, f32>(&piece, n, k, st, step) };
+    let (sm, sv) = q8_scale2(&m[..n], &v[..n]);
+    let scales = [sm, sv, if ams { q8_scale(&x[..n]) } else { 0.0 }];
+    for (j, s) in scales.iter().enumerate().take(2 + ams as usize) {
+        // SAFETY: the block's scales, its own.
+        unsafe { scale(b.scales[j]).write(*s) };
+    }
+    let codes = [cm, cv, if ams { code(xs) } else { core::ptr::null_mut() }];
+    let coder = Coder::<L>::new(scales, n, q8_salt, b.key, ams);
+    for g in 0..n.div_ceil(GROUP) {
+        // SAFETY: the block's codes (`n` of each from `at`) are its own.
+        unsafe { coder.group(m, v, x, codes, g) };
+    }
+}
+
+/// Codes a stepped block, a group at a time: exp_avg signed with the low
+/// 16 bits of the element's hash, exp_avg_sq and its maximum unsigned with
+/// the high 16 (one hash an element for all three).
+struct Coder<L> {
+    n: usize,
+    ams: bool,
+    /// Each moment's normalization.
+    f: [Factors<L>; 3],
+    /// The block's random bits, a group at a time.
+    rs: [[u32; GROUP]; GROUPS],
+}
+
+impl<L: Lanes> Coder<L> {
+    /// The coder of a block of `n` elements with these new scales (inside
+    /// the ISA's context: the factors are lanes).
+    #[inline(always)]
+    fn new(scales: [f32; 3], n: usize, salt: u32, key: u64, ams: bool) -> Self {
+        // The random bits in a loop of their own: the hashes' multiply
+        // chains overlap there (inside the coding loop they did not: 13 us
+        // of 105 per 2^16 elements).
+        let mut rs = [[0u32; GROUP]; GROUPS];
+        for (g, r) in rs.iter_mut().enumerate().take(n.div_ceil(GROUP)) {
+            *r = randoms::<L>(salt, key.wrapping_add((g * GROUP) as u64));
+        }
+        Coder {
+            n,
+            ams,
+            // (q8_inverse divides: the maximum's only with amsgrad.)
+            f: [
+                Factors::new(scales[0]),
+                Factors::new(scales[1]),
+                Factors::new(if ams { scales[2] } else { 1.0 }),
+            ],
+            rs,
+        }
+    }
+
+    /// The codes of group `g` (of the first `n` elements) of each moment.
+    ///
+    /// # Safety
+    /// `codes` are writable for the block's `n` codes (the maximum's only
+    /// with amsgrad).
+    #[inline(always)]
+    unsafe fn group(
+        &self,
+        m: &[f32; Q8_BLOCK],
+        v: &[f32; Q8_BLOCK],
+        x: &[f32; Q8_BLOCK],
+        codes: [*mut u8; 3],
+        g: usize,
+    ) {
+        let i = g * GROUP;
+        let (r, len) = (&self.rs[g], (self.n - i).min(GROUP));
+        let a = code_group::<L, true, 0>(m, i, &self.f[0], r);
+        let b = code_group::<L, false, 16>(v, i, &self.f[1], r);
+        // SAFETY: the caller's contract.
+        unsafe {
+            put(a, codes[0].add(i), len);
+            put(b, codes[1].add(i), len);
+        }
+        if self.ams {
+            let c = code_group::<L, false, 16>(x, i, &self.f[2], r);
+            // SAFETY: as above.
+            unsafe { put(c, codes[2].add(i), len) };
+        }
+    }
+}
+
+/// `len` (<= 16) codes to `dst`: one store for a whole group.
+///
+/// # Safety
+/// `dst` is writable for `len` bytes.
+#[inline(always)]
+unsafe fn put(c: [u8; GROUP], dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if len == GROUP {
+            dst.cast::<[u8; GROUP]>().write_unaligned(c);
+        } else {
+            core::ptr::copy_nonoverlapping(c.as_ptr(), dst, len);
+        }
+    }
+}
+
+/// The first `n` values of a block from their codes and scale.
+///
+/// # Safety
+/// `codes` is readable for `n` <= 256 bytes.
+#[inline(always)]
+unsafe fn decode<const SIGNED: bool>(
+    dst: &mut [f32; Q8_BLOCK],
+    codes: *const u8,
+    s: f32,
+    n: usize,
+) {
+    // SAFETY: the caller's contract.
+    let c = unsafe { core::slice::from_raw_parts(codes, n) };
+    for (d, &c) in dst.iter_mut().zip(c) {
+        *d = q8_decode::<SIGNED>(s, c);
+    }
+}
+
+/// `q8_scale` of two blocks in one pass.
+#[inline(always)]
+fn q8_scale2(m: &[f32], v: &[f32]) -> (f32, f32) {
+    let (mut a, mut b) = (0u32, 0u32);
+    for (x, y) in m.iter().zip(v) {
+        a = a.max(x.to_bits() & 0x7fff_ffff);
+        b = b.max(y.to_bits() & 0x7fff_ffff);
+    }
+    (f32::from_bits(a), f32::from_bits(b))
+}
+
+/// A block's normalization as lanes (`q8_inverse`) and whether it has
+/// codes.
+struct Factors<L> {
+    pre: L,
+    rcp: L,
+    live: bool,
+}
+
+impl<L: Lanes> Factors<L> {
+    #[inline(always)]
+    fn new(scale: f32) -> Self {
+        let (pre, rcp) = q8_inverse(scale);
+        Factors {
+            pre: L::splat(pre),
+            rcp: L::splat(rcp),
+            live: super::q8::live(scale),
+        }
+    }
+}
+
+/// The codes of the group at `i` of a block (a function, not a closure: a
+/// closure may be compiled outside the ISA's target features, every lane
+/// operation a call), with the random bits `r >> SHIFT`.
+#[inline(always)]
+fn code_group<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
+    x: &[f32; Q8_BLOCK],
+    i: usize,
+    f: &Factors<L>,
+    r: &[u32; GROUP],
+) -> [u8; GROUP] {
+    let xg: &[f32; GROUP] = x
+        .get(i..i + GROUP)
+        .and_then(|s| s.try_into().ok())
+        .unwrap_or(&[0.0; GROUP]);
+    let mut a = [0f32; GROUP];
+    for j in 0..GROUP {
+        a[j] = f32::from_bits(xg[j].to_bits() & 0x7fff_ffff);
+    }
+    // The normalized values: two IEEE multiplications on every ISA.
+    let mut y = [0f32; GROUP];
+    L::load(&a).mul(f.pre).mul(f.rcp).store(&mut y);
+    let mut c = [0u8; GROUP];
+    for j in 0..GROUP {
+        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j] >> SHIFT, f.live);
+    }
+    c
+}
