@@ -14,6 +14,9 @@ pub(crate) const KC: usize = MATMUL_KC as usize;
 /// rows, rounded up to a group).
 const ROW_BUF: usize = (super::plan::MATMUL_MC as usize).div_ceil(GROUP) * GROUP;
 
+/// Steps ahead a transposed pack prefetches its rows.
+const AHEAD: usize = 8;
+
 /// A row-major matrix in memory: element `(i, j)` at `i * ld + j`.
 #[derive(Clone, Copy)]
 pub(crate) struct Mat<T> {
@@ -66,6 +69,13 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
         for k in 0..kc {
             // SAFETY: row p0 + k, columns r0 .. r0 + rows are inside x.
             let src = unsafe { core::slice::from_raw_parts(x.p.add((p0 + k) * x.ld + r0), rows) };
+            // The same columns of the row AHEAD steps on: each step's row is
+            // a stream (and page) of its own, too short for the hardware
+            // prefetchers (an address past x is never dereferenced).
+            let next = x.p.wrapping_add((p0 + k + AHEAD) * x.ld + r0) as *const u8;
+            for off in (0..rows * core::mem::size_of::<T>()).step_by(64) {
+                L::prefetch(next.wrapping_add(off));
+            }
             if whole_row {
                 // (widen_into fills whole groups: the tail group zero-padded.)
                 crate::lanes::widen_into::<L, T>(src, &mut wide[..rows.div_ceil(GROUP) * GROUP]);
