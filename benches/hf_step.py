@@ -28,7 +28,9 @@ bf16, patched, and steps ``npukern_torch.optim.AdamW(master_weights=True,
 max_grad_norm=1.0)`` (no autocast, no separate clip); ``patched_autocast``
 is the patched model in Trainer's recipe with npukern's optimizer;
 ``stock_f32`` is stock in float32 without autocast (clip, fused AdamW): what
-a user on a CPU whose bf16 matmul is slow also tries. ``--linear`` is
+a user on a CPU whose bf16 matmul is slow also tries; ``patched_f32`` is
+that float32 model patched, stepped by ``npukern_torch.optim.AdamW(
+max_grad_norm=1.0)`` (no masters: the params are float32). ``--linear`` is
 ``hf.patch``'s (``auto``: the route's rule). Per
 variant the step and its parts (forward + backward, clip, optimizer step):
     taskset -c 0 python benches/hf_step.py --recipe trainer --threads 1
@@ -70,11 +72,11 @@ def child(args):
                       max_position_embeddings=max(2048, args.seq), tie_word_embeddings=args.tied,
                       attn_implementation="sdpa")
     trainer = args.recipe == "trainer"
-    f32_params = trainer and args.child in ("stock", "patched_autocast", "stock_f32")
+    f32_params = trainer and args.child in ("stock", "patched_autocast", "stock_f32", "patched_f32")
     model = LlamaForCausalLM(cfg).to(torch.float32 if f32_params else torch.bfloat16)
     model.train()
     counts = None
-    if args.child in ("patched", "patched_autocast"):
+    if args.child in ("patched", "patched_autocast", "patched_f32"):
         import npukern_torch
         from npukern_torch import hf
 
@@ -91,7 +93,7 @@ def child(args):
         from npukern_torch.optim import AdamW
 
         opt = AdamW(model.parameters(), lr=1e-5, master_weights=args.child == "patched", max_grad_norm=1.0)
-    autocast = trainer and args.child not in ("patched", "stock_f32")
+    autocast = trainer and args.child not in ("patched", "stock_f32", "patched_f32")
 
     def step():
         t0 = CLOCK()
@@ -142,7 +144,7 @@ def driver(args):
             continue
         flag = "--" + k.replace("_", "-")
         passthrough += [flag] if v is True else [flag, str(v)]
-    variants = ("stock", "patched", "patched_autocast", "stock_f32") if args.recipe == "trainer" \
+    variants = ("stock", "patched", "patched_autocast", "stock_f32", "patched_f32") if args.recipe == "trainer" \
         else ("stock", "patched")
     results = {v: [] for v in variants}
     for _ in range(args.runs):
@@ -184,7 +186,7 @@ def main():
     p.add_argument("--runs", type=int, default=3, help="processes per variant, alternating")
     p.add_argument("--recipe", choices=("fwdbwd", "trainer"), default="fwdbwd",
                    help="fwdbwd: forward + backward of a bf16 model; trainer: the whole step (see above)")
-    p.add_argument("--child", choices=("stock", "patched", "patched_autocast", "stock_f32"),
+    p.add_argument("--child", choices=("stock", "patched", "patched_autocast", "stock_f32", "patched_f32"),
                    help="run one variant in this process")
     p.add_argument("--linear", choices=("auto", "torch", "npukern"), default="auto",
                    help="hf.patch's linear: the route's rule (auto), torch's matmuls, or npukern's always")

@@ -19,8 +19,14 @@ has:
 - No BF16 instructions (AVX-512 Skylake/Cascade/Ice Lake, AVX2 Zen 2/3):
   oneDNN converts in its own loops (the bf16 matmuls were 95.8% of a
   Cascade Lake step): npukern takes bfloat16 and float16.
-- float32: torch's ``mm`` ran at npukern's rate (83-92 against 82-96
-  GFLOP/s on Zen 4): torch keeps float32 and its stock bits.
+- float32 on AMD with full-width AVX-512 (Zen 5, family 26 and later):
+  torch's float32 ``mm`` (MKL's sgemm, which runs its AVX2 path on AMD)
+  reached 102-108 GFLOP/s on one Zen 5 core, npukern's 218-235 (FMA peak
+  263): npukern takes float32.
+- float32 elsewhere: torch's ``mm`` ran at npukern's rate (83-92 against
+  82-96 GFLOP/s on Zen 4, whose AVX-512 runs at the AVX2 rate; 149-216
+  against 134-197 on Sapphire Rapids): torch keeps float32 and its stock
+  bits.
 
 ``NPK_TORCH_MATMUL=npukern`` (every dtype the kernel takes) or ``=torch``
 (none) in the environment overrides the rule.
@@ -37,8 +43,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @functools.lru_cache(maxsize=1)
 def _cpu():
-    """(vendor, flags) of this CPU from /proc/cpuinfo; ("", set()) elsewhere."""
-    vendor, flags = "", set()
+    """(vendor, flags, family) of this CPU from /proc/cpuinfo; ("", set(), 0) elsewhere."""
+    vendor, flags, family = "", set(), 0
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -48,20 +54,24 @@ def _cpu():
                     vendor = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())
-                if vendor and flags:
+                elif key == "cpu family" and not family:
+                    family = int(value) if value.strip().isdigit() else 0
+                if vendor and flags and family:
                     break
     except OSError:
         pass
-    return vendor, flags
+    return vendor, flags, family
 
 
 def _rule(dtype):
     """(npukern takes it, why) by the rule above."""
-    vendor, flags = _cpu()
+    vendor, flags, family = _cpu()
     if dtype not in DTYPES:
         return False, f"{dtype} is not a dtype npukern's matmul computes"
     if "amx_tile" in flags:
         return False, "AMX: oneDNN's tiles run many times the FMA rate"
+    if dtype == torch.float32 and vendor == "AuthenticAMD" and family >= 26 and "avx512f" in flags:
+        return True, "float32 on AMD Zen 5 and later: torch's sgemm runs its AVX2 path, half npukern's AVX-512 FMA rate"
     if dtype == torch.float32:
         return False, "float32: torch's mm runs at npukern's rate, with the stock bits"
     x86 = vendor in ("GenuineIntel", "AuthenticAMD")
