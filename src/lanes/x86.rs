@@ -357,13 +357,19 @@ impl Lanes for Avx2 {
     fn hash16(lo: u32, k: u32) -> [u32; GROUP] {
         // SAFETY: AVX2 present; 64 writable bytes.
         unsafe {
-            let mix = |mut x: __m256i| {
-                x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
-                x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb_352d));
-                x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
-                x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x846c_a68bu32 as i32));
-                _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
-            };
+            // Inline fns, not closures: LLVM kept a closure called twice
+            // out of line, outside the AVX2 context (a call per intrinsic).
+            #[inline(always)]
+            unsafe fn mix(mut x: __m256i) -> __m256i {
+                // SAFETY: AVX2 present (the caller's); register arithmetic.
+                unsafe {
+                    x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
+                    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb_352d));
+                    x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
+                    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x846c_a68bu32 as i32));
+                    _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
+                }
+            }
             let base = _mm256_add_epi32(
                 _mm256_set1_epi32(lo as i32),
                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
@@ -384,19 +390,28 @@ impl Lanes for Avx2 {
     fn store_bf16_sr<const SHIFT: u32>(self, dst: &mut [bf16; GROUP], r: &[u32; GROUP]) {
         // SAFETY: 64 readable and 32 writable bytes; AVX2 present.
         unsafe {
-            let half = |v: __m256, rp: *const u32| {
-                let b = _mm256_castps_si256(v);
-                let rv = _mm256_loadu_si256(rp as *const __m256i);
-                let rv = _mm256_and_si256(
-                    _mm256_srl_epi32(rv, _mm_cvtsi32_si128(SHIFT as i32)),
-                    _mm256_set1_epi32(0xffff),
-                );
-                let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, rv));
-                let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-                let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
-                _mm256_blendv_epi8(rounded, quiet, nan)
-            };
-            let (a, b) = (half(self.0, r.as_ptr()), half(self.1, r.as_ptr().add(8)));
+            // An inline fn, not a closure (see `hash16`).
+            #[inline(always)]
+            unsafe fn half(v: __m256, rp: *const u32, shift: u32) -> __m256i {
+                // SAFETY: AVX2 present (the caller's); 32 readable bytes at rp.
+                unsafe {
+                    let b = _mm256_castps_si256(v);
+                    let rv = _mm256_loadu_si256(rp as *const __m256i);
+                    let rv = _mm256_and_si256(
+                        _mm256_srl_epi32(rv, _mm_cvtsi32_si128(shift as i32)),
+                        _mm256_set1_epi32(0xffff),
+                    );
+                    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, rv));
+                    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+                    let quiet =
+                        _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+                    _mm256_blendv_epi8(rounded, quiet, nan)
+                }
+            }
+            let (a, b) = (
+                half(self.0, r.as_ptr(), SHIFT),
+                half(self.1, r.as_ptr().add(8), SHIFT),
+            );
             // Both halves hold values < 2^16: packus keeps them; it packs per
             // 128-bit lane, so the quadwords go back in order.
             let packed = _mm256_permute4x64_epi64::<0xd8>(_mm256_packus_epi32(a, b));
@@ -410,37 +425,44 @@ impl Lanes for Avx2 {
         // low halves; else their high halves).
         // SAFETY: AVX2 present; shuffles only.
         unsafe {
-            let t8 = |r: [__m256; 8]| -> [__m256; 8] {
-                let t: [__m256; 8] = core::array::from_fn(|i| {
-                    let (a, b) = (r[i & !1], r[i | 1]);
-                    if i % 2 == 0 {
-                        _mm256_unpacklo_ps(a, b)
-                    } else {
-                        _mm256_unpackhi_ps(a, b)
-                    }
-                });
-                // u[4h + c]: per 128-bit lane q, rows 4h..4h+4 of column 4q + c.
-                let u: [__m256; 8] = core::array::from_fn(|i| {
-                    let (h, c) = (i / 4, i % 4);
-                    let (a, b) = (
-                        _mm256_castps_pd(t[4 * h + (c >> 1)]),
-                        _mm256_castps_pd(t[4 * h + 2 + (c >> 1)]),
-                    );
-                    _mm256_castpd_ps(if c % 2 == 0 {
-                        _mm256_unpacklo_pd(a, b)
-                    } else {
-                        _mm256_unpackhi_pd(a, b)
+            // An inline(always) fn, not a closure: LLVM kept the closure
+            // out of line, outside the AVX context, and every shuffle
+            // became a call (the x W^T pack was 40% of a matmul on Zen 5).
+            #[inline(always)]
+            unsafe fn t8(r: [__m256; 8]) -> [__m256; 8] {
+                // SAFETY: AVX present (the caller's); shuffles only.
+                unsafe {
+                    let t: [__m256; 8] = core::array::from_fn(|i| {
+                        let (a, b) = (r[i & !1], r[i | 1]);
+                        if i % 2 == 0 {
+                            _mm256_unpacklo_ps(a, b)
+                        } else {
+                            _mm256_unpackhi_ps(a, b)
+                        }
+                    });
+                    // u[4h + c]: per 128-bit lane q, rows 4h..4h+4 of column 4q + c.
+                    let u: [__m256; 8] = core::array::from_fn(|i| {
+                        let (h, c) = (i / 4, i % 4);
+                        let (a, b) = (
+                            _mm256_castps_pd(t[4 * h + (c >> 1)]),
+                            _mm256_castps_pd(t[4 * h + 2 + (c >> 1)]),
+                        );
+                        _mm256_castpd_ps(if c % 2 == 0 {
+                            _mm256_unpacklo_pd(a, b)
+                        } else {
+                            _mm256_unpackhi_pd(a, b)
+                        })
+                    });
+                    core::array::from_fn(|j| {
+                        let (q, c) = (j / 4, j % 4);
+                        if q == 0 {
+                            _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c])
+                        } else {
+                            _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c])
+                        }
                     })
-                });
-                core::array::from_fn(|j| {
-                    let (q, c) = (j / 4, j % 4);
-                    if q == 0 {
-                        _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c])
-                    } else {
-                        _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c])
-                    }
-                })
-            };
+                }
+            }
             let lo_top = t8(core::array::from_fn(|i| rows[i].0));
             let lo_bot = t8(core::array::from_fn(|i| rows[8 + i].0));
             let hi_top = t8(core::array::from_fn(|i| rows[i].1));

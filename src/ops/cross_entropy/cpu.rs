@@ -461,7 +461,9 @@ unsafe fn row_max_body<L: Lanes, T: Float, const CAP: bool>(k: &Kern<T>, base: u
         m0 = m0.at_least(x);
         j += GROUP;
     }
-    [m0, m1, m2, m3].into_iter().fold(-f32::MAX, fold_max)
+    // Nested calls, not an array's fold: LLVM kept that fold out of line on
+    // AVX2, its stores calls outside the AVX context.
+    fold_max(fold_max(fold_max(fold_max(-f32::MAX, m0), m1), m2), m3)
 }
 
 /// `row_max_body` as a function of its own per form (`enter_apart`: the
