@@ -10,8 +10,9 @@ has:
 - AMX (Sapphire Rapids and later): oneDNN's tiles are many times the FMA
   rate: torch keeps every matmul.
 - AVX512-BF16 on AMD (Zen 4, Zen 5): ``VDPBF16PS`` runs at twice the FMA
-  rate (231 against 115 GFLOP/s on one Zen 4 core) and oneDNN's bf16 ``mm``
-  reaches 187-204, npukern's 82-96: torch keeps bfloat16.
+  rate (231 against 115 GFLOP/s on one Zen 4 core, 486 against 263 on
+  Zen 5) and oneDNN's bf16 ``mm`` reaches 187-204 (Zen 5: 391-465),
+  npukern's 82-96 (Zen 5: 201-228): torch keeps bfloat16.
 - AVX512-BF16 on Intel without AMX (Cooper Lake, a Sapphire Rapids VM that
   hides AMX): ``VDPBF16PS`` peaks at half the FMA rate there (86 against
   172-178 GFLOP/s) and torch's bf16 ``mm`` ran at 82-84: npukern takes
