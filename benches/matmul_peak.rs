@@ -41,6 +41,93 @@ unsafe fn best_of_3(f: unsafe fn() -> f32) -> f64 {
     best
 }
 
+/// What VDPBF16PS computes, against three definitions on random lanes
+/// (normal bf16 over a wide exponent range, subnormal ones, sums that
+/// cancel): `(lanes, matches of each)`. Intel's pseudo-code is the first
+/// (`acc + a[2j+1] b[2j+1]`, then `+ a[2j] b[2j]`, each rounded, bf16
+/// subnormals read as 0, subnormal results flushed): a matmul on this
+/// instruction has bits a portable FMA chain can reproduce only if the
+/// CPU does exactly that.
+///
+/// # Safety
+/// AVX512-BF16 is available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dpbf16_bits() -> (u64, u64, u64, u64) {
+    use core::arch::x86_64::*;
+    let bf = |x: u16| f32::from_bits(u32::from(x) << 16);
+    let flush = |x: f32| {
+        if x.is_subnormal() {
+            0f32.copysign(x)
+        } else {
+            x
+        }
+    };
+    let mut s: u64 = 0x1234_5678_9abc_def1;
+    let mut rnd = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let mut m = (0u64, 0u64, 0u64, 0u64);
+    for it in 0..20_000u64 {
+        let spread = if it % 10 == 0 { 200 } else { 16 };
+        let mut acc = [0f32; 16];
+        let mut a = [0u16; 32];
+        let mut b = [0u16; 32];
+        for j in 0..16 {
+            let mut e = || {
+                let r = rnd();
+                ((r & 1) as u16) << 15
+                    | ((120 + (r >> 1) % spread) as u16) << 7
+                    | ((r >> 8) & 0x7f) as u16
+            };
+            (a[2 * j], a[2 * j + 1], b[2 * j], b[2 * j + 1]) = (e(), e(), e(), e());
+            if it % 7 == 0 {
+                a[2 * j] = (rnd() & 0x807f) as u16; // a bf16 subnormal
+            }
+            let r = rnd();
+            acc[j] = if it % 3 == 0 {
+                -(bf(a[2 * j]) * bf(b[2 * j])) // the pair's sum cancels
+            } else {
+                f32::from_bits(
+                    (r as u32 & 0x8000_0000)
+                        | (((r >> 32) as u32 % 40 + 110) << 23)
+                        | ((r >> 40) as u32 & 0x7f_ffff),
+                )
+            };
+        }
+        let mut got = [0f32; 16];
+        // SAFETY: AVX512-BF16 (the caller's); 64-byte arrays.
+        unsafe {
+            let r = _mm512_dpbf16_ps(
+                _mm512_loadu_ps(acc.as_ptr()),
+                core::mem::transmute::<[u16; 32], __m512bh>(a),
+                core::mem::transmute::<[u16; 32], __m512bh>(b),
+            );
+            _mm512_storeu_ps(got.as_mut_ptr(), r);
+        }
+        for j in 0..16 {
+            let (a0, a1) = (flush(bf(a[2 * j])), flush(bf(a[2 * j + 1])));
+            let (b0, b1) = (flush(bf(b[2 * j])), flush(bf(b[2 * j + 1])));
+            let c = flush(acc[j]);
+            let odd = flush(a0.mul_add(b0, flush(a1.mul_add(b1, c))));
+            let even = flush(a1.mul_add(b1, flush(a0.mul_add(b0, c))));
+            let once = flush(
+                (f64::from(a0) * f64::from(b0) + f64::from(a1) * f64::from(b1) + f64::from(c))
+                    as f32,
+            );
+            let same = |x: f32| x.to_bits() == got[j].to_bits() || (x.is_nan() && got[j].is_nan());
+            m.0 += 1;
+            m.1 += u64::from(same(odd));
+            m.2 += u64::from(same(even));
+            m.3 += u64::from(same(once));
+        }
+    }
+    m
+}
+
 /// GFLOP/s of 12 independent FMA chains on the widest vectors of `isa`.
 #[cfg(target_arch = "x86_64")]
 fn fma_peak(isa: Isa) -> Option<f64> {
@@ -131,6 +218,14 @@ fn fma_peak(isa: Isa) -> Option<f64> {
                 (chains * ITERS * 64) as f64 / best / 1e9
             );
         }
+    }
+    if std::env::var("NPK_MIX").is_ok() && isa.name() == "avx512bf16" {
+        // SAFETY: the ISA (AVX512-BF16) was detected as available.
+        let (n, odd_first, even_first, one_rounding) = unsafe { dpbf16_bits() };
+        println!(
+            "VDPBF16PS bits, {n} random lanes: two FMAs, odd element first, subnormals flushed: {odd_first}; \
+             even first: {even_first}; the pair's sum rounded once: {one_rounding}"
+        );
     }
     if std::env::var("NPK_MIX").is_ok() && isa.name().starts_with("avx512") {
         // SAFETY: the ISA was detected as available.
