@@ -23,7 +23,9 @@ has:
 - float32 on AMD with full-width AVX-512 (Zen 5, family 26 and later):
   torch's float32 ``mm`` (MKL's sgemm, which runs its AVX2 path on AMD)
   reached 102-108 GFLOP/s on one Zen 5 core, npukern's 218-235 (FMA peak
-  263): npukern takes float32.
+  263; two threads 400-481 against 189-217): npukern takes float32.
+  (A Zen 5 that runs AVX-512 on 256-bit datapaths, as the mobile parts
+  do, would be at parity, as Zen 4 is: not slower.)
 - float32 elsewhere: torch's ``mm`` ran at npukern's rate (83-92 against
   82-96 GFLOP/s on Zen 4, whose AVX-512 runs at the AVX2 rate; 149-216
   against 134-197 on Sapphire Rapids): torch keeps float32 and its stock
