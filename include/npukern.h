@@ -1773,7 +1773,7 @@ typedef struct npk_matmul_tiling {
    */
   uint32_t flags;
   /**
-   * 1: the arena holds the tile's f32 partial sums (16-bit c, K > kc).
+   * 1: the arena holds the tile's f32 partial sums (K > kc).
    */
   uint32_t c_partials;
   /**

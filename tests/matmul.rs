@@ -323,10 +323,16 @@ fn the_plan_cuts_tiles_over_workers_and_sizes_arenas() {
             blocks,
             ..UbConfig::default()
         });
+        // With K > kc every c keeps f32 partials (an f32 c too: its own
+        // rows are n apart, 4 KiB for n = 1024, one L1 set).
         let bytes = matmul_workspace_size(&e, ta, tb, DType::BF16, &o).unwrap();
         let f32_bytes = matmul_workspace_size(&e, ta, tb, DType::F32, &o).unwrap();
         let workers = (blocks as usize).min(6 * 2); // 6 column tiles, up to 2-4 row tiles
-        assert!(bytes > f32_bytes, "16-bit c with K > kc keeps partials");
+        assert_eq!(bytes, f32_bytes, "every c with K > kc keeps partials");
+        let short = TensorRef::new(&a[..512 * 256], &[512, 256]).unwrap();
+        let tb_short = TensorRef::new(&b[..2816 * 256], &[2816, 256]).unwrap();
+        let no_partials = matmul_workspace_size(&e, short, tb_short, DType::F32, &o).unwrap();
+        assert!(no_partials < f32_bytes, "K <= kc: no partials");
         assert!(bytes <= workers * (3 << 20), "{blocks}: {bytes}");
     }
 }

@@ -57,7 +57,7 @@ pub struct MatmulTiling {
     pub blocks: u32,
     /// `NORM_FLAG_SERIAL` for a small call.
     pub flags: u32,
-    /// 1: the arena holds the tile's f32 partial sums (16-bit c, K > kc).
+    /// 1: the arena holds the tile's f32 partial sums (K > kc).
     pub c_partials: u32,
     /// Padding (0).
     pub reserved: u32,
@@ -166,11 +166,11 @@ pub(crate) fn plan(
             "dtype {out}: accumulate needs an f32 c (the sum's partials stay f32)"
         ));
     }
-    cut(m, n, k, out != DType::F32, ub)
+    cut(m, n, k, ub)
 }
 
 /// The cache blocks and arenas for an `m x n` output summed over `k`.
-fn cut(m: usize, n: usize, k: usize, c16: bool, ub: &UbConfig) -> Result<MatmulTiling> {
+fn cut(m: usize, n: usize, k: usize, ub: &UbConfig) -> Result<MatmulTiling> {
     let ovf = Error::SizeOverflow { arg: "workspace" };
     let (mc, kc, nc) = (MATMUL_MC as usize, MATMUL_KC as usize, MATMUL_NC as usize);
     let tiles_n = n.div_ceil(nc);
@@ -185,7 +185,10 @@ fn cut(m: usize, n: usize, k: usize, c16: bool, ub: &UbConfig) -> Result<MatmulT
     let tiles_m = m.div_ceil(mt);
     let tiles = tiles_m.checked_mul(tiles_n).ok_or(ovf)?;
     let blocks = tiles.clamp(1, ub.blocks.max(1) as usize);
-    let c_partials = c16 && k > kc;
+    // The sums carry between K slices in the arena's partials (row stride
+    // nc + 16), an f32 c too: in c itself their rows were n apart, 4 KiB
+    // for n = 1024, a block's 14 rows in one L1 set (2-3% on Zen 5).
+    let c_partials = k > kc;
     let kk = k.clamp(1, kc);
     // Each buffer as large as this call can fill (a small matmul needs a
     // small workspace: the embedded targets). A panels packed by rows keep
