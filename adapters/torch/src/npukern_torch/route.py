@@ -25,7 +25,9 @@ has:
   reached 102-108 GFLOP/s on one Zen 5 core, npukern's 218-235 (FMA peak
   263; two threads 400-481 against 189-217): npukern takes float32.
   (A Zen 5 that runs AVX-512 on 256-bit datapaths, as the mobile parts
-  do, would be at parity, as Zen 4 is: not slower.)
+  do, would be at parity, as Zen 4 is: not slower.) npukern's one FMA
+  chain per output has 2.3-3.7x the rms rounding error of MKL's blocked
+  sums at K = 1024-2816 (docs/accuracy.md).
 - float32 elsewhere: torch's ``mm`` ran at npukern's rate (83-92 against
   82-96 GFLOP/s on Zen 4, whose AVX-512 runs at the AVX2 rate; 149-216
   against 134-197 on Sapphire Rapids): torch keeps float32 and its stock
