@@ -140,12 +140,7 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
                             L::splat(0.0)
                         }
                     });
-                    let t = L::transpose16(&v);
-                    // An index loop: LLVM kept the array iterator's fold out
-                    // of line on AVX2, a call per store.
-                    #[allow(clippy::needless_range_loop)]
-                    for kk in 0..GROUP {
-                        let t = t[kk];
+                    for (kk, t) in L::transpose16(&v).into_iter().enumerate() {
                         let o = (k0 + kk) * w + g;
                         // SAFETY: 16 f32 at o are inside the panel (g + 16 <= w).
                         t.store(unsafe { &mut *(out.as_mut_ptr().add(o) as *mut [f32; GROUP]) });
