@@ -121,6 +121,18 @@ pub(super) struct Piece<P, G, M> {
     pub key: u64,
 }
 
+/// A piece's masters: the f32 masters (4-byte elements of the masters'
+/// list, `ws(4)`), or with split masters the low halves (`ws(2)`); the
+/// other pointer NULL.
+#[inline(always)]
+pub(super) fn masters(split: bool, ws: impl Fn(usize) -> *mut u8) -> (*mut f32, *mut i16) {
+    if split {
+        (core::ptr::null_mut(), ws(2).cast())
+    } else {
+        (ws(4).cast(), core::ptr::null_mut())
+    }
+}
+
 unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
     call: &AdamWCall,
     k: &AdamWConsts,
@@ -155,6 +167,7 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
                     (x.data as *mut u8).wrapping_add(lo * size)
                 })
             };
+            let (master, low) = masters(split_masters, |size| at(ws, size));
             let piece = Piece::<P, G, M> {
                 p: at(ps, size_of::<P>()).cast(),
                 g: at(gs, size_of::<G>()).cast(),
@@ -165,16 +178,8 @@ unsafe fn run<L: Lanes, P: Float, G: Float, M: Float>(
                 } else {
                     core::ptr::null_mut()
                 },
-                master: if split_masters {
-                    core::ptr::null_mut()
-                } else {
-                    at(ws, 4).cast()
-                },
-                low: if split_masters {
-                    at(ws, 2).cast()
-                } else {
-                    core::ptr::null_mut()
-                },
+                master,
+                low,
                 key: keys.get(r).map_or(0, |k| k.wrapping_add(lo as u64)),
             };
             // SAFETY: the rows describe validated, pairwise disjoint

@@ -9,7 +9,7 @@
 //! slower (108 against 95-96 us; 20% slower before the two sets of buffers
 //! were kept off each other's 4 KiB aliases).
 
-use super::cpu::{piece_step, randoms, Piece};
+use super::cpu::{masters, piece_step, randoms, Piece};
 use super::formats::salt;
 use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, AdamWConsts};
@@ -139,6 +139,7 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
             (s.data as *mut u8).wrapping_add(at * size)
         })
     };
+    let (master, low) = masters(split_masters, |size| at_(ws, size));
     let piece = Piece::<P, G, f32> {
         p: at_(ps, size_of::<P>()).cast(),
         g: at_(gs, size_of::<G>()).cast(),
@@ -149,16 +150,8 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
         } else {
             core::ptr::null_mut()
         },
-        master: if split_masters {
-            core::ptr::null_mut()
-        } else {
-            at_(ws, 4).cast()
-        },
-        low: if split_masters {
-            at_(ws, 2).cast()
-        } else {
-            core::ptr::null_mut()
-        },
+        master,
+        low,
         key: b.key,
     };
     // SAFETY: the params, grads and masters of the block are its own; the
