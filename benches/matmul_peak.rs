@@ -330,6 +330,7 @@ fn main() {
                 trans_a: ta,
                 trans_b: tb,
                 accumulate: false,
+                ..Default::default()
             };
             let (ad, bd) = (
                 if ta { [k, m] } else { [m, k] },

@@ -301,6 +301,24 @@ typedef enum npk_ce_mode {
 } npk_ce_mode;
 
 /**
+ * `npk_matmul_v2_options.math`: how a Matmul sums its products (like
+ * aclnnMatmul's `cubeMathType`). ABI 2.10.
+ */
+typedef enum npk_matmul_math {
+  /**
+   * One f32 FMA per product, k ascending, one rounding: the same bits
+   * on every ISA (`npk_matmul`'s).
+   */
+  NPK_MATMUL_CHAIN = 0,
+  /**
+   * bf16 only: VDPBF16PS's pairs (the odd step first, subnormals read
+   * and written as zero); the instruction where the CPU has
+   * AVX512-BF16, the same bits from a flushed FMA chain elsewhere.
+   */
+  NPK_MATMUL_BF16_DOT = 1,
+} npk_matmul_math;
+
+/**
  * Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.5.
  */
 typedef enum npk_gelu_approximate {
@@ -1838,6 +1856,15 @@ typedef struct npk_matmul_call {
    * Its size in bytes.
    */
   size_t workspace_bytes;
+  /**
+   * `MatmulMath`: 0 the FMA chain, 1 the bf16 pair dot (ABI 2.10; a
+   * backend built before reads a 2.9 call without it).
+   */
+  uint32_t math;
+  /**
+   * Padding (0).
+   */
+  uint32_t reserved;
 } npk_matmul_call;
 
 /**
@@ -2200,6 +2227,30 @@ typedef struct npk_matmul_options {
    */
   uint32_t accumulate;
 } npk_matmul_options;
+
+/**
+ * Options of `npk_matmul_v2`: `npk_matmul_options` and how the products
+ * are summed. NULL options = `{ 0, 0, 0, NPK_MATMUL_CHAIN }`. ABI 2.10.
+ */
+typedef struct npk_matmul_v2_options {
+  /**
+   * Nonzero: a is stored `[K, M]`.
+   */
+  uint32_t trans_a;
+  /**
+   * Nonzero: b is stored `[N, K]` (a Linear layer's weight).
+   */
+  uint32_t trans_b;
+  /**
+   * Nonzero: `c += a b` into an f32 c (c's value starts each sum).
+   */
+  uint32_t accumulate;
+  /**
+   * `npk_matmul_math`: `NPK_MATMUL_CHAIN` (0) or `NPK_MATMUL_BF16_DOT`
+   * (1); another value is `NPK_ERR_PARAM_INVALID` (argument `math`).
+   */
+  uint32_t math;
+} npk_matmul_v2_options;
 
 /**
  * Options of RmsNormGrad. NULL options = `{ 0.0f, 0 }`.
@@ -2739,6 +2790,38 @@ enum npk_status npk_matmul(const struct npk_tensor *a,
                            void *workspace,
                            size_t workspace_bytes,
                            const struct npk_exec *exec);
+
+/**
+ * `npk_matmul_workspace_size` with v2 options (the math option). ABI 2.10.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_matmul_v2_workspace_size(const struct npk_tensor *a,
+                                             const struct npk_tensor *b,
+                                             const struct npk_matmul_v2_options *opts,
+                                             const struct npk_tensor *c,
+                                             const struct npk_exec *exec,
+                                             size_t *workspace_bytes);
+
+/**
+ * `npk_matmul` with v2 options: `math = NPK_MATMUL_BF16_DOT` sums bf16
+ * products as VDPBF16PS does (pairs, the odd step first, subnormal inputs
+ * and sums as zero): the same bits on every ISA and thread count, on
+ * VDPBF16PS where the CPU has AVX512-BF16 (about twice the chain's rate
+ * on AMD Zen 4 and 5), a slower flushed FMA chain elsewhere. A non-bf16
+ * a with it is `NPK_ERR_PARAM_INVALID` (argument `math`). ABI 2.10.
+ *
+ * # Safety
+ * As `npk_matmul`.
+ */
+enum npk_status npk_matmul_v2(const struct npk_tensor *a,
+                              const struct npk_tensor *b,
+                              const struct npk_matmul_v2_options *opts,
+                              const struct npk_tensor *c,
+                              void *workspace,
+                              size_t workspace_bytes,
+                              const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_rms_norm` needs for these arguments (the same `exec`

@@ -98,8 +98,8 @@ pub use ops::grad_stats::{
     ClipGradNormOptions, GradSummary, GradTensor, GradTensorMut, GradTiling,
 };
 pub use ops::matmul::{
-    matmul, matmul_workspace_size, MatmulCall, MatmulOptions, MatmulTiling, MATMUL_KC, MATMUL_MC,
-    MATMUL_NC,
+    matmul, matmul_workspace_size, MatmulCall, MatmulMath, MatmulOptions, MatmulTiling, MATMUL_KC,
+    MATMUL_MC, MATMUL_NC,
 };
 pub use ops::norm::{RmsNormOptions, Rounding};
 pub use ops::rms_norm::{rms_norm, rms_norm_workspace_size, RmsNormCall};

@@ -555,6 +555,7 @@ fn matmul_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
                 trans_a: ta,
                 trans_b: tb,
                 accumulate: false,
+                ..Default::default()
             };
             let mut ws = vec![0u8; matmul_workspace_size(&exec, at, bt, T::DTYPE, &o).unwrap()];
             let mut c = vec![T::from_f64(0.0); m * n];

@@ -146,6 +146,7 @@ fn opts(trans_a: bool, trans_b: bool, accumulate: bool) -> MatmulOptions {
         trans_a,
         trans_b,
         accumulate,
+        ..Default::default()
     }
 }
 

@@ -6,7 +6,8 @@
 //! from slice to slice in f32 (in c itself when it is f32, else in the
 //! arena's partials), so each element is one chain of FMAs, k ascending.
 
-use super::pack::{pack, pack_a_rows, Mat, KC};
+use super::pack::{pack, pack_a_rows, panel_steps, Mat, KC};
+use super::pairs::{pack_pairs, pack_pairs_a_rows, pairs};
 use super::plan::PARTIALS_PAD;
 use super::ukernel::{Micro, Tile};
 use super::*;
@@ -78,15 +79,39 @@ unsafe fn run<L: Tile, T: Float, O: Float>(call: &MatmulCall, runner: &dyn Runne
         ws,
     };
     let kp = &kern;
-    run_blocks!(plain runner, t.flags, t.blocks, |w| worker::<L, T, O>(kp, w))
+    if call.math == MatmulMath::Bf16Dot as u32 && T::DTYPE == crate::dtype::DType::BF16 {
+        run_blocks!(plain runner, t.flags, t.blocks, |w| worker_dot::<L, T, O>(kp, w))
+    } else {
+        run_blocks!(plain runner, t.flags, t.blocks, |w| worker::<L, T, O>(kp, w))
+    }
 }
 
-/// Worker `w`'s tiles, `w, w + blocks, ...`.
+/// `tiles` with the FMA chain.
+///
+/// # Safety
+/// As `tiles`.
+#[inline(always)]
+unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
+    // SAFETY: forwarded.
+    unsafe { tiles::<L, T, O, false>(k, w) }
+}
+
+/// `tiles` with the bf16 pair dot.
+///
+/// # Safety
+/// As `tiles`.
+#[inline(always)]
+unsafe fn worker_dot<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
+    // SAFETY: forwarded.
+    unsafe { tiles::<L, T, O, true>(k, w) }
+}
+
+/// Worker `w`'s tiles, `w, w + blocks, ...` (`DOT`: the bf16 pair dot).
 ///
 /// # Safety
 /// Inside `L::enter`; the call's contract.
 #[inline(always)]
-unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
+unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool>(k: &Kern<T, O>, w: usize) {
     let k = &{ *k };
     let t = &k.t;
     // SAFETY: worker w's arena, inside the checked workspace, used by it
@@ -98,7 +123,7 @@ unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
     let mut tile = w;
     while tile < t.tiles() {
         // SAFETY: the tile is inside c; the arena is this worker's.
-        unsafe { one_tile::<L, T, O>(k, tile, arena) };
+        unsafe { one_tile::<L, T, O, DOT>(k, tile, arena) };
         tile += t.blocks as usize;
     }
 }
@@ -108,7 +133,13 @@ unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
 /// # Safety
 /// As `worker`; `arena` holds `t.arena_bytes`.
 #[inline(always)]
-unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, arena: *mut f32) {
+unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
+    k: &Kern<T, O>,
+    tile: usize,
+    arena: *mut f32,
+) {
+    // The pair dot in hardware (pair panels), or as the flushed chain.
+    let hw = DOT && L::PAIRS;
     let t = &k.t;
     let (r0, r1, c0, c1) = t.tile(tile);
     let (kk, kc, mc, nc) = (t.k as usize, t.kc as usize, t.mc as usize, t.nc as usize);
@@ -130,8 +161,20 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
     while p0 < kk {
         let ks = kc.min(kk - p0);
         let (first, last) = (p0 == 0, p0 + ks == kk);
+        // The panels' steps: pairs, or the chain's (an even count for DOT).
+        let sp = if hw {
+            pairs(ks)
+        } else {
+            panel_steps::<DOT>(ks)
+        };
         // SAFETY: b's slice is inside b; bp holds kc x nc.
-        unsafe { pack::<L, T>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp) };
+        unsafe {
+            if hw {
+                pack_pairs::<L, T>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp)
+            } else {
+                pack::<L, T, DOT>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp)
+            }
+        };
         let mut i0 = r0;
         while i0 < r1 {
             let rows = mc.min(r1 - i0);
@@ -139,13 +182,14 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
             // row-major ([MR][KC]): either is a straight copy, no transpose.
             // SAFETY: a's block is inside a; ap holds mc x kc.
             unsafe {
-                if k.trans_a {
-                    pack::<L, T>(k.a, true, i0, rows, p0, ks, mr, ap)
-                } else {
-                    pack_a_rows::<L, T>(k.a, i0, rows, p0, ks, mr, ap)
+                match (k.trans_a, hw) {
+                    (true, true) => pack_pairs::<L, T>(k.a, true, i0, rows, p0, ks, mr, ap),
+                    (true, false) => pack::<L, T, DOT>(k.a, true, i0, rows, p0, ks, mr, ap),
+                    (false, true) => pack_pairs_a_rows(k.a, i0, rows, p0, ks, mr, ap),
+                    (false, false) => pack_a_rows::<L, T, DOT>(k.a, i0, rows, p0, ks, mr, ap),
                 }
             };
-            let a_stride = if k.trans_a { ks } else { KC };
+            let a_stride = if k.trans_a { sp } else { KC };
             for ir in (0..rows).step_by(mr) {
                 let i = i0 + ir;
                 for jr in (0..c1 - c0).step_by(nr) {
@@ -165,11 +209,11 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                         }
                     };
                     // SAFETY: the panels just packed.
-                    let (a, b) = unsafe { (ap.add(ir * a_stride), bp.add(jr * ks)) };
+                    let (a, b) = unsafe { (ap.add(ir * a_stride), bp.add(jr * sp)) };
                     let (rows, cols) = (mr.min(r1 - i), nr.min(c1 - j));
                     if last {
                         let u = Micro::<O> {
-                            kc: ks,
+                            kc: sp,
                             a,
                             b,
                             init,
@@ -181,7 +225,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                             cols,
                         };
                         // SAFETY: inside L's context; the block's buffers.
-                        unsafe { micro::<L, O>(&u, k.trans_a) };
+                        unsafe { micro::<L, O, DOT>(&u, k.trans_a) };
                     } else {
                         // A slice before the last: f32 sums, in the partials
                         // (16-bit c) or in c (f32 c: O is f32).
@@ -193,7 +237,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                             (unsafe { k.c.add(i * ldc + j) } as *mut f32, ldc)
                         };
                         let u = Micro::<f32> {
-                            kc: ks,
+                            kc: sp,
                             a,
                             b,
                             init,
@@ -204,7 +248,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
                             cols,
                         };
                         // SAFETY: as above.
-                        unsafe { micro::<L, f32>(&u, k.trans_a) };
+                        unsafe { micro::<L, f32, DOT>(&u, k.trans_a) };
                     }
                 }
             }
@@ -214,18 +258,20 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, tile: usize, are
     }
 }
 
-/// The microkernel for A packed step-major (`trans_a`) or by rows.
+/// The microkernel for A packed step-major (`trans_a`) or by rows; `DOT`:
+/// the pair dot, in hardware on `PAIRS` lanes, else the flushed chain.
 ///
 /// # Safety
 /// As `Tile::micro`.
 #[inline(always)]
-unsafe fn micro<L: Tile, D: Float>(u: &Micro<D>, trans_a: bool) {
+unsafe fn micro<L: Tile, D: Float, const DOT: bool>(u: &Micro<D>, trans_a: bool) {
     // SAFETY: forwarded.
     unsafe {
-        if trans_a {
-            L::micro::<D, false>(u)
-        } else {
-            L::micro::<D, true>(u)
+        match (trans_a, DOT && L::PAIRS) {
+            (true, true) => L::micro::<D, false, false, true>(u),
+            (true, false) => L::micro::<D, false, DOT, false>(u),
+            (false, true) => L::micro::<D, true, false, true>(u),
+            (false, false) => L::micro::<D, true, DOT, false>(u),
         }
     }
 }

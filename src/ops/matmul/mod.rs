@@ -15,6 +15,7 @@
 pub(crate) mod capi;
 pub(crate) mod cpu;
 mod pack;
+mod pairs;
 mod plan;
 pub(crate) mod reference;
 mod ukernel;
@@ -29,7 +30,27 @@ use crate::dtype::Float;
 use crate::error::Result;
 use crate::tensor::{RawTensor, TensorRef};
 
-/// Options of Matmul (`npk_matmul_options`).
+/// How a Matmul sums its products (aclnnMatmul's `cubeMathType`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulMath {
+    /// One f32 FMA per product, k ascending, one rounding: the same bits on
+    /// every ISA (the default).
+    #[default]
+    Chain = 0,
+    /// bf16 a and b only: the products summed as VDPBF16PS sums them, a
+    /// pair of steps at a time (`c + a[k+1] b[k+1]`, then `+ a[k] b[k]`,
+    /// each one FMA; an odd K's last step alone after a zero one), with
+    /// subnormal inputs and sums read and written as zero (its DAZ and
+    /// FTZ). VDPBF16PS runs it where the CPU has AVX512-BF16: about twice
+    /// the FMA chain's rate on AMD Zen 4 and 5, where that instruction runs
+    /// at twice the FMA's, (about half of it on Intel's). Every other ISA
+    /// gets the same bits from an FMA chain with the flushes, several times
+    /// slower than `Chain`.
+    Bf16Dot = 1,
+}
+
+/// Options of Matmul (`npk_matmul_options`; `math`: `npk_matmul_v2_options`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MatmulOptions {
     /// a is stored `[K, M]` (`op(a) = a^T`).
@@ -39,6 +60,8 @@ pub struct MatmulOptions {
     /// `c += a b` into an f32 c: c's value starts each element's sum (a
     /// weight gradient accumulated over micro-batches).
     pub accumulate: bool,
+    /// How the products are summed.
+    pub math: MatmulMath,
 }
 
 /// The validated arguments of one Matmul (`npk_matmul_call`).
@@ -63,6 +86,11 @@ pub struct MatmulCall {
     pub workspace: *mut c_void,
     /// Its size in bytes.
     pub workspace_bytes: usize,
+    /// `MatmulMath`: 0 the FMA chain, 1 the bf16 pair dot (ABI 2.10; a
+    /// backend built before reads a 2.9 call without it).
+    pub math: u32,
+    /// Padding (0).
+    pub reserved: u32,
 }
 
 op_call!(

@@ -2,6 +2,13 @@
 //! order, zero-padded to whole panels. Widening is exact, so packing sets
 //! no bit; the zero padding only feeds rows and columns that are never
 //! stored.
+//!
+//! `DOT` packs for the bf16 pair dot (`MatmulMath::Bf16Dot`) on lanes
+//! without VDPBF16PS: the steps of each pair swapped (the odd one first, as
+//! the instruction sums them), subnormal inputs flushed to zero (its DAZ),
+//! and an odd slice's last pair completed by a zero step, so the FMA chain
+//! over the panel is the instruction's, bit for bit (`dot` on the chain's
+//! sums flushes them too). The panel then has `dot_steps(kc)` steps.
 
 use super::plan::MATMUL_KC;
 use crate::dtype::Float;
@@ -16,6 +23,46 @@ const ROW_BUF: usize = (super::plan::MATMUL_MC as usize).div_ceil(GROUP) * GROUP
 
 /// Steps ahead a transposed pack prefetches its rows.
 const AHEAD: usize = 8;
+
+/// The steps of a panel packed for `ks` steps of K: an even number under
+/// `DOT` (the last pair completed by a zero step).
+#[inline(always)]
+pub(crate) const fn panel_steps<const DOT: bool>(ks: usize) -> usize {
+    if DOT {
+        ks + (ks & 1)
+    } else {
+        ks
+    }
+}
+
+/// Where source step `k` goes in a panel: its pair partner's place under
+/// `DOT`.
+#[inline(always)]
+const fn at<const DOT: bool>(k: usize) -> usize {
+    if DOT {
+        k ^ 1
+    } else {
+        k
+    }
+}
+
+/// x, or a zero of its sign when x is subnormal (VDPBF16PS's DAZ and FTZ).
+#[inline(always)]
+pub(crate) fn flush(x: f32) -> f32 {
+    if x.is_subnormal() {
+        0f32.copysign(x)
+    } else {
+        x
+    }
+}
+
+/// `flush` on lanes: `|x| < 2^-126` (`max(x, -x)`, NaN compares false)
+/// takes `x * 0`, a zero of x's sign.
+#[inline(always)]
+pub(crate) fn flush_lanes<L: Lanes>(x: L) -> L {
+    let mag = x.max(L::splat(0.0).sub(x));
+    mag.select_lt(L::splat(f32::MIN_POSITIVE), x.mul(L::splat(0.0)), x)
+}
 
 /// A row-major matrix in memory: element `(i, j)` at `i * ld + j`.
 #[derive(Clone, Copy)]
@@ -38,15 +85,15 @@ impl<T: Float> Mat<T> {
 
 /// Packs `op(x)[r0 .. r0 + rows, p0 .. p0 + kc]` (op: the transpose when
 /// `trans`, x stored transposed) as panels of `w` rows: panel `q`, step `k`,
-/// row `r` at `(q * kc + k) * w + r`. This is A's packing (`w = MR`) and,
+/// row `r` at `(q * kp + at(k)) * w + r` (`kp = panel_steps(kc)`). This is A's packing (`w = MR`) and,
 /// with op(b)^T's rows (b's columns), B's (`w = NR`).
 ///
 /// # Safety
 /// Inside `L::enter`; the block lies inside x; `dst` holds
-/// `ceil(rows / w) * w * kc` f32.
+/// `ceil(rows / w) * w * panel_steps(kc)` f32.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn pack<L: Lanes, T: Float>(
+pub(crate) unsafe fn pack<L: Lanes, T: Float, const DOT: bool>(
     x: Mat<T>,
     trans: bool,
     r0: usize,
@@ -57,6 +104,7 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
     dst: *mut f32,
 ) {
     let panels = rows.div_ceil(w);
+    let kp = panel_steps::<DOT>(kc);
     if trans {
         // Stored [k][rows]: each step's row of x is read once, in order
         // (panel by panel it was strided: a TLB miss a step), and its w-wide
@@ -79,12 +127,16 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
             if whole_row {
                 // (widen_into fills whole groups: the tail group zero-padded.)
                 crate::lanes::widen_into::<L, T>(src, &mut wide[..rows.div_ceil(GROUP) * GROUP]);
+                if DOT {
+                    wide[..rows].iter_mut().for_each(|v| *v = flush(*v));
+                }
                 for q in 0..panels {
                     let base = q * w;
                     let n = w.min(rows - base);
                     // SAFETY: step k of panel q is inside dst.
-                    let o =
-                        unsafe { core::slice::from_raw_parts_mut(dst.add((q * kc + k) * w), w) };
+                    let o = unsafe {
+                        core::slice::from_raw_parts_mut(dst.add((q * kp + at::<DOT>(k)) * w), w)
+                    };
                     o[..n].copy_from_slice(&wide[base..base + n]);
                     o[n..].fill(0.0);
                 }
@@ -94,18 +146,27 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
                 let base = q * w;
                 let n = w.min(rows - base);
                 // SAFETY: step k of panel q is inside dst.
-                let o = unsafe { core::slice::from_raw_parts_mut(dst.add((q * kc + k) * w), w) };
+                let o = unsafe {
+                    core::slice::from_raw_parts_mut(dst.add((q * kp + at::<DOT>(k)) * w), w)
+                };
                 let mut r = 0;
                 while r + GROUP <= n {
                     // SAFETY: 16 elements at base + r in src, r in o.
-                    let v: L =
+                    let mut v: L =
                         T::load(unsafe { &*(src.as_ptr().add(base + r) as *const [T; GROUP]) });
+                    if DOT {
+                        v = flush_lanes(v);
+                    }
                     // SAFETY: r + 16 <= n <= w.
                     v.store(unsafe { &mut *(o.as_mut_ptr().add(r) as *mut [f32; GROUP]) });
                     r += GROUP;
                 }
                 for (rr, v) in o.iter_mut().enumerate().skip(r) {
-                    *v = if rr < n { src[base + rr].to_f32() } else { 0.0 };
+                    *v = if rr < n {
+                        flush_if::<DOT>(src[base + rr].to_f32())
+                    } else {
+                        0.0
+                    };
                 }
             }
         }
@@ -124,7 +185,7 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
             let base = q * w;
             let n = w.min(rows - base);
             // SAFETY: the panel is inside dst.
-            let out = unsafe { core::slice::from_raw_parts_mut(dst.add(q * kc * w), kc * w) };
+            let out = unsafe { core::slice::from_raw_parts_mut(dst.add(q * kp * w), kp * w) };
             for g in (0..w).step_by(GROUP) {
                 let valid = n.saturating_sub(g).min(GROUP);
                 for k0 in (0..kv).step_by(GROUP) {
@@ -140,8 +201,11 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
                             L::splat(0.0)
                         }
                     });
-                    for (kk, t) in L::transpose16(&v).into_iter().enumerate() {
-                        let o = (k0 + kk) * w + g;
+                    for (kk, mut t) in L::transpose16(&v).into_iter().enumerate() {
+                        if DOT {
+                            t = flush_lanes(t);
+                        }
+                        let o = at::<DOT>(k0 + kk) * w + g;
                         // SAFETY: 16 f32 at o are inside the panel (g + 16 <= w).
                         t.store(unsafe { &mut *(out.as_mut_ptr().add(o) as *mut [f32; GROUP]) });
                     }
@@ -149,9 +213,26 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
             }
             if kv < kc {
                 // SAFETY: as above; steps kv.. of the panel.
-                unsafe { pack_rows(x, r0 + base, n, p0, kv, kc, w, out) };
+                unsafe { pack_rows::<T, DOT>(x, r0 + base, n, p0, kv, kc, w, out) };
             }
         }
+    }
+    if DOT && kc % 2 == 1 {
+        // The last pair's missing odd step, summed first: zero.
+        for q in 0..panels {
+            // SAFETY: step kc - 1 (the place of step kc) of panel q is in dst.
+            unsafe { core::slice::from_raw_parts_mut(dst.add((q * kp + kc - 1) * w), w) }.fill(0.0);
+        }
+    }
+}
+
+/// `flush(x)` under `DOT`.
+#[inline(always)]
+fn flush_if<const DOT: bool>(x: f32) -> f32 {
+    if DOT {
+        flush(x)
+    } else {
+        x
     }
 }
 
@@ -165,7 +246,7 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float>(
 /// Rows `r0 .. r0 + n`, columns `p0 .. p0 + kc` are inside x.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack_rows<T: Float>(
+unsafe fn pack_rows<T: Float, const DOT: bool>(
     x: Mat<T>,
     r0: usize,
     n: usize,
@@ -177,9 +258,9 @@ unsafe fn pack_rows<T: Float>(
 ) {
     for r in 0..w {
         for k in k1..kc {
-            out[k * w + r] = if r < n {
+            out[at::<DOT>(k) * w + r] = if r < n {
                 // SAFETY: inside x.
-                unsafe { x.at(r0 + r, p0 + k) }
+                flush_if::<DOT>(unsafe { x.at(r0 + r, p0 + k) })
             } else {
                 0.0
             };
@@ -197,7 +278,7 @@ unsafe fn pack_rows<T: Float>(
 /// Inside `L::enter`; the block lies inside a; `dst` holds
 /// `ceil(rows / w) * w * KC` f32; `ks <= KC`.
 #[inline(always)]
-pub(crate) unsafe fn pack_a_rows<L: Lanes, T: Float>(
+pub(crate) unsafe fn pack_a_rows<L: Lanes, T: Float, const DOT: bool>(
     a: Mat<T>,
     r0: usize,
     rows: usize,
@@ -207,15 +288,24 @@ pub(crate) unsafe fn pack_a_rows<L: Lanes, T: Float>(
     dst: *mut f32,
 ) {
     let panels = rows.div_ceil(w);
+    let kp = panel_steps::<DOT>(ks);
     for i in 0..panels * w {
-        // SAFETY: row i of the panels is inside dst.
-        let out = unsafe { core::slice::from_raw_parts_mut(dst.add(i * KC), ks) };
+        // SAFETY: row i of the panels is inside dst (kp <= KC).
+        let out = unsafe { core::slice::from_raw_parts_mut(dst.add(i * KC), kp) };
         if i >= rows {
             out.fill(0.0);
             continue;
         }
         // SAFETY: row r0 + i, columns p0 .. p0 + ks are inside a.
         let src = unsafe { core::slice::from_raw_parts(a.p.add((r0 + i) * a.ld + p0), ks) };
+        if DOT {
+            // Pairs swapped, flushed; the odd slice's missing step zero.
+            out.fill(0.0);
+            for (k, x) in src.iter().enumerate() {
+                out[at::<DOT>(k)] = flush(x.to_f32());
+            }
+            continue;
+        }
         let mut k = 0;
         while k + GROUP <= ks {
             // SAFETY: 16 elements at k in both.

@@ -160,17 +160,25 @@ pub(crate) fn plan(
             a.dtype
         ));
     }
+    if opts.math == MatmulMath::Bf16Dot && a.dtype != DType::BF16 {
+        return Err(invalid_fmt!(
+            "math",
+            "the bf16 pair dot (1) needs bf16 a and b, not {}",
+            a.dtype
+        ));
+    }
     if opts.accumulate && out != DType::F32 {
         return Err(dtype_err!(
             "c",
             "dtype {out}: accumulate needs an f32 c (the sum's partials stay f32)"
         ));
     }
-    cut(m, n, k, ub)
+    cut(m, n, k, opts.math == MatmulMath::Bf16Dot, ub)
 }
 
-/// The cache blocks and arenas for an `m x n` output summed over `k`.
-fn cut(m: usize, n: usize, k: usize, ub: &UbConfig) -> Result<MatmulTiling> {
+/// The cache blocks and arenas for an `m x n` output summed over `k` (`dot`:
+/// the bf16 pair dot, whose panels hold an even number of steps).
+fn cut(m: usize, n: usize, k: usize, dot: bool, ub: &UbConfig) -> Result<MatmulTiling> {
     let ovf = Error::SizeOverflow { arg: "workspace" };
     let (mc, kc, nc) = (MATMUL_MC as usize, MATMUL_KC as usize, MATMUL_NC as usize);
     let tiles_n = n.div_ceil(nc);
@@ -190,6 +198,7 @@ fn cut(m: usize, n: usize, k: usize, ub: &UbConfig) -> Result<MatmulTiling> {
     // for n = 1024, a block's 14 rows in one L1 set (2-3% on Zen 5).
     let c_partials = k > kc;
     let kk = k.clamp(1, kc);
+    let kk = if dot { kk + (kk & 1) } else { kk };
     // Each buffer as large as this call can fill (a small matmul needs a
     // small workspace: the embedded targets). A panels packed by rows keep
     // the stride kc whatever the slice; their rows round up to 84, a
@@ -269,5 +278,7 @@ pub(crate) fn prepare(
         tiling,
         workspace: core::ptr::null_mut(),
         workspace_bytes: 0,
+        math: opts.math as u32,
+        reserved: 0,
     })
 }

@@ -7,7 +7,7 @@
 //! - NEON (32 q; a value is 4 q): 6 x 16 = 24 + 4 + 1;
 //! - portable: 4 x 16 (its FMA is software; size matters little).
 
-use super::pack::KC;
+use super::pack::{flush_lanes, KC};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -42,27 +42,50 @@ pub(crate) trait Tile: Lanes {
     const MR: usize;
     /// Columns of the block (a multiple of 16 dividing `MATMUL_NC`).
     const NR: usize;
+    /// Whether `pair_block` runs VDPBF16PS (the bf16 pair dot in hardware,
+    /// on panels of bf16 pairs, `pairs.rs`); else the pair dot is the FMA
+    /// chain on `DOT` panels with `FLUSH`.
+    const PAIRS: bool = false;
 
-    /// Runs the microkernel.
+    /// Runs the microkernel: the FMA chain (each sum flushed under
+    /// `FLUSH`), or with `PAIRS` the hardware pair dot.
     ///
     /// # Safety
-    /// Inside `Self::enter`; the panels hold `kc * MR` and `kc * NR` f32,
-    /// `init` (when not NULL) and `dst` the `rows x cols` corner.
-    unsafe fn micro<D: Float, const AR: bool>(u: &Micro<D>);
+    /// Inside `Self::enter`; the panels hold `kc * MR` and `kc * NR` f32
+    /// (pairs under `PAIRS`), `init` (when not NULL) and `dst` the
+    /// `rows x cols` corner.
+    unsafe fn micro<D: Float, const AR: bool, const FLUSH: bool, const PAIRS: bool>(u: &Micro<D>);
+
+    /// A full block of the hardware pair dot (`PAIRS` lanes only).
+    ///
+    /// # Safety
+    /// As `block`'s, on pair panels; `Self::PAIRS`.
+    #[inline(always)]
+    unsafe fn pair_block<const AR: bool>(_u: &Micro<f32>) {}
 }
 
 /// `Tile` for a lanes type with `MR` rows and `NG` groups of 16 columns.
 macro_rules! tile {
-    ($(#[$m:meta])* $t:ty, $mr:literal, $ng:literal) => {
+    ($(#[$m:meta])* $t:ty, $mr:literal, $ng:literal $(, $pairs:ident)?) => {
         $(#[$m])*
         impl Tile for $t {
             const MR: usize = $mr;
             const NR: usize = $ng * GROUP;
+            $(const PAIRS: bool = { let _ = stringify!($pairs); true };)?
             #[inline(always)]
-            unsafe fn micro<D: Float, const AR: bool>(u: &Micro<D>) {
+            unsafe fn micro<D: Float, const AR: bool, const FLUSH: bool, const PAIRS: bool>(
+                u: &Micro<D>,
+            ) {
                 // SAFETY: forwarded.
-                unsafe { micro::<Self, D, AR, $mr, $ng>(u) }
+                unsafe { micro::<Self, D, AR, FLUSH, PAIRS, $mr, $ng>(u) }
             }
+            $(
+            #[inline(always)]
+            unsafe fn pair_block<const AR: bool>(u: &Micro<f32>) {
+                // SAFETY: forwarded (AVX512-BF16: these lanes).
+                unsafe { super::pairs::$pairs::<AR, $mr, $ng>(u) }
+            }
+            )?
         }
     };
 }
@@ -84,7 +107,8 @@ tile!(
     #[cfg(target_arch = "x86_64")]
     crate::lanes::Avx512Bf16,
     14,
-    2
+    2,
+    dpbf16_block
 );
 tile!(
     #[cfg(target_arch = "aarch64")]
@@ -121,7 +145,15 @@ const MAX_BLOCK: usize = 14 * 32;
 /// # Safety
 /// As `Tile::micro`.
 #[inline(always)]
-unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: usize>(
+unsafe fn micro<
+    L: Tile,
+    D: Float,
+    const AR: bool,
+    const FLUSH: bool,
+    const PAIRS: bool,
+    const MR: usize,
+    const NG: usize,
+>(
     u: &Micro<D>,
 ) {
     let nr = NG * GROUP;
@@ -143,7 +175,7 @@ unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: u
         return unsafe {
             crate::lanes::enter_apart::<L, _>(
                 #[inline(always)]
-                || block::<L, AR, MR, NG>(&u),
+                || body::<L, AR, FLUSH, PAIRS, MR, NG>(&u),
             )
         };
     }
@@ -178,7 +210,7 @@ unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: u
     unsafe {
         crate::lanes::enter_apart::<L, _>(
             #[inline(always)]
-            || block::<L, AR, MR, NG>(&whole),
+            || body::<L, AR, FLUSH, PAIRS, MR, NG>(&whole),
         )
     };
     if full {
@@ -201,12 +233,40 @@ unsafe fn micro<L: Lanes, D: Float, const AR: bool, const MR: usize, const NG: u
     }
 }
 
-/// A full `MR x NR` block.
+/// A full block: the FMA chain, or the hardware pair dot.
+///
+/// # Safety
+/// As `block`.
+#[inline(always)]
+unsafe fn body<
+    L: Tile,
+    const AR: bool,
+    const FLUSH: bool,
+    const PAIRS: bool,
+    const MR: usize,
+    const NG: usize,
+>(
+    u: &Micro<f32>,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        if PAIRS {
+            L::pair_block::<AR>(u)
+        } else {
+            block::<L, AR, FLUSH, MR, NG>(u)
+        }
+    }
+}
+
+/// A full `MR x NR` block. Under `FLUSH` (the pair dot's emulation) the
+/// starting sums and each FMA's result are flushed (`pack::flush_lanes`).
 ///
 /// # Safety
 /// As `Tile::micro`, with `rows == MR` and `cols == NR`.
 #[inline(always)]
-unsafe fn block<L: Lanes, const AR: bool, const MR: usize, const NG: usize>(u: &Micro<f32>) {
+unsafe fn block<L: Lanes, const AR: bool, const FLUSH: bool, const MR: usize, const NG: usize>(
+    u: &Micro<f32>,
+) {
     let nr = NG * GROUP;
     let mut acc = [[L::splat(0.0); NG]; MR];
     if !u.init.is_null() {
@@ -214,6 +274,9 @@ unsafe fn block<L: Lanes, const AR: bool, const MR: usize, const NG: usize>(u: &
             for (g, v) in row.iter_mut().enumerate() {
                 // SAFETY: init holds MR x NR.
                 *v = L::load(unsafe { group(u.init.add(r * u.ldi + g * GROUP)) });
+                if FLUSH {
+                    *v = flush_lanes(*v);
+                }
             }
         }
     }
@@ -231,6 +294,9 @@ unsafe fn block<L: Lanes, const AR: bool, const MR: usize, const NG: usize>(u: &
                     let av = L::splat(unsafe { *a.add(if AR { r * KC } else { r }) });
                     for (v, bg) in row.iter_mut().zip(&bv) {
                         *v = av.mul_add(*bg, *v);
+                        if FLUSH {
+                            *v = flush_lanes(*v);
+                        }
                     }
                 }
                 // SAFETY: one step further, still inside the panels (or one past).

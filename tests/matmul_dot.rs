@@ -1,0 +1,255 @@
+//! Matmul's bf16 pair dot (`MatmulMath::Bf16Dot`): bit for bit the scalar
+//! model of VDPBF16PS (pairs, the odd step first, each an FMA, subnormal
+//! inputs and sums as zero) on every ISA — the instruction itself where
+//! the CPU has AVX512-BF16, the flushed FMA chain elsewhere — every thread
+//! and block count; within the chain's bound of the f64 reference; odd K,
+//! K over a slice, corners, accumulate, subnormals, NaN; a non-bf16 call
+//! refused.
+
+mod common;
+
+use common::Rng;
+use half::bf16;
+use npukern::*;
+
+/// x, or a zero of its sign when subnormal.
+fn flush(x: f32) -> f32 {
+    if x.is_subnormal() {
+        0f32.copysign(x)
+    } else {
+        x
+    }
+}
+
+/// The pair dot of one element: `c` (or 0) then each pair `(2i, 2i + 1)`
+/// as `c = flush(a1 b1 + c)`, `c = flush(a0 b0 + c)`, inputs flushed; an
+/// odd K's last step after a zero one.
+fn model(c: f32, x: &[bf16], y: &[bf16]) -> f32 {
+    let mut s = flush(c);
+    for p in (0..x.len()).step_by(2) {
+        let (a0, b0) = (flush(x[p].to_f32()), flush(y[p].to_f32()));
+        let (a1, b1) = match (x.get(p + 1), y.get(p + 1)) {
+            (Some(a), Some(b)) => (flush(a.to_f32()), flush(b.to_f32())),
+            _ => (0.0, 0.0),
+        };
+        s = flush(a1.mul_add(b1, s));
+        s = flush(a0.mul_add(b0, s));
+    }
+    s
+}
+
+struct Case {
+    a: Vec<bf16>,
+    b: Vec<bf16>,
+    m: usize,
+    n: usize,
+    k: usize,
+    o: MatmulOptions,
+}
+
+impl Case {
+    fn new(m: usize, n: usize, k: usize, o: MatmulOptions, mut v: impl FnMut() -> bf16) -> Self {
+        Case {
+            a: (0..m * k).map(|_| v()).collect(),
+            b: (0..k * n).map(|_| v()).collect(),
+            m,
+            n,
+            k,
+            o,
+        }
+    }
+
+    fn dims(&self) -> ([usize; 2], [usize; 2]) {
+        let (m, n, k) = (self.m, self.n, self.k);
+        (
+            if self.o.trans_a { [k, m] } else { [m, k] },
+            if self.o.trans_b { [n, k] } else { [k, n] },
+        )
+    }
+
+    fn run<O: Float>(&self, exec: &Exec<'_>, c: &mut [O]) -> Result<()> {
+        let (ad, bd) = self.dims();
+        let a = TensorRef::new(&self.a, &ad)?;
+        let b = TensorRef::new(&self.b, &bd)?;
+        let mut ws = vec![0u8; matmul_workspace_size(exec, a, b, O::DTYPE, &self.o)?];
+        matmul(exec, a, b, &self.o, c, &mut ws)
+    }
+
+    /// Row i of op(a) and column j of op(b).
+    fn vectors(&self, i: usize, j: usize) -> (Vec<bf16>, Vec<bf16>) {
+        let (m, n, k) = (self.m, self.n, self.k);
+        let x = (0..k)
+            .map(|p| self.a[if self.o.trans_a { p * m + i } else { i * k + p }])
+            .collect();
+        let y = (0..k)
+            .map(|p| self.b[if self.o.trans_b { j * k + p } else { p * n + j }])
+            .collect();
+        (x, y)
+    }
+
+    /// The model's c from `c0`.
+    fn want<O: Float>(&self, c0: &[O]) -> Vec<O> {
+        let mut w = c0.to_vec();
+        for i in 0..self.m {
+            for j in 0..self.n {
+                let (x, y) = self.vectors(i, j);
+                let start = if self.o.accumulate {
+                    c0[i * self.n + j].to_f64() as f32
+                } else {
+                    0.0
+                };
+                if self.k > 0 || !self.o.accumulate {
+                    w[i * self.n + j] = O::from_f32(model(start, &x, &y));
+                }
+            }
+        }
+        w
+    }
+
+    /// Every ISA, thread and block count: the model's bits.
+    fn check<O: Float>(&self, c0: &[O]) -> Vec<O> {
+        let want = self.want(c0);
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            for (threads, blocks) in [(1usize, 64u32), (3, 5), (2, 1)] {
+                let cpu = Cpu::new(Threads::new(threads)).with_isa(isa);
+                let ub = UbConfig {
+                    blocks,
+                    ..UbConfig::default()
+                };
+                let mut got = c0.to_vec();
+                self.run(&Exec::new(&cpu).with_ub(ub), &mut got).unwrap();
+                common::assert_same_bits(
+                    &got,
+                    &want,
+                    &format!(
+                        "{}x{}x{} {:?} -> {:?} on {isa} x{threads}/{blocks}",
+                        self.m,
+                        self.n,
+                        self.k,
+                        self.o,
+                        O::DTYPE
+                    ),
+                );
+            }
+        }
+        want
+    }
+}
+
+fn dot(trans_a: bool, trans_b: bool, accumulate: bool) -> MatmulOptions {
+    MatmulOptions {
+        trans_a,
+        trans_b,
+        accumulate,
+        math: MatmulMath::Bf16Dot,
+    }
+}
+
+fn uniform(rng: &mut Rng) -> impl FnMut() -> bf16 + '_ {
+    move || bf16::from_f64(rng.uniform(-2.0, 2.0))
+}
+
+#[test]
+fn every_layout_and_shape_is_the_models_bits_on_every_isa() {
+    let mut rng = Rng(0xd07);
+    for (ta, tb) in [(false, true), (false, false), (true, false), (true, true)] {
+        for (m, n, k) in [
+            (1, 1, 1),
+            (1, 33, 7),
+            (15, 1, 2),
+            (14, 32, 16),
+            (29, 70, 31),
+            (30, 47, 256),
+            (17, 40, 257),
+            (45, 97, 600),
+            (200, 530, 33),
+        ] {
+            let case = Case::new(m, n, k, dot(ta, tb, false), uniform(&mut rng));
+            case.check::<bf16>(&vec![bf16::from_f32(-7.25); m * n]);
+            case.check::<f32>(&vec![-7.25f32; m * n]);
+        }
+    }
+}
+
+#[test]
+fn accumulate_starts_each_sum_at_c_flushed() {
+    let mut rng = Rng(0xacc);
+    for (ta, tb) in [(false, true), (true, false)] {
+        for (m, n, k) in [(5, 9, 3), (20, 40, 300), (3, 3, 0)] {
+            let case = Case::new(m, n, k, dot(ta, tb, true), uniform(&mut rng));
+            let mut c0: Vec<f32> = (0..m * n).map(|_| rng.uniform(-4.0, 4.0) as f32).collect();
+            // Subnormal starting sums read as zero (once a product is added).
+            c0[0] = f32::from_bits(0x0040_0000);
+            c0[m * n - 1] = -f32::from_bits(3);
+            let want = case.check(&c0);
+            if k == 0 {
+                assert_eq!(want, c0, "an empty sum keeps c");
+            }
+        }
+    }
+}
+
+#[test]
+fn subnormals_tiny_sums_nan_and_inf() {
+    let mut rng = Rng(0x5ab);
+    // Magnitudes around 2^-63 each: products and sums near 2^-126, bf16
+    // subnormal inputs, and a few NaN and Inf.
+    let mut v = || {
+        let r = rng.below(100);
+        match r {
+            0 => bf16::from_bits(0x0001 + rng.below(0x7f) as u16),
+            1 => bf16::from_bits(0x8000 | (0x0001 + rng.below(0x7f) as u16)),
+            2 => bf16::NAN,
+            3 => bf16::INFINITY,
+            _ => {
+                let s = if r % 2 == 0 { 0 } else { 0x8000 };
+                bf16::from_bits(s | ((62 + rng.below(4) as u16) << 7) | rng.below(128) as u16)
+            }
+        }
+    };
+    for (ta, tb) in [(false, true), (false, false), (true, false)] {
+        let case = Case::new(23, 50, 45, dot(ta, tb, false), &mut v);
+        case.check::<f32>(&vec![0.0; 23 * 50]);
+        case.check::<bf16>(&vec![bf16::ZERO; 23 * 50]);
+    }
+}
+
+#[test]
+fn within_the_chains_bound_of_the_f64_reference() {
+    let mut rng = Rng(0xf64);
+    let (m, n, k) = (37, 90, 700);
+    let case = Case::new(m, n, k, dot(false, true, false), uniform(&mut rng));
+    let got = case.check::<f32>(&vec![0.0; m * n]);
+    let mut worst = 0f64;
+    for i in 0..m {
+        for j in 0..n {
+            let (x, y) = case.vectors(i, j);
+            let (w, s) = x.iter().zip(&y).fold((0f64, 0f64), |(w, s), (a, b)| {
+                let p = a.to_f64() * b.to_f64();
+                (w + p, s + p.abs())
+            });
+            let tol = (k as f64 + 1.0) * s / (1u64 << 24) as f64;
+            let score = (f64::from(got[i * n + j]) - w).abs() / tol;
+            assert!(score <= 1.0, "c[{i},{j}] = {}, f64 {w}", got[i * n + j]);
+            worst = worst.max(score);
+        }
+    }
+    eprintln!("bf16 dot {m}x{n}x{k}: worst {worst:.3} of the bound");
+}
+
+#[test]
+fn a_pair_dot_of_non_bf16_operands_is_refused_and_nothing_is_written() {
+    let a = vec![1f32; 6];
+    let b = vec![1f32; 6];
+    let at = TensorRef::new(&a, &[2, 3]).unwrap();
+    let bt = TensorRef::new(&b, &[3, 2]).unwrap();
+    let o = dot(false, false, false);
+    let cpu = Cpu::new(Threads::new(1));
+    let exec = Exec::new(&cpu);
+    let err = matmul_workspace_size(&exec, at, bt, DType::F32, &o).unwrap_err();
+    assert!(err.to_string().contains("math"), "{err}");
+    let mut c = vec![-7.25f32; 4];
+    let mut ws = vec![0u8; 1 << 16];
+    assert!(matmul(&exec, at, bt, &o, &mut c, &mut ws).is_err());
+    assert!(c.iter().all(|&x| x == -7.25));
+}
