@@ -322,29 +322,40 @@ fn main() {
         if quick && (n == 32000 || k == 32000) || !name.contains(filter.as_str()) {
             continue;
         }
-        for dt in ["bf16", "bf16>f32", "f32"] {
+        for dt in ["bf16", "bf16>f32", "f32", "bf16 dot", "bf16 dot>f32"] {
             if std::env::var("NPK_DT").is_ok_and(|d| d != dt) {
                 continue;
             }
+            // "bf16 dot": MatmulMath::Bf16Dot (VDPBF16PS where the CPU has
+            // it); ">f32": bf16 operands, an f32 c.
             let o = MatmulOptions {
                 trans_a: ta,
                 trans_b: tb,
                 accumulate: false,
-                ..Default::default()
+                math: if dt.starts_with("bf16 dot") {
+                    MatmulMath::Bf16Dot
+                } else {
+                    MatmulMath::Chain
+                },
             };
             let (ad, bd) = (
                 if ta { [k, m] } else { [m, k] },
                 if tb { [n, k] } else { [k, n] },
             );
-            let secs = if dt == "bf16" {
+            let secs = if dt.starts_with("bf16") {
                 let a: Vec<bf16> = (0..m * k)
                     .map(|i| bf16::from_f32((i % 13) as f32 * 0.1 - 0.6))
                     .collect();
                 let b: Vec<bf16> = (0..k * n)
                     .map(|i| bf16::from_f32((i % 7) as f32 * 0.1 - 0.3))
                     .collect();
-                let mut c = vec![bf16::ZERO; m * n];
-                time(&exec, &a, &ad, &b, &bd, &o, &mut c)
+                if dt.ends_with(">f32") {
+                    let mut c = vec![0f32; m * n];
+                    time(&exec, &a, &ad, &b, &bd, &o, &mut c)
+                } else {
+                    let mut c = vec![bf16::ZERO; m * n];
+                    time(&exec, &a, &ad, &b, &bd, &o, &mut c)
+                }
             } else {
                 let a: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.1 - 0.6).collect();
                 let b: Vec<f32> = (0..k * n).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();

@@ -566,6 +566,21 @@ fn matmul_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
             let mut c = c0.clone();
             matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
             run.out(&format!("matmul.{case}.accumulate"), &c);
+            if T::DTYPE == DType::BF16 {
+                // The pair dot: VDPBF16PS's bits, the same on every ISA.
+                o.math = MatmulMath::Bf16Dot;
+                let n32 = matmul_workspace_size(&exec, at, bt, DType::F32, &o).unwrap();
+                let mut ws = vec![0u8; n32];
+                let mut c = c0.clone();
+                matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
+                run.out(&format!("matmul.{case}.dot.accumulate"), &c);
+                o.accumulate = false;
+                let n16 = matmul_workspace_size(&exec, at, bt, T::DTYPE, &o).unwrap();
+                let mut ws = vec![0u8; n16];
+                let mut c = vec![T::from_f64(0.0); m * n];
+                matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
+                run.out(&format!("matmul.{case}.dot.c"), &c);
+            }
         }
     }
 }

@@ -202,7 +202,7 @@ fn subnormals_tiny_sums_nan_and_inf() {
             2 => bf16::NAN,
             3 => bf16::INFINITY,
             _ => {
-                let s = if r % 2 == 0 { 0 } else { 0x8000 };
+                let s = if r.is_multiple_of(2) { 0 } else { 0x8000 };
                 bf16::from_bits(s | ((62 + rng.below(4) as u16) << 7) | rng.below(128) as u16)
             }
         }

@@ -65,6 +65,12 @@ fn check<T: Float, O: Float>(b: &mut Bytes<'_>) {
         trans_a: b.bool(),
         trans_b: b.bool(),
         accumulate: b.one_in(3),
+        // The bf16 pair dot (refused for f32 and f16 operands).
+        math: if b.one_in(3) {
+            MatmulMath::Bf16Dot
+        } else {
+            MatmulMath::Chain
+        },
     };
     let m = dim(b, 200);
     let n = dim(b, 600);
@@ -142,7 +148,14 @@ fn check<T: Float, O: Float>(b: &mut Bytes<'_>) {
             if g == w || g.is_nan() && w.is_nan() {
                 continue;
             }
-            let tol = ulp_at::<O>(w) + (k as f64 + 1.0) * s / (1u64 << 24) as f64;
+            // The pair dot flushes subnormal inputs and sums: up to 2^-126
+            // a step.
+            let flushed = if o.math == MatmulMath::Bf16Dot {
+                (k as f64 + 1.0) * 2f64.powi(-125)
+            } else {
+                0.0
+            };
+            let tol = ulp_at::<O>(w) + (k as f64 + 1.0) * s / (1u64 << 24) as f64 + flushed;
             assert!(
                 (g - w).abs() <= tol,
                 "c[{i},{j}] = {g}, reference {w} (tol {tol})"

@@ -6,6 +6,13 @@
 //! alone, and the FMA is exact on every ISA (`Lanes::mul_add`), so c has the
 //! same bits on every ISA, thread count and plan.
 //!
+//! `MatmulMath::Bf16Dot` (bf16 only) sums as VDPBF16PS does instead: pairs
+//! of steps, the odd one first, subnormals flushed. The instruction runs it
+//! on AVX512-BF16 lanes (`pairs.rs`: panels of bf16 pairs, about twice the
+//! chain's rate on AMD Zen 4 and 5), the FMA chain on swapped, flushed
+//! panels with each sum flushed everywhere else (`pack.rs`'s `DOT`): the
+//! same bits on every ISA too.
+//!
 //! The kernel is BLIS's: cache blocks from `plan.rs` (output tiles over the
 //! workers, K in `kc` slices, `mc`-row A blocks), operands widened to f32
 //! while packing (`pack.rs`), and one register-blocked microkernel per lanes
