@@ -345,23 +345,34 @@ fn the_plan_cuts_tiles_over_workers_and_sizes_arenas() {
 #[test]
 fn a_step_sized_bf16_product_against_float64() {
     let (m, n, k) = (512, 512, 1024);
-    let mut rng = Rng(62);
-    let case = Case::<bf16>::random(&mut rng, m, n, k, opts(false, true, false));
-    let (mut got, mut want) = (vec![bf16::ZERO; m * n], vec![bf16::ZERO; m * n]);
-    case.run(&Exec::cpu(), &mut got).unwrap();
-    case.run(&Exec::reference(), &mut want).unwrap();
-    let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(g, w)| common::ulps(*g, *w))
-        .max()
-        .unwrap();
-    eprintln!(
-        "512x1024x512 bf16: {:.3}% differ from round(f64), worst {worst} bf16 steps",
-        100.0 * differ as f64 / (m * n) as f64
-    );
-    // An f32 chain of 1024 FMAs moves a bf16 result by at most a step but
-    // where the sum cancels to a small value.
-    assert!(differ * 100 < m * n, "{differ} of {} differ", m * n);
+    for math in [MatmulMath::Chain, MatmulMath::Bf16Dot] {
+        let mut rng = Rng(62);
+        let o = MatmulOptions {
+            math,
+            ..opts(false, true, false)
+        };
+        let case = Case::<bf16>::random(&mut rng, m, n, k, o);
+        let (mut got, mut want) = (vec![bf16::ZERO; m * n], vec![bf16::ZERO; m * n]);
+        case.run(&Exec::cpu(), &mut got).unwrap();
+        case.run(&Exec::reference(), &mut want).unwrap();
+        let differ = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| common::ulps(*g, *w))
+            .max()
+            .unwrap();
+        eprintln!(
+            "512x1024x512 bf16 {math:?}: {:.3}% differ from round(f64), worst {worst} bf16 steps",
+            100.0 * differ as f64 / (m * n) as f64
+        );
+        // An f32 chain of 1024 FMAs (or of 512 pairs of them) moves a bf16
+        // result by at most a step but where the sum cancels to a small
+        // value.
+        assert!(
+            differ * 100 < m * n,
+            "{math:?}: {differ} of {} differ",
+            m * n
+        );
+    }
 }
