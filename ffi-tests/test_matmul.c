@@ -2,7 +2,11 @@
  * double-precision model written here (bf16 in, bf16 and f32 out, both
  * transposes, accumulate), the same bits from every ISA up to the detected
  * one and from the reference backend's rounding of a double sum within the
- * f32-chain bound, and bad input refused with nothing written. */
+ * f32-chain bound, and bad input refused with nothing written. npk_matmul_v2
+ * (2.10): NULL options are npk_matmul's bits; NPK_MATMUL_BF16_DOT equals a
+ * VDPBF16PS model written here (pairs, the odd step first, flushed) bit for
+ * bit on every ISA; a bad math refused. */
+#include <float.h>
 #include <stddef.h>
 
 #include "common.h"
@@ -44,6 +48,9 @@ static npk_status run(const npk_tensor *a, const npk_tensor *b, const npk_matmul
 }
 
 enum { M = 37, N = 45, K = 300 };
+
+/* x, or a zero of its sign when subnormal (VDPBF16PS's DAZ and FTZ). */
+static float flush(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }
 
 int main(void) {
   static uint16_t a[M * K], b[K * N], c16[M * N], ref16[M * N];
@@ -141,6 +148,68 @@ int main(void) {
       if (c16[i] != 0x7fc1) {
         CHECK(0, "c written on error at %d", i);
         break;
+      }
+    }
+  }
+  /* npk_matmul_v2: the pair dot against its model, every ISA. */
+  {
+    npk_tensor at = mat(a, NPK_BF16, M, K), bt = mat(b, NPK_BF16, N, K), ct32 = mat(c32, NPK_F32, M, N);
+    npk_matmul_v2_options dot = {0, 1, 0, NPK_MATMUL_BF16_DOT}, bad_math = {0, 1, 0, 2};
+    static float model[M * N], chain[M * N];
+    size_t bytes = 0;
+    void *ws;
+    for (i = 0; i < M; ++i) {
+      for (j = 0; j < N; ++j) {
+        float s = 0;
+        for (p = 0; p < K; p += 2) {
+          /* K is even: no zero step. Inputs flushed, each sum flushed. */
+          float x0 = flush(bf2f(a[i * K + p])), y0 = flush(bf2f(b[j * K + p]));
+          float x1 = flush(bf2f(a[i * K + p + 1])), y1 = flush(bf2f(b[j * K + p + 1]));
+          s = flush(fmaf(x1, y1, s));
+          s = flush(fmaf(x0, y0, s));
+        }
+        model[i * N + j] = s;
+      }
+    }
+    for (isa = NPK_ISA_PORTABLE; isa <= (int)npk_detected_isa(); ++isa) {
+      npk_exec e = exec_of(NPK_BACKEND_CPU, (npk_isa)isa, 2);
+      npk_status st = npk_matmul_v2_workspace_size(&at, &bt, &dot, &ct32, &e, &bytes);
+      if (st == NPK_ERR_ISA_UNAVAILABLE) continue;
+      CHECK(st == NPK_OK, "v2 size: %s", g_detail.argument);
+      ws = malloc(bytes);
+      CHECK(npk_matmul_v2(&at, &bt, &dot, &ct32, ws, bytes, &e) == NPK_OK, "v2 dot: %s", g_detail.argument);
+      CHECK(memcmp(c32, model, sizeof c32) == 0, "isa %d: the pair dot differs from its model", isa);
+      /* NULL options: the chain, npk_matmul's bits. */
+      CHECK(npk_matmul_v2(&at, &bt, NULL, &ct32, ws, bytes, &e) == NPK_ERR_PARAM_INVALID, "v2 NULL: b is [N, K]");
+      free(ws);
+    }
+    {
+      npk_exec e = exec_of(NPK_BACKEND_CPU, NPK_ISA_AUTO, 1);
+      npk_matmul_options tb1 = {0, 1, 0};
+      npk_matmul_v2_options chain_opts = {0, 1, 0, NPK_MATMUL_CHAIN};
+      CHECK(run(&at, &bt, &tb1, &ct32, &e) == NPK_OK, "chain: %s", g_detail.argument);
+      memcpy(chain, c32, sizeof c32);
+      CHECK(npk_matmul_v2_workspace_size(&at, &bt, &chain_opts, &ct32, &e, &bytes) == NPK_OK, "v2 chain size");
+      ws = malloc(bytes);
+      CHECK(npk_matmul_v2(&at, &bt, &chain_opts, &ct32, ws, bytes, &e) == NPK_OK, "v2 chain");
+      CHECK(memcmp(c32, chain, sizeof c32) == 0, "v2 with NPK_MATMUL_CHAIN is npk_matmul");
+      free(ws);
+      for (i = 0; i < M * N; ++i) chain[i] = -7.25f;
+      CHECK(npk_matmul_v2_workspace_size(&at, &bt, &bad_math, &ct32, &e, &bytes) == NPK_ERR_PARAM_INVALID &&
+                strcmp(g_detail.argument, "math") == 0,
+            "math 2: %s", g_detail.argument);
+      at = mat(c32, NPK_F32, M, N);
+      bt = mat(model, NPK_F32, N, N);
+      ct32 = mat(chain, NPK_F32, M, N);
+      CHECK(npk_matmul_v2_workspace_size(&at, &bt, &dot, &ct32, &e, &bytes) == NPK_ERR_PARAM_INVALID &&
+                strcmp(g_detail.argument, "math") == 0,
+            "f32 with the pair dot: %s", g_detail.argument);
+      CHECK(npk_matmul_v2(&at, &bt, &dot, &ct32, NULL, 0, &e) == NPK_ERR_PARAM_INVALID, "f32 with the pair dot, run");
+      for (i = 0; i < M * N; ++i) {
+        if (chain[i] != -7.25f) {
+          CHECK(0, "c written on error at %d", i);
+          break;
+        }
       }
     }
   }
