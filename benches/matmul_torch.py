@@ -2,7 +2,8 @@
 step's products: per projection shape (tokens M, in K, out N) the forward
 ``x W^T``, the input gradient ``dy W`` and the weight gradient ``dy^T x``,
 each as the patched Linear runs it (``torch.ops.npukern.matmul`` with the
-stored operands and their trans flags) and as torch's autograd does
+stored operands, their trans flags and the route's math: the bf16 pair dot
+where ``route.matmul_math`` picks it) and as torch's autograd does
 (``torch.mm`` of the same views), in every dtype; the median of ``--reps``
 calls after a warm-up, GFLOP/s, and the ratio. Also what
 ``npukern_torch.route`` decides for each dtype on this CPU.
@@ -58,7 +59,8 @@ def main():
     print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, npukern ISA "
           f"{npukern_torch.detected_isa}, {torch.get_num_threads()} thread(s)")
     for dt, (takes, why) in route.explain().items():
-        print(f"  route {dt}: {'npukern' if takes else 'torch'} ({why})")
+        math = "bf16 pair dot" if route.matmul_math(dt) == route.BF16_DOT else "FMA chain"
+        print(f"  route {dt}: {'npukern' if takes else 'torch'}, npukern's {math} ({why})")
     print(f"{'dtype':5} {'M x K x N':>16} {'product':8} {'torch ms':>9} {'GF/s':>6} {'npukern ms':>10} {'GF/s':>6} "
           f"{'npk/torch':>9}")
     for name in args.dtypes:
@@ -69,10 +71,11 @@ def main():
             x = torch.randn(m, k, generator=g).to(dt)
             w = (torch.randn(n, k, generator=g) * 0.05).to(dt)
             dy = torch.randn(m, n, generator=g).to(dt)
+            mm = route.matmul_math(dt)
             cases = {
-                "x W^T": (lambda: torch.mm(x, w.t()), lambda: ops.matmul(x, w, False, True)),
-                "dy W": (lambda: torch.mm(dy, w), lambda: ops.matmul(dy, w, False, False)),
-                "dy^T x": (lambda: torch.mm(dy.t(), x), lambda: ops.matmul(dy, x, True, False)),
+                "x W^T": (lambda: torch.mm(x, w.t()), lambda: ops.matmul(x, w, False, True, None, mm)),
+                "dy W": (lambda: torch.mm(dy, w), lambda: ops.matmul(dy, w, False, False, None, mm)),
+                "dy^T x": (lambda: torch.mm(dy.t(), x), lambda: ops.matmul(dy, x, True, False, None, mm)),
             }
             flop = 2.0 * m * k * n
             for label, (ref, ours) in cases.items():

@@ -88,8 +88,9 @@ NPK_OP(cross_entropy_op, "cross_entropy",
 NPK_OP(cross_entropy_backward_op, "cross_entropy_backward",
        Tensor(const Tensor &, const Tensor &, const Tensor &, const Opt &, const Tensor &, int64_t, int64_t, double,
               double, double))
-NPK_OP(matmul_op, "matmul", Tensor(const Tensor &, const Tensor &, bool, bool, std::optional<at::ScalarType>))
-NPK_OP(linear_op, "linear", Tensor(const Tensor &, const Tensor &, const Opt &))
+NPK_OP(matmul_op, "matmul",
+       Tensor(const Tensor &, const Tensor &, bool, bool, std::optional<at::ScalarType>, int64_t))
+NPK_OP(linear_op, "linear", Tensor(const Tensor &, const Tensor &, const Opt &, int64_t))
 
 // The differentiable float32 composites (npukern_torch/_composite.py).
 NPK_OP(rms_norm_grads_composite, "_rms_norm_grads_composite",
@@ -920,28 +921,34 @@ T2 cross_entropy(c10::DispatchKeySet ks, const Tensor &logits, const Tensor &tar
 }
 
 // ---------------------------------------------------------------------------
-// Matmul and Linear: every product of the backward is npukern's matmul too
-// (dW = dy^T x summed over the tokens in f32, rounded once). A
-// create_graph=True backward runs torch's products instead (differentiable).
+// Matmul and Linear: every product of the backward is npukern's matmul too,
+// with the forward's math (dW = dy^T x summed over the tokens in f32, rounded
+// once). A create_graph=True backward runs torch's products instead
+// (differentiable).
 
 // The gradients of c = op(a) op(b), each one matmul with the flags that read
 // the stored operands as they are (no transposed copies).
-T2 matmul_grads(const Tensor &dc, const Tensor &a, const Tensor &b, bool ta, bool tb, bool want_a, bool want_b) {
+T2 matmul_grads(const Tensor &dc, const Tensor &a, const Tensor &b, bool ta, bool tb, bool want_a, bool want_b,
+                int64_t math) {
   const Tensor g = dc.scalar_type() == a.scalar_type() ? dc : dc.to(a.scalar_type());
+  const auto mm = [math](const Tensor &x, const Tensor &y, bool tx, bool ty) {
+    return matmul_op().call(x, y, tx, ty, std::nullopt, math);
+  };
   Tensor da, db;
-  if (want_a) da = ta ? matmul_op().call(b, g, tb, true, std::nullopt) : matmul_op().call(g, b, false, !tb, std::nullopt);
-  if (want_b) db = tb ? matmul_op().call(g, a, true, ta, std::nullopt) : matmul_op().call(a, g, !ta, false, std::nullopt);
+  if (want_a) da = ta ? mm(b, g, tb, true) : mm(g, b, false, !tb);
+  if (want_b) db = tb ? mm(g, a, true, ta) : mm(a, g, !ta, false);
   return {da, db};
 }
 
 struct Matmul : Function<Matmul> {
   static variable_list forward(AutogradContext *ctx, const Tensor &a, const Tensor &b, bool ta, bool tb,
-                               std::optional<at::ScalarType> out_dtype) {
+                               std::optional<at::ScalarType> out_dtype, int64_t math) {
     Below guard;
-    Tensor c = matmul_op().call(a, b, ta, tb, out_dtype);
+    Tensor c = matmul_op().call(a, b, ta, tb, out_dtype, math);
     ctx->save_for_backward({a, b});
     ctx->saved_data["ta"] = ta;
     ctx->saved_data["tb"] = tb;
+    ctx->saved_data["math"] = math;
     return {c};
   }
 
@@ -953,29 +960,32 @@ struct Matmul : Function<Matmul> {
       const Tensor g = dc.to(a.scalar_type());
       const Tensor A = ta ? a.t() : a, B = tb ? b.t() : b;
       Tensor dA = g.mm(B.t()), dB = A.t().mm(g);
-      return {ta ? dA.t() : dA, tb ? dB.t() : dB, {}, {}, {}};
+      return {ta ? dA.t() : dA, tb ? dB.t() : dB, {}, {}, {}, {}};
     }
-    auto [da, db] = matmul_grads(dc, a, b, ta, tb, ctx->needs_input_grad(0), ctx->needs_input_grad(1));
-    return {da, db, {}, {}, {}};
+    auto [da, db] = matmul_grads(dc, a, b, ta, tb, ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                 ctx->saved_data["math"].toInt());
+    return {da, db, {}, {}, {}, {}};
   }
 };
 
 Tensor matmul(c10::DispatchKeySet ks, const Tensor &a, const Tensor &b, bool ta, bool tb,
-              std::optional<at::ScalarType> out_dtype) {
+              std::optional<at::ScalarType> out_dtype, int64_t math) {
   if (!recording({&a, &b})) {
     Below guard;
-    return matmul_op().redispatch(ks & kBelow, a, b, ta, tb, out_dtype);
+    return matmul_op().redispatch(ks & kBelow, a, b, ta, tb, out_dtype, math);
   }
   no_forward_ad("matmul", {&a, &b});
-  return Matmul::apply(a, b, ta, tb, out_dtype)[0];
+  return Matmul::apply(a, b, ta, tb, out_dtype, math)[0];
 }
 
 struct Linear : Function<Linear> {
-  static variable_list forward(AutogradContext *ctx, const Tensor &input, const Tensor &weight, const Opt &bias) {
+  static variable_list forward(AutogradContext *ctx, const Tensor &input, const Tensor &weight, const Opt &bias,
+                               int64_t math) {
     Below guard;
-    Tensor y = linear_op().call(input, weight, bias);
+    Tensor y = linear_op().call(input, weight, bias, math);
     ctx->save_for_backward({input, weight});
     ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["math"] = math;
     return {y};
   }
 
@@ -990,25 +1000,28 @@ struct Linear : Function<Linear> {
       if (ctx->needs_input_grad(0)) dx = g.mm(weight).view(input.sizes());
       if (ctx->needs_input_grad(1)) dw = g.t().mm(x);
     } else {
-      // dx = dy W (W as stored), dW = dy^T x (dy read transposed).
-      if (ctx->needs_input_grad(0)) dx = matmul_op().call(g, weight, false, false, std::nullopt).view(input.sizes());
-      if (ctx->needs_input_grad(1)) dw = matmul_op().call(g, x, true, false, std::nullopt);
+      // dx = dy W (W as stored), dW = dy^T x (dy read transposed), with the
+      // forward's math.
+      const int64_t math = ctx->saved_data["math"].toInt();
+      if (ctx->needs_input_grad(0))
+        dx = matmul_op().call(g, weight, false, false, std::nullopt, math).view(input.sizes());
+      if (ctx->needs_input_grad(1)) dw = matmul_op().call(g, x, true, false, std::nullopt, math);
     }
     if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2))
       db = g.sum(0, false, at::kFloat).to(dy.scalar_type());
-    return {dx, dw, db};
+    return {dx, dw, db, {}};
   }
 };
 
-Tensor linear(c10::DispatchKeySet ks, const Tensor &input, const Tensor &weight, const Opt &bias) {
+Tensor linear(c10::DispatchKeySet ks, const Tensor &input, const Tensor &weight, const Opt &bias, int64_t math) {
   const Tensor none;
   const Tensor *bp = bias.has_value() ? &*bias : &none;
   if (!recording({&input, &weight, bp})) {
     Below guard;
-    return linear_op().redispatch(ks & kBelow, input, weight, bias);
+    return linear_op().redispatch(ks & kBelow, input, weight, bias, math);
   }
   no_forward_ad("linear", {&input, &weight, bp});
-  return Linear::apply(input, weight, bias)[0];
+  return Linear::apply(input, weight, bias, math)[0];
 }
 
 }  // namespace npk_torch::grad

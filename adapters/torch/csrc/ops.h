@@ -82,9 +82,12 @@ at::Tensor cross_entropy_reduce(const at::Tensor &loss_rows, const at::Tensor &t
 at::Tensor cross_entropy_grad_scale(const at::Tensor &target, const std::optional<at::Tensor> &weight,
                                     int64_t reduction, int64_t ignore_index, double grad);
 
+// math: an npk_matmul_math (0 the FMA chain, 1 the bf16 pair dot).
 at::Tensor matmul(const at::Tensor &a, const at::Tensor &b, bool trans_a, bool trans_b,
-                  std::optional<at::ScalarType> out_dtype);
-void matmul_accumulate_(at::Tensor &c, const at::Tensor &a, const at::Tensor &b, bool trans_a, bool trans_b);
-at::Tensor linear(const at::Tensor &input, const at::Tensor &weight, const std::optional<at::Tensor> &bias);
+                  std::optional<at::ScalarType> out_dtype, int64_t math);
+void matmul_accumulate_(at::Tensor &c, const at::Tensor &a, const at::Tensor &b, bool trans_a, bool trans_b,
+                        int64_t math);
+at::Tensor linear(const at::Tensor &input, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                  int64_t math);
 
 }  // namespace npk_torch

@@ -113,10 +113,14 @@ TORCH_LIBRARY(npukern, m) {
   // aclnnMatmul: c = op(a) op(b) (f32 FMA chains, k ascending, one rounding;
   // c in a's dtype or float32); the accumulating form adds into a float32 c
   // (a weight gradient's sums across micro-batches). linear is F.linear on
-  // it, its backward's dx and dW the same matmul.
-  m.def("matmul(Tensor a, Tensor b, bool trans_a=False, bool trans_b=False, ScalarType? out_dtype=None) -> Tensor");
-  m.def("matmul_accumulate_(Tensor(a!) c, Tensor a, Tensor b, bool trans_a=False, bool trans_b=False) -> ()");
-  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  // it, its backward's dx and dW the same matmul. math (aclnnMatmul's
+  // cubeMathType; npk_matmul_math): 0 the FMA chain, 1 the bf16 pair dot
+  // (VDPBF16PS's sums; bfloat16 operands only).
+  m.def("matmul(Tensor a, Tensor b, bool trans_a=False, bool trans_b=False, ScalarType? out_dtype=None, "
+        "int math=0) -> Tensor");
+  m.def("matmul_accumulate_(Tensor(a!) c, Tensor a, Tensor b, bool trans_a=False, bool trans_b=False, "
+        "int math=0) -> ()");
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None, int math=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(npukern, CPU, m) {

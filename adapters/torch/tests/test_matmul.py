@@ -3,7 +3,9 @@
 output within its dtype's half step plus float32 accumulation's bound
 ``K * 2^-24 * sum |a b|``), the same bits on 1 and 2 threads, the Linear
 layer's backward (dx, dW summed in float32, db), errors, the route's rule,
-the fused loss's head on it, and a patched model's projections."""
+the bf16 pair dot (``math=1``) bit for bit against a scalar model of
+VDPBF16PS, the fused loss's head on it, and a patched model's
+projections."""
 
 import pytest
 import torch
@@ -115,6 +117,106 @@ def test_empty_products():
     assert z.shape == (4, 3) and bool((z == 0).all())
 
 
+def _flush(x):
+    """float32 x with its subnormals as zeros of their sign (VDPBF16PS's DAZ/FTZ)."""
+    return torch.where(x.abs() < 2.0**-126, x * 0, x)
+
+
+def _pair_dot(a, b, c=None):
+    """The bf16 pair dot of a [M, K] and b [K, N] (bfloat16) as VDPBF16PS sums:
+    from c (flushed; zeros without), each pair of k steps as c = flush(c +
+    a[k+1] b[k+1]), then c = flush(c + a[k] b[k]) (a bf16 product is exact
+    in float32, so each add is the FMA's one rounding); an odd K's last step
+    after a zero one. float32 [M, N]."""
+    af, bf = _flush(a.float()), _flush(b.float())
+    s = _flush(c.clone()) if c is not None else torch.zeros(a.shape[0], b.shape[1])
+    k = a.shape[1]
+    for p in range(0, k, 2):
+        if p + 1 < k:
+            s = _flush(s + af[:, p + 1, None] * bf[None, p + 1, :])
+        else:
+            s = _flush(s + 0.0)
+        s = _flush(s + af[:, p, None] * bf[None, p, :])
+    return s
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (3, 2, 5), (7, 37, 33), (67, 129, 45), (20, 600, 70)])
+def test_bf16_pair_dot_is_the_models_bits(ta, tb, mkn):
+    m, k, n = mkn
+    a = _r(*((k, m) if ta else (m, k)), dtype=torch.bfloat16, seed=40)
+    b = _r(*((n, k) if tb else (k, n)), dtype=torch.bfloat16, seed=41)
+    want = _pair_dot(a.t() if ta else a, b.t() if tb else b)
+    f = ops.matmul(a, b, ta, tb, torch.float32, 1)
+    assert f.dtype == torch.float32 and torch.equal(f, want)
+    assert torch.equal(ops.matmul(a, b, ta, tb, None, 1), want.to(torch.bfloat16))
+    assert torch.equal(F.matmul(a, b, trans_a=ta, trans_b=tb, out_dtype=torch.float32, math="bf16_dot"), want)
+    # Accumulated: c starts each sum.
+    c0 = _r(m, n, seed=42)
+    c = c0.clone()
+    ops.matmul_accumulate_(c, a, b, ta, tb, 1)
+    assert torch.equal(c, _pair_dot(a.t() if ta else a, b.t() if tb else b, c0))
+
+
+def test_bf16_pair_dot_flushes_subnormals_and_differs_from_the_chain():
+    # A subnormal input (2^-127 in bfloat16) is read as zero.
+    a = torch.tensor([[2.0**-127, 2.0**-100]], dtype=torch.bfloat16)
+    b = torch.tensor([[1.0], [2.0**-20]], dtype=torch.bfloat16)
+    assert ops.matmul(a, b, False, False, torch.float32).item() == 2.0**-127 + 2.0**-120
+    assert ops.matmul(a, b, False, False, torch.float32, 1).item() == 2.0**-120
+    # A subnormal sum (2^-140) is written as zero; the chain keeps it.
+    tiny = torch.tensor([[2.0**-70]], dtype=torch.bfloat16)
+    assert ops.matmul(tiny, tiny, False, False, torch.float32, 1).item() == 0.0
+    assert ops.matmul(tiny, tiny, False, False, torch.float32).item() == 2.0**-140
+
+
+def test_bf16_pair_dot_is_refused_for_other_dtypes_and_values():
+    a, b = _r(4, 6), _r(6, 3)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.matmul(a, b, False, False, None, 1)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.matmul_accumulate_(torch.zeros(4, 3), a.half(), b.half(), False, False, 1)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.linear(a, b.t().contiguous(), None, 1)
+    with pytest.raises(ValueError, match="math"):
+        ops.matmul(a.bfloat16(), b.bfloat16(), False, False, None, 2)
+    with pytest.raises(ValueError, match="math"):
+        F.matmul(a, b, math="fast")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_pair_dot_forward_and_backward_bits(bias):
+    # Every product of the layer with the forward's math: y = x W^T (+ b,
+    # starting the sums), dx = dy W, dW = dy^T x over all 123 tokens.
+    x = _r(3, 41, 96, dtype=torch.bfloat16, seed=43).requires_grad_()
+    w = _r(70, 96, dtype=torch.bfloat16, seed=44, scale=0.1).requires_grad_()
+    b = _r(70, dtype=torch.bfloat16, seed=45).requires_grad_() if bias else None
+    y = F.linear(x, w, b, math="bf16_dot")
+    dy = _r(3, 41, 70, dtype=torch.bfloat16, seed=46)
+    y.backward(dy)
+    x2, dy2 = x.detach().reshape(-1, 96), dy.reshape(-1, 70)
+    c0 = b.detach().float().expand(123, 70).contiguous() if bias else None
+    assert torch.equal(y.detach().reshape(-1, 70), _pair_dot(x2, w.detach().t(), c0).to(torch.bfloat16))
+    assert torch.equal(x.grad.reshape(-1, 96), _pair_dot(dy2, w.detach()).to(torch.bfloat16))
+    assert torch.equal(w.grad, _pair_dot(dy2.t(), x2).to(torch.bfloat16))
+    # The default without route is the chain (npk_matmul's bits).
+    assert torch.equal(F.linear(x.detach(), w.detach()), ops.linear(x.detach(), w.detach()))
+
+
+def test_routed_linear_sums_as_the_route_says(monkeypatch):
+    x = _r(37, 64, dtype=torch.bfloat16, seed=47)
+    w = _r(50, 64, dtype=torch.bfloat16, seed=48)
+    monkeypatch.setenv("NPK_TORCH_MATMUL", "npukern")
+    for math, m in (("bf16_dot", 1), ("chain", 0)):
+        monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", math)
+        assert torch.equal(F.linear(x, w, route=True), ops.linear(x, w, None, m))
+        assert torch.equal(F.matmul(x, w, trans_b=True, math="auto"), ops.matmul(x, w, False, True, None, m))
+    # float32 is the chain whatever the math says.
+    monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", "bf16_dot")
+    assert torch.equal(F.linear(x.float(), w.float(), route=True), ops.linear(x.float(), w.float()))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_forward_and_backward_against_float64(dtype, bias):
@@ -187,6 +289,8 @@ def test_compile_traces_linear():
 
 
 def test_route_rule_names_a_reason_for_every_dtype(monkeypatch):
+    monkeypatch.delenv("NPK_TORCH_MATMUL", raising=False)
+    monkeypatch.delenv("NPK_TORCH_MATMUL_MATH", raising=False)
     told = route.explain()
     assert set(told) == set(route.DTYPES) and all(isinstance(why, str) and why for _, why in told.values())
     vendor, flags, family = route._cpu()
@@ -194,10 +298,45 @@ def test_route_rule_names_a_reason_for_every_dtype(monkeypatch):
     # float32 only where torch's sgemm is known slower (AMD Zen 5 and later).
     assert route.matmul_route(torch.float32) is (vendor == "AuthenticAMD" and family >= 26 and "avx512f" in flags
                                                  and "amx_tile" not in flags)
+    # bfloat16 on AMD with AVX512-BF16 (Zen 4 and later): torch keeps it (npukern's pair dot was not
+    # faster through torch); forced to npukern, the pair dot sums it.
+    pair = vendor == "AuthenticAMD" and family >= 25 and "avx512_bf16" in flags and "amx_tile" not in flags
+    assert (route.matmul_math(torch.bfloat16) == route.BF16_DOT) is pair
+    if pair:
+        assert route.matmul_route(torch.bfloat16) is False
+    assert route.matmul_math(torch.float32) == route.matmul_math(torch.float16) == route.CHAIN
     monkeypatch.setenv("NPK_TORCH_MATMUL", "npukern")
     assert all(route.matmul_route(dt) for dt in route.DTYPES) and not route.matmul_route(torch.float64)
     monkeypatch.setenv("NPK_TORCH_MATMUL", "torch")
     assert not any(route.matmul_route(dt) for dt in route.DTYPES)
+    monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", "chain")
+    assert route.matmul_math(torch.bfloat16) == route.CHAIN
+    monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", "bf16_dot")
+    assert route.matmul_math(torch.bfloat16) == route.BF16_DOT and route.matmul_math(torch.float32) == route.CHAIN
+    assert "NPK_TORCH_MATMUL_MATH" in route.explain()[torch.bfloat16][1] or pair
+
+
+# (vendor, family, flags) of the CPUs the rule names, and what it gives
+# bfloat16: (npukern takes it, summed by the pair dot when it does or is forced to).
+_CPUS = {
+    "zen5": ("AuthenticAMD", 26, {"avx2", "fma", "avx512f", "avx512_bf16"}, (False, True)),
+    "zen4": ("AuthenticAMD", 25, {"avx2", "fma", "avx512f", "avx512_bf16"}, (False, True)),
+    "zen3": ("AuthenticAMD", 25, {"avx2", "fma"}, (True, False)),
+    "cooper_lake": ("GenuineIntel", 6, {"avx2", "fma", "avx512f", "avx512_bf16"}, (True, False)),
+    "sapphire_rapids": ("GenuineIntel", 6, {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"}, (False, False)),
+    "cascade_lake": ("GenuineIntel", 6, {"avx2", "fma", "avx512f"}, (True, False)),
+    "arm": ("", 0, {"asimd", "bf16"}, (False, False)),
+}
+
+
+@pytest.mark.parametrize("cpu", sorted(_CPUS))
+def test_route_rule_for_bfloat16_by_cpu(monkeypatch, cpu):
+    vendor, family, flags, (takes, pair) = _CPUS[cpu]
+    monkeypatch.setattr(route, "_cpu", lambda: (vendor, flags, family))
+    assert route._rule(torch.bfloat16)[0] is takes
+    assert route._pair_dot_cpu(vendor, flags, family) is pair
+    # float32 goes to npukern on Zen 5 alone; float16 is never summed by the pair dot.
+    assert route._rule(torch.float32)[0] is (cpu == "zen5")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=IDS.get)
@@ -221,19 +360,25 @@ def test_fused_loss_head_on_npukern_matches_float64(dtype):
         npukern_torch.linear_cross_entropy(x, w, t, matmul="oneDNN")
 
 
+@pytest.mark.parametrize("math", ["chain", "bf16_dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=IDS.get)
-def test_fused_loss_head_weight_grad_bits_do_not_depend_on_chunks(dtype):
+def test_fused_loss_head_weight_grad_bits_do_not_depend_on_chunks(monkeypatch, dtype, math):
     # One chunk writes the weight gradient in its dtype directly; several
     # write the float32 sums, then accumulate into them and round at the
     # end. Both are one chain per element (rows ascending) and one rounding,
-    # so every chunking gives the same bits.
+    # so every chunking gives the same bits. The bf16 pair dot sums tokens
+    # two at a time: the head cuts even chunks (an odd budget, 41 or 1 rows,
+    # rounded to 40 or 2), so the pairs are the same in every chunking.
+    if math == "bf16_dot" and dtype != torch.bfloat16:
+        pytest.skip("the pair dot is bfloat16's")
+    monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", math)
     n, h, v = 97, 40, 75
     x = _r(n, h, dtype=dtype, seed=30)
     w = _r(v, h, dtype=dtype, seed=31, scale=0.3)
     t = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(32))
     t[::5] = -100
     grads = []
-    for rows in (n, 40, 1):
+    for rows in (n, 40, 41, 1):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         npukern_torch.linear_cross_entropy(xg, wg, t, matmul="npukern",
                                            chunk_bytes=rows * v * x.element_size()).backward()
@@ -242,6 +387,55 @@ def test_fused_loss_head_weight_grad_bits_do_not_depend_on_chunks(dtype):
     for dx, dw in grads[1:]:
         assert torch.equal(dx, grads[0][0]) and torch.equal(dw, grads[0][1])
     assert grads[0][1].abs().sum() > 0
+
+
+class _Recorder:
+    """torch.ops.npukern with its matmul calls recorded: (a's rows, trans_b, math)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        op = getattr(ops, name)
+        if name != "matmul":
+            return op
+
+        def call(a, b, trans_a=False, trans_b=False, out_dtype=None, math=0):
+            self.calls.append((a.shape[0], trans_b, math))
+            return op(a, b, trans_a, trans_b, out_dtype, math)
+
+        return call
+
+
+@pytest.mark.parametrize("budget", [41, 1, 40, 97])
+def test_fused_loss_head_pair_dot_cuts_even_chunks(monkeypatch, budget):
+    # The weight gradient's K is the tokens: the pair dot sums them two at a
+    # time, so a chunk of odd rows before another would pair differently
+    # from one call (its float32 sums differ; rounded to bfloat16 they
+    # rarely show). Every chunk but the last is even, with the pair dot.
+    from npukern_torch import loss as loss_mod
+
+    n, h, v = 97, 40, 75
+    x = _r(n, h, dtype=torch.bfloat16, seed=33).requires_grad_()
+    w = _r(v, h, dtype=torch.bfloat16, seed=34, scale=0.3).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(35))
+    for math, m in (("bf16_dot", 1), ("chain", 0)):
+        monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", math)
+        rec = _Recorder()
+        monkeypatch.setattr(loss_mod, "ops", rec)
+        npukern_torch.linear_cross_entropy(x, w, t, matmul="npukern", chunk_bytes=budget * v * 2).backward()
+        chunks = [rows for rows, trans_b, _ in rec.calls if trans_b]  # the logits x W^T, one per chunk
+        assert sum(chunks) == n and all(c == m for _, _, c in rec.calls)
+        want = max(2, budget - budget % 2) if m and budget < n else budget
+        assert chunks[:-1] == [want] * (len(chunks) - 1) and 0 < chunks[-1] <= want
+    # Why: the pair dot's float32 sums over odd chunks are not one call's.
+    a, xb = _r(n, v, dtype=torch.bfloat16, seed=36), _r(n, h, dtype=torch.bfloat16, seed=37)
+    whole = ops.matmul(a, xb, True, False, torch.float32, 1)
+    for rows, same in ((40, True), (41, False)):
+        sums = ops.matmul(a[:rows], xb[:rows], True, False, torch.float32, 1)
+        for start in range(rows, n, rows):
+            ops.matmul_accumulate_(sums, a[start:start + rows], xb[start:start + rows], True, False, 1)
+        assert torch.equal(sums, whole) is same
 
 
 def test_patched_model_projections_on_npukern(monkeypatch):

@@ -191,16 +191,27 @@ def _product_shape(a, b, trans_a, trans_b):
     return m, n
 
 
+def _check_math(a, b, math):
+    torch._check(math in (0, 1), lambda: f"npukern::matmul: math must be 0 (the FMA chain) or 1 (the bf16 pair "
+                                         f"dot), got {math}")
+    torch._check(math == 0 or (a.dtype == b.dtype == torch.bfloat16),
+                 lambda: f"npukern::matmul: math=1 (the bf16 pair dot) takes bfloat16 operands, got {a.dtype} "
+                         f"and {b.dtype}")
+
+
 @torch.library.register_fake("npukern::matmul")
-def _matmul(a, b, trans_a=False, trans_b=False, out_dtype=None):
+def _matmul(a, b, trans_a=False, trans_b=False, out_dtype=None, math=0):
+    _check_math(a, b, math)
     return a.new_empty(_product_shape(a, b, trans_a, trans_b), dtype=out_dtype or a.dtype)
 
 
 @torch.library.register_fake("npukern::matmul_accumulate_")
-def _matmul_accumulate_(c, a, b, trans_a=False, trans_b=False):
+def _matmul_accumulate_(c, a, b, trans_a=False, trans_b=False, math=0):
     _product_shape(a, b, trans_a, trans_b)
+    _check_math(a, b, math)
 
 
 @torch.library.register_fake("npukern::linear")
-def _linear(input, weight, bias=None):
+def _linear(input, weight, bias=None, math=0):
+    _check_math(input, weight, math)
     return input.new_empty((*input.shape[:-1], weight.shape[0]))

@@ -178,14 +178,18 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *, eager: bool = True)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, trans_a: bool = False, trans_b: bool = False,
-           out_dtype=None) -> torch.Tensor:
+           out_dtype=None, math: str = "chain") -> torch.Tensor:
     """aclnnMatmul: ``op(a) @ op(b)`` of 2-D CPU tensors of one dtype (float32,
     bfloat16, float16), each element one float32 FMA chain over k ascending,
     rounded once to ``out_dtype`` (a's dtype, or float32): the same bits on
     every ISA and thread count. ``trans_a`` / ``trans_b`` read a stored
     ``[K, M]`` / ``[N, K]``; a transposed view of a contiguous tensor is read
-    in place. Differentiable in both (the gradients are the same matmul)."""
-    return _matmul_op(a, b, trans_a, trans_b, out_dtype)
+    in place. Differentiable in both (the gradients are the same matmul).
+    ``math="bf16_dot"`` (bfloat16 only) sums as VDPBF16PS does instead
+    (pairs of k steps, the odd one first, subnormals flushed; the
+    instruction where the CPU has AVX512-BF16), also the same bits
+    everywhere; ``"auto"``: :func:`npukern_torch.route.matmul_math`."""
+    return _matmul_op(a, b, trans_a, trans_b, out_dtype, _route.resolve_math(math, a.dtype))
 
 
 def _linear_takes(input, weight, bias):
@@ -201,7 +205,8 @@ def _autocast(t, dt):
     return t.to(dt)
 
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool = False) -> torch.Tensor:
+def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool = False,
+           math=None) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` on npukern's matmul: ``y = x W^T + b``
     in float32 FMA, rounded once (the bias starts each sum), and in the
     backward ``dx = dy W`` and ``dW = dy^T x`` (summed over every token in
@@ -210,12 +215,16 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool 
     kernel does not take (float64, non-CPU tensors, mixed dtypes, tensor
     subclasses) runs ``F.linear``; so does every call when ``route`` is true
     and :func:`npukern_torch.route.matmul_route` keeps torch's matmul for
-    that dtype on this CPU (what :func:`npukern_torch.hf.patch` passes)."""
+    that dtype on this CPU (what :func:`npukern_torch.hf.patch` passes).
+    ``math`` sums the three products as :func:`matmul`'s does (``"chain"``,
+    ``"bf16_dot"``, ``"auto"``); None, the default: ``"auto"`` with
+    ``route``, the FMA chain without."""
     if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         # Autocast's rule: CPU floating tensors but float64 are cast.
         dt = torch.get_autocast_dtype("cpu")
         input, weight, bias = (_autocast(t, dt) for t in (input, weight, bias))
     if not _linear_takes(input, weight, bias) or (route and not _route.matmul_route(input.dtype)):
         return torch.nn.functional.linear(input, weight, bias)
+    m = _route.resolve_math(math or ("auto" if route else "chain"), input.dtype)
     with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else _NULL:
-        return _linear_op(input, weight, bias)
+        return _linear_op(input, weight, bias, m)

@@ -453,7 +453,9 @@ class _Forward:
             return _causal_lm_forward(self.module, *args, matmul=self.matmul, **kwargs)
         if self.kind == "linear":
             m = self.module
-            return _F.linear(*args, m.weight, m.bias, route=self.matmul == "auto", **kwargs)
+            # "auto" and "npukern" both sum as the route's math says (the
+            # bf16 pair dot where VDPBF16PS is fast, NPK_TORCH_MATMUL_MATH).
+            return _F.linear(*args, m.weight, m.bias, route=self.matmul == "auto", math="auto", **kwargs)
         return self.fn(self.module, *args, **kwargs)
 
     def __getstate__(self):
@@ -611,7 +613,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     :func:`npukern_torch.route.matmul_route` says it is faster than torch's on
     this CPU for the dtype they run in (True, the default: by that rule;
     ``"npukern"``: always; False: torch's matmuls and the stock bits
-    everywhere). Modules already patched are left alone (a second call
+    everywhere), summed as :func:`npukern_torch.route.matmul_math` says (the
+    bf16 pair dot on AMD Zen 4 and later, the FMA chain otherwise). Modules already patched are left alone (a second call
     counts 0). An RMSNorm class it does not know is left alone and named in a
     warning. Embeddings with ``max_norm`` or ``sparse=True`` (which npukern
     does not take) are left alone. Every swapped path gives the stock

@@ -231,27 +231,38 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
     writes the gradient in the weight's dtype directly: the same chain and
     one rounding, without a vocab x hidden float32 buffer (its zeroing, a
     second pass over it, and the cast were 40% of the head's weight
-    gradient)."""
+    gradient).
+
+    The products are summed as :func:`npukern_torch.route.matmul_math` says
+    for the dtype: the bf16 pair dot (on AMD Zen 4 and later) sums the
+    weight gradient's tokens two at a time, so every chunk but the last has
+    an even number of rows there (an odd chunk would pair a token with the
+    next chunk's differently, and the bits would depend on the chunking);
+    the budget's odd row count is rounded down (a one-row budget up to
+    two)."""
     want_input, want_weight, _ = want
     n = x.shape[0]
+    math = _route.matmul_math(x.dtype)
+    if math == _route.BF16_DOT and rows < n and rows % 2:
+        rows = max(2, rows - 1)
     d_input = torch.empty_like(x) if want_input else None
     sums = None
     if want_weight and n == 0:
         sums = torch.zeros(weight.shape, dtype=torch.float32)
     for start in range(0, n, rows):
         xc = x[start:start + rows]
-        logits = ops.matmul(xc, weight, False, True)
+        logits = ops.matmul(xc, weight, False, True, None, math)
         loss, _lse = ops.cross_entropy_fused_(logits, t[start:start + rows], None, grad_scale, ignore_index,
                                               float(label_smoothing), float(z_loss), softcap)
         losses[start:start + rows] = loss
         if d_input is not None:
-            d_input[start:start + rows] = ops.matmul(logits, weight, False, False)
+            d_input[start:start + rows] = ops.matmul(logits, weight, False, False, None, math)
         if want_weight:
             if sums is not None:
-                ops.matmul_accumulate_(sums, logits, xc, True, False)
+                ops.matmul_accumulate_(sums, logits, xc, True, False, math)
             else:
                 single = start + rows >= n
-                sums = ops.matmul(logits, xc, True, False, None if single else torch.float32)
+                sums = ops.matmul(logits, xc, True, False, None if single else torch.float32, math)
         del logits
     d_weight = None
     if sums is not None:
@@ -353,7 +364,9 @@ def linear_cross_entropy(input, weight, target, bias=None, ignore_index=-100, re
     products (logits, input gradient, the weight gradient's float32 sums) on
     npukern's matmul instead (a head without bias), ``"auto"`` where
     :func:`npukern_torch.route.matmul_route` takes the dtype on this CPU
-    (what ``hf.patch`` passes); ``"torch"``, the default, keeps torch's."""
+    (what ``hf.patch`` passes); ``"torch"``, the default, keeps torch's.
+    On npukern they are summed as :func:`npukern_torch.route.matmul_math`
+    says (the bf16 pair dot on AMD Zen 4 and later, with even chunks)."""
     if matmul not in ("torch", "npukern", "auto"):
         raise ValueError(f"linear_cross_entropy: matmul must be 'torch', 'npukern' or 'auto', not {matmul!r}")
     red = _reduction(reduction)

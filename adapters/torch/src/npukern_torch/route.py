@@ -2,17 +2,28 @@
 
 The rule is by ISA, from measurements (docs/performance.md "Matmul"), not
 timed at import: a route that depended on a timing would change the bits of
-a model between two runs. npukern's matmul is float32 FMA on operands widened
-while packing, so it runs every dtype at the core's float32 FMA rate;
-torch's (oneDNN) runs bfloat16 at the rate of the bf16 instructions the CPU
-has:
+a model between two runs. npukern's default matmul (the FMA chain,
+``npk_matmul``) is float32 FMA on operands widened while packing, so it runs
+every dtype at the core's float32 FMA rate; its bf16 pair dot
+(``npk_matmul_v2`` with ``NPK_MATMUL_BF16_DOT``: VDPBF16PS's sums, pairs of
+k steps with the odd one first, subnormals flushed) runs ``VDPBF16PS``
+itself where the CPU has it; torch's (oneDNN) runs bfloat16 at the rate of
+the bf16 instructions the CPU has:
 
 - AMX (Sapphire Rapids and later): oneDNN's tiles are many times the FMA
   rate: torch keeps every matmul.
-- AVX512-BF16 on AMD (Zen 4, Zen 5): ``VDPBF16PS`` runs at twice the FMA
-  rate (231 against 115 GFLOP/s on one Zen 4 core, 486 against 263 on
-  Zen 5) and oneDNN's bf16 ``mm`` reaches 187-204 (Zen 5: 391-465),
-  npukern's 82-96 (Zen 5: 201-228): torch keeps bfloat16.
+- AVX512-BF16 on AMD (Zen 4, Zen 5; family 25 and later): ``VDPBF16PS``
+  runs at twice the FMA rate (231 against 115 GFLOP/s on one Zen 4 core,
+  486 against 263 on Zen 5) and oneDNN's bf16 ``mm`` uses it (187-204
+  GFLOP/s on Zen 4); npukern's FMA chain reaches 82-96 (Zen 5: 233-248).
+  npukern's pair dot (:func:`matmul_math`) runs ``VDPBF16PS`` itself, but
+  through torch on one Zen 5 core (torch 2.15, the LLaMA step's products,
+  ``benches/matmul_torch.py``) it reached 445-523 GFLOP/s against oneDNN's
+  502-538 in the same runs (1.01-1.14x its time; ``dy^T x`` the slowest),
+  and the bf16 Trainer step was at parity (511-518 ms against 514-522): not
+  faster, so torch keeps bfloat16 and its bits (as float32 at parity on
+  Zen 4). ``NPK_TORCH_MATMUL=npukern`` there runs bfloat16 on the pair dot.
+  Zen 4's pair dot is not measured.
 - AVX512-BF16 on Intel without AMX (Cooper Lake, a Sapphire Rapids VM that
   hides AMX): ``VDPBF16PS`` peaks at half the FMA rate there (86 against
   172-178 GFLOP/s) and torch's bf16 ``mm`` ran at 82-84: npukern takes
@@ -34,7 +45,13 @@ has:
   bits.
 
 ``NPK_TORCH_MATMUL=npukern`` (every dtype the kernel takes) or ``=torch``
-(none) in the environment overrides the rule.
+(none) in the environment overrides the rule. How npukern sums what it takes
+is :func:`matmul_math`: the pair dot for bfloat16 on AMD Zen 4 and later
+(where the rule itself leaves bfloat16 to torch: it applies under
+``NPK_TORCH_MATMUL=npukern``), the FMA chain otherwise (Intel's ``VDPBF16PS`` runs at half the FMA rate,
+and without AVX512-BF16 the pair dot is a slower flushed FMA chain);
+``NPK_TORCH_MATMUL_MATH=chain`` (the FMA chain's bits everywhere) or
+``=bf16_dot`` (the pair dot for every bfloat16 matmul) overrides it.
 """
 
 import functools
@@ -44,6 +61,10 @@ import torch
 
 #: The dtypes npukern's matmul computes.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: ``npk_matmul_math`` values (the ops' ``math`` argument): one float32 FMA
+#: chain per output (every dtype), or VDPBF16PS's pair dot (bfloat16 only).
+CHAIN, BF16_DOT = 0, 1
+_MATH_NAMES = {"chain": CHAIN, "bf16_dot": BF16_DOT}
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,12 +106,20 @@ def _rule(dtype):
     if dtype == torch.float16 and "avx512_fp16" in flags:
         return False, "AVX512-FP16: the CPU multiplies float16 natively"
     if dtype == torch.bfloat16 and "avx512_bf16" in flags and vendor == "AuthenticAMD":
-        return False, "AVX512-BF16 on AMD: VDPBF16PS runs at twice the FMA rate, and oneDNN uses it"
+        return False, ("AVX512-BF16 on AMD: oneDNN's VDPBF16PS path; npukern's pair dot runs the same instruction "
+                       "and was not faster through torch (0.88-0.99x its rate on Zen 5)")
     if dtype == torch.bfloat16 and "avx512_bf16" in flags:
         return True, "AVX512-BF16 on Intel without AMX: VDPBF16PS runs at half the FMA rate"
     if "avx2" not in flags or "fma" not in flags:
         return False, "no AVX2 + FMA: npukern's portable kernel is not faster"
     return True, f"no {dtype} instructions: torch converts in its own loops, npukern at the FMA rate"
+
+
+def _pair_dot_cpu(vendor, flags, family):
+    """Whether npukern's bf16 pair dot runs VDPBF16PS at twice the FMA rate
+    here: AMD Zen 4 (family 25) and later with AVX512-BF16 (no AMX: the
+    rule gives those to oneDNN first)."""
+    return vendor == "AuthenticAMD" and family >= 25 and "avx512_bf16" in flags and "amx_tile" not in flags
 
 
 def matmul_route(dtype):
@@ -103,10 +132,45 @@ def matmul_route(dtype):
     return _RULE.get(dtype, False)
 
 
+def matmul_math(dtype):
+    """How npukern's matmul sums a ``dtype`` matmul it runs for the route
+    (:func:`npukern_torch.linear` with ``math="auto"``, the patched models'
+    projections and the fused loss's head): :data:`BF16_DOT` for bfloat16
+    where the CPU runs VDPBF16PS at twice the FMA rate (AMD Zen 4 and
+    later), :data:`CHAIN` otherwise; ``NPK_TORCH_MATMUL_MATH=chain|bf16_dot``
+    overrides it (for bfloat16: every other dtype is always the chain)."""
+    if dtype != torch.bfloat16:
+        return CHAIN
+    forced = os.environ.get("NPK_TORCH_MATMUL_MATH", "").strip().lower()
+    if forced in _MATH_NAMES:
+        return _MATH_NAMES[forced]
+    return _MATH
+
+
+def resolve_math(math, dtype):
+    """The ops' ``math`` integer for a ``math`` argument of the functional
+    API: ``"chain"``, ``"bf16_dot"`` or ``"auto"`` (:func:`matmul_math`)."""
+    if math == "auto":
+        return matmul_math(dtype)
+    if math not in _MATH_NAMES:
+        raise ValueError(f"math must be 'chain', 'bf16_dot' or 'auto', not {math!r}")
+    return _MATH_NAMES[math]
+
+
 # Read once (torch.compile traces a dict lookup, not /proc/cpuinfo).
 _RULE = {dt: _rule(dt)[0] for dt in DTYPES}
+_MATH = BF16_DOT if _pair_dot_cpu(*_cpu()) else CHAIN
 
 
 def explain():
-    """What :func:`matmul_route` says for each dtype, and why: ``{dtype: (takes, why)}``."""
-    return {dt: (matmul_route(dt), _rule(dt)[1]) for dt in DTYPES}
+    """What :func:`matmul_route` says for each dtype, and why: ``{dtype: (takes, why)}``
+    (the why also names :func:`matmul_math`'s choice where the environment
+    overrides it)."""
+    told = {}
+    for dt in DTYPES:
+        why = _rule(dt)[1]
+        pair = matmul_math(dt) == BF16_DOT
+        if pair != (dt == torch.bfloat16 and _MATH == BF16_DOT):  # NPK_TORCH_MATMUL_MATH
+            why += "; summed by the " + ("bf16 pair dot" if pair else "FMA chain") + " (NPK_TORCH_MATMUL_MATH)"
+        told[dt] = (matmul_route(dt), why)
+    return told
