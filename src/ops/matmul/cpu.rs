@@ -143,6 +143,9 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
     let t = &k.t;
     let (r0, r1, c0, c1) = t.tile(tile);
     let (kk, kc, mc, nc) = (t.k as usize, t.kc as usize, t.mc as usize, t.nc as usize);
+    // Pair panels hold a step pair per f32 slot: slices of two plan slices
+    // fill the same arena, and the partials make half the round trips.
+    let kc = if hw { 2 * kc } else { kc };
     // The partials' row stride: nc plus a line, so that the rows of a
     // block do not share L1 sets (a 2 KiB stride put 14 rows in two).
     let ldp = nc + PARTIALS_PAD;
