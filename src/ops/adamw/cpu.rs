@@ -210,7 +210,7 @@ fn exact_inverse(s: f32) -> Option<f32> {
 }
 
 /// The lane constants.
-struct K<L> {
+pub(super) struct K<L> {
     step_size: L,
     bc2: L,
     b1: L,
@@ -248,7 +248,16 @@ pub(super) unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
     st: &super::AdamWState,
     step: u64,
 ) {
-    let c = K {
+    // SAFETY: forwarded.
+    unsafe { piece_step_with::<L, P, G, M>(x, n, &consts(k, st, step)) }
+}
+
+/// The step's constants as lanes (inside `L`'s context): built once for
+/// many pieces where they are short (the 8-bit moments' 256-element
+/// blocks).
+#[inline(always)]
+pub(super) fn consts<L: Lanes>(k: &AdamWConsts, st: &super::AdamWState, step: u64) -> K<L> {
+    K {
         step_size: L::splat(k.step_size),
         bc2: L::splat(k.bias_correction2_sqrt),
         b1: L::splat(k.beta1),
@@ -269,7 +278,19 @@ pub(super) unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         sr_moments: (st.rounding & ADAMW_SR_MOMENTS != 0)
             .then(|| salt(st.seed, step, STREAM_MOMENTS)),
         sr_params: (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, step, STREAM_PARAMS)),
-    };
+    }
+}
+
+/// `piece_step` with its constants built.
+///
+/// # Safety
+/// As `piece_step`.
+#[inline(always)]
+pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
+    x: &Piece<P, G, M>,
+    n: usize,
+    c: &K<L>,
+) {
     let full = n / GROUP * GROUP;
     let mut i = 0;
     while i < full {
@@ -290,7 +311,7 @@ pub(super) unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         // piece's; absent lists are NULL and never dereferenced.
         unsafe {
             group::<L, P, G, M>(
-                &c,
+                c,
                 &mut *x.p.add(i).cast::<[P; GROUP]>(),
                 &*x.g.add(i).cast::<[G; GROUP]>(),
                 &mut *x.m.add(i).cast::<[M; GROUP]>(),
@@ -332,7 +353,7 @@ pub(super) unsafe fn piece_step<L: Lanes, P: Float, G: Float, M: Float>(
         }
     }
     group::<L, P, G, M>(
-        &c,
+        c,
         &mut p,
         &g,
         &mut m,

@@ -9,7 +9,7 @@
 //! slower (108 against 95-96 us; 20% slower before the two sets of buffers
 //! were kept off each other's 4 KiB aliases).
 
-use super::cpu::{masters, piece_step, randoms, Piece};
+use super::cpu::{consts, masters, piece_step_with, randoms, Piece, K};
 use super::formats::salt;
 use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, AdamWConsts};
@@ -48,41 +48,47 @@ pub(super) unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
         if b >= nb {
             return;
         }
-        let (s, e) = t.block_range(b);
-        let first = ps.partition_point(|g| g.end() <= s);
-        // The decoded moments of one quantization block, reused by each.
-        let mut bufs = [[0f32; Q8_BLOCK]; 3];
-        for (r, row) in ps.iter().enumerate().skip(first) {
-            if row.start >= e {
-                break;
-            }
-            let lo = s.max(row.start) - row.start;
-            let hi = e.min(row.end()) - row.start;
-            let mut q = lo.div_ceil(Q8_BLOCK);
-            while q * Q8_BLOCK < hi {
-                let at = q * Q8_BLOCK;
-                let n = (row.numel - at).min(Q8_BLOCK);
-                let key = keys.get(r).map_or(0, |k| k.wrapping_add(at as u64));
-                let blk = Block {
-                    tables: &tables,
-                    scales: &scales,
-                    r,
-                    at,
-                    n,
-                    key,
-                };
-                // SAFETY: the rows describe validated, pairwise disjoint
-                // tensors; this quantization block is this block's alone;
-                // `L` is available.
-                unsafe {
-                    L::enter(
-                        #[inline(always)]
-                        || q8_block::<L, P, G>(&blk, k, &state, step, ams, q8_salt, &mut bufs),
-                    )
-                };
-                q += 1;
-            }
-        }
+        // SAFETY: the rows describe validated, pairwise disjoint tensors;
+        // each quantization block is its block's alone; `L` is available.
+        unsafe {
+            L::enter(
+                #[inline(always)]
+                || {
+                    // The step's constants once for all the block's
+                    // quantization blocks (they were a block's setup each).
+                    let c = consts::<L>(k, &state, step);
+                    let (s, e) = t.block_range(b);
+                    let first = ps.partition_point(|g| g.end() <= s);
+                    // The decoded moments and the random bits of one
+                    // quantization block, reused by each.
+                    let mut bufs = [[0f32; Q8_BLOCK]; 3];
+                    let mut rs = [[0u32; GROUP]; GROUPS];
+                    for (r, row) in ps.iter().enumerate().skip(first) {
+                        if row.start >= e {
+                            break;
+                        }
+                        let lo = s.max(row.start) - row.start;
+                        let hi = e.min(row.end()) - row.start;
+                        let mut q = lo.div_ceil(Q8_BLOCK);
+                        while q * Q8_BLOCK < hi {
+                            let at = q * Q8_BLOCK;
+                            let n = (row.numel - at).min(Q8_BLOCK);
+                            let key = keys.get(r).map_or(0, |k| k.wrapping_add(at as u64));
+                            let blk = Block {
+                                tables: &tables,
+                                scales: &scales,
+                                r,
+                                at,
+                                n,
+                                key,
+                            };
+                            q8_block::<L, P, G>(&blk, &c, &state, ams, q8_salt, &mut bufs, &mut rs);
+                            q += 1;
+                        }
+                    }
+                },
+            )
+        };
     });
 }
 
@@ -102,14 +108,15 @@ struct Block<'a> {
 /// # Safety
 /// The tables are the call's; the block is the caller's alone.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     b: &Block<'_>,
-    k: &AdamWConsts,
+    c: &K<L>,
     st: &super::AdamWState,
-    step: u64,
     ams: bool,
     q8_salt: u32,
     [m, v, x]: &mut Bufs,
+    rs: &mut [[u32; GROUP]; GROUPS],
 ) {
     let [ps, gs, ms, vs, xs, ws] = *b.tables;
     let (r, at, n) = (b.r, b.at, b.n);
@@ -156,7 +163,7 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     };
     // SAFETY: the params, grads and masters of the block are its own; the
     // moments are the local buffers (n <= 256 elements each).
-    unsafe { piece_step::<L, P, G, f32>(&piece, n, k, st, step) };
+    unsafe { piece_step_with::<L, P, G, f32>(&piece, n, c) };
     let (sm, sv) = q8_scale2(&m[..n], &v[..n]);
     let scales = [sm, sv, if ams { q8_scale(&x[..n]) } else { 0.0 }];
     for (j, s) in scales.iter().enumerate().take(2 + ams as usize) {
@@ -164,10 +171,10 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
         unsafe { scale(b.scales[j]).write(*s) };
     }
     let codes = [cm, cv, if ams { code(xs) } else { core::ptr::null_mut() }];
-    let coder = Coder::<L>::new(scales, n, q8_salt, b.key, ams);
-    for g in 0..n.div_ceil(GROUP) {
+    let coder = Coder::<L>::new(scales, n, q8_salt, b.key, ams, rs);
+    for (g, r) in rs.iter().enumerate().take(n.div_ceil(GROUP)) {
         // SAFETY: the block's codes (`n` of each from `at`) are its own.
-        unsafe { coder.group(m, v, x, codes, g) };
+        unsafe { coder.group(m, v, x, codes, g, r) };
     }
 }
 
@@ -179,19 +186,24 @@ struct Coder<L> {
     ams: bool,
     /// Each moment's normalization.
     f: [Factors<L>; 3],
-    /// The block's random bits, a group at a time.
-    rs: [[u32; GROUP]; GROUPS],
 }
 
 impl<L: Lanes> Coder<L> {
     /// The coder of a block of `n` elements with these new scales (inside
     /// the ISA's context: the factors are lanes).
     #[inline(always)]
-    fn new(scales: [f32; 3], n: usize, salt: u32, key: u64, ams: bool) -> Self {
+    fn new(
+        scales: [f32; 3],
+        n: usize,
+        salt: u32,
+        key: u64,
+        ams: bool,
+        rs: &mut [[u32; GROUP]; GROUPS],
+    ) -> Self {
         // The random bits in a loop of their own: the hashes' multiply
         // chains overlap there (inside the coding loop they did not: 13 us
-        // of 105 per 2^16 elements).
-        let mut rs = [[0u32; GROUP]; GROUPS];
+        // of 105 per 2^16 elements). Into the caller's buffer: a 1 KiB
+        // array moved into the coder was a `memcpy` a block.
         for (g, r) in rs.iter_mut().enumerate().take(n.div_ceil(GROUP)) {
             *r = randoms::<L>(salt, key.wrapping_add((g * GROUP) as u64));
         }
@@ -204,7 +216,6 @@ impl<L: Lanes> Coder<L> {
                 Factors::new(scales[1]),
                 Factors::new(if ams { scales[2] } else { 1.0 }),
             ],
-            rs,
         }
     }
 
@@ -221,9 +232,10 @@ impl<L: Lanes> Coder<L> {
         x: &[f32; Q8_BLOCK],
         codes: [*mut u8; 3],
         g: usize,
+        r: &[u32; GROUP],
     ) {
         let i = g * GROUP;
-        let (r, len) = (&self.rs[g], (self.n - i).min(GROUP));
+        let len = (self.n - i).min(GROUP);
         let a = code_group::<L, true, 0>(m, i, &self.f[0], r);
         let b = code_group::<L, false, 16>(v, i, &self.f[1], r);
         // SAFETY: the caller's contract.
