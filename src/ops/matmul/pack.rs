@@ -21,8 +21,9 @@ pub(crate) const KC: usize = MATMUL_KC as usize;
 /// rows, rounded up to a group).
 const ROW_BUF: usize = (super::plan::MATMUL_MC as usize).div_ceil(GROUP) * GROUP;
 
-/// Steps ahead a transposed pack prefetches its rows.
-const AHEAD: usize = 8;
+/// Steps ahead a transposed pack prefetches its rows (pairs ahead, in
+/// `pairs.rs`).
+pub(crate) const AHEAD: usize = 8;
 
 /// The steps of a panel packed for `ks` steps of K: an even number under
 /// `DOT` (the last pair completed by a zero step).

@@ -11,7 +11,7 @@
 //! panel `q`, pair `p`, row `r` at `(q * kp + p) * w + r` (`kp = ceil(ks /
 //! 2)`), A panels packed by rows at `r * KC + p`.
 
-use super::pack::{Mat, KC};
+use super::pack::{Mat, AHEAD, KC};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -57,6 +57,15 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
         // order and interleaved into words.
         for p in 0..kp {
             let k = p0 + 2 * p;
+            // The two rows AHEAD pairs on, as `pack::pack` does: each row's
+            // piece is a stream of its own, too short for the hardware
+            // prefetchers (an address past x is never dereferenced).
+            for r in [k + 2 * AHEAD, k + 2 * AHEAD + 1] {
+                let next = x.p.wrapping_add(r * x.ld + r0) as *const u8;
+                for off in (0..rows * 2).step_by(64) {
+                    L::prefetch(next.wrapping_add(off));
+                }
+            }
             // SAFETY: rows k and k + 1 (when inside the slice), columns r0 ..
             // r0 + rows are inside x.
             let lo = unsafe {
@@ -238,24 +247,24 @@ pub(super) unsafe fn dpbf16_block<const AR: bool, const MR: usize, const NG: usi
             }
         }
         let (mut a, mut b) = (u.a as *const i32, u.b);
-        for _ in 0..u.kc {
-            let bv: [__m512bh; NG] = core::array::from_fn(|g| {
-                transmute::<__m512, __m512bh>(_mm512_loadu_ps(b.add(g * GROUP)))
-            });
-            for row in acc.iter_mut().enumerate() {
-                let (r, row) = row;
-                let av: __m512bh =
-                    transmute::<__m512i, __m512bh>(_mm512_set1_epi32(*a.add(if AR {
-                        r * KC
-                    } else {
-                        r
-                    })));
-                for (v, bg) in row.iter_mut().zip(&bv) {
-                    *v = _mm512_dpbf16_ps(*v, av, *bg);
+        // Pairs two at a time, then the odd one (as the FMA block).
+        for (iters, unroll) in [(u.kc / 2, 2), (u.kc % 2, 1)] {
+            for _ in 0..iters {
+                for _ in 0..unroll {
+                    let bv: [__m512bh; NG] = core::array::from_fn(|g| {
+                        transmute::<__m512, __m512bh>(_mm512_loadu_ps(b.add(g * GROUP)))
+                    });
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let w = *a.add(if AR { r * KC } else { r });
+                        let av = transmute::<__m512i, __m512bh>(_mm512_set1_epi32(w));
+                        for (v, bg) in row.iter_mut().zip(&bv) {
+                            *v = _mm512_dpbf16_ps(*v, av, *bg);
+                        }
+                    }
+                    a = a.add(if AR { 1 } else { MR });
+                    b = b.add(nr);
                 }
             }
-            a = a.add(if AR { 1 } else { MR });
-            b = b.add(nr);
         }
         for (r, row) in acc.iter().enumerate() {
             for (g, v) in row.iter().enumerate() {
