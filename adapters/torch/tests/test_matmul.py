@@ -298,12 +298,12 @@ def test_route_rule_names_a_reason_for_every_dtype(monkeypatch):
     # float32 only where torch's sgemm is known slower (AMD Zen 5 and later).
     assert route.matmul_route(torch.float32) is (vendor == "AuthenticAMD" and family >= 26 and "avx512f" in flags
                                                  and "amx_tile" not in flags)
-    # bfloat16 on AMD with AVX512-BF16 (Zen 4 and later): torch keeps it (npukern's pair dot was not
-    # faster through torch); forced to npukern, the pair dot sums it.
+    # bfloat16 on AMD with AVX512-BF16 (Zen 4 and later) is summed by npukern's pair dot when npukern
+    # runs it; npukern takes it on Zen 5 and later (the step faster), torch keeps it on Zen 4.
     pair = vendor == "AuthenticAMD" and family >= 25 and "avx512_bf16" in flags and "amx_tile" not in flags
     assert (route.matmul_math(torch.bfloat16) == route.BF16_DOT) is pair
     if pair:
-        assert route.matmul_route(torch.bfloat16) is False
+        assert route.matmul_route(torch.bfloat16) is (family >= 26)
     assert route.matmul_math(torch.float32) == route.matmul_math(torch.float16) == route.CHAIN
     monkeypatch.setenv("NPK_TORCH_MATMUL", "npukern")
     assert all(route.matmul_route(dt) for dt in route.DTYPES) and not route.matmul_route(torch.float64)
@@ -319,7 +319,7 @@ def test_route_rule_names_a_reason_for_every_dtype(monkeypatch):
 # (vendor, family, flags) of the CPUs the rule names, and what it gives
 # bfloat16: (npukern takes it, summed by the pair dot when it does or is forced to).
 _CPUS = {
-    "zen5": ("AuthenticAMD", 26, {"avx2", "fma", "avx512f", "avx512_bf16"}, (False, True)),
+    "zen5": ("AuthenticAMD", 26, {"avx2", "fma", "avx512f", "avx512_bf16"}, (True, True)),
     "zen4": ("AuthenticAMD", 25, {"avx2", "fma", "avx512f", "avx512_bf16"}, (False, True)),
     "zen3": ("AuthenticAMD", 25, {"avx2", "fma"}, (True, False)),
     "cooper_lake": ("GenuineIntel", 6, {"avx2", "fma", "avx512f", "avx512_bf16"}, (True, False)),

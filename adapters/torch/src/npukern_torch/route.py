@@ -16,14 +16,20 @@ the bf16 instructions the CPU has:
   runs at twice the FMA rate (231 against 115 GFLOP/s on one Zen 4 core,
   486 against 263 on Zen 5) and oneDNN's bf16 ``mm`` uses it (187-204
   GFLOP/s on Zen 4); npukern's FMA chain reaches 82-96 (Zen 5: 233-248).
-  npukern's pair dot (:func:`matmul_math`) runs ``VDPBF16PS`` itself, but
+  npukern's pair dot (:func:`matmul_math`) runs ``VDPBF16PS`` itself:
   through torch on one Zen 5 core (torch 2.15, the LLaMA step's products,
-  ``benches/matmul_torch.py``) it reached 445-523 GFLOP/s against oneDNN's
-  502-538 in the same runs (1.01-1.14x its time; ``dy^T x`` the slowest),
-  and the bf16 Trainer step was at parity (511-518 ms against 514-522): not
-  faster, so torch keeps bfloat16 and its bits (as float32 at parity on
-  Zen 4). ``NPK_TORCH_MATMUL=npukern`` there runs bfloat16 on the pair dot.
-  Zen 4's pair dot is not measured.
+  ``benches/matmul_torch.py``) it reaches 437-523 GFLOP/s against oneDNN's
+  458-538 in the same runs (0.96-1.08x its time since 432076a, ``dy^T x``
+  the slowest), and the whole bf16 Trainer step (``benches/hf_step.py
+  --recipe trainer``, hidden 1024, 2 layers, seq 512, vocab 32 000) takes
+  496-511 ms with it against 525-528 with torch's bf16 matmuls (0.619 of
+  stock's against 0.643): the LM head inside the fused loss and the linear
+  layers' float32 weight-gradient sums gain more than the products lose.
+  So on Zen 5 (family 26 and later) npukern takes bfloat16, summed by the
+  pair dot (its bits, the same on every ISA and thread count, not
+  oneDNN's). Zen 4's pair dot is not measured (its VDPBF16PS runs on
+  256-bit halves): torch keeps bfloat16 there, and
+  ``NPK_TORCH_MATMUL=npukern`` runs it on the pair dot.
 - AVX512-BF16 on Intel without AMX (Cooper Lake, a Sapphire Rapids VM that
   hides AMX): ``VDPBF16PS`` peaks at half the FMA rate there (86 against
   172-178 GFLOP/s) and torch's bf16 ``mm`` ran at 82-84: npukern takes
@@ -47,7 +53,7 @@ the bf16 instructions the CPU has:
 ``NPK_TORCH_MATMUL=npukern`` (every dtype the kernel takes) or ``=torch``
 (none) in the environment overrides the rule. How npukern sums what it takes
 is :func:`matmul_math`: the pair dot for bfloat16 on AMD Zen 4 and later
-(where the rule itself leaves bfloat16 to torch: it applies under
+(on Zen 4 the rule itself leaves bfloat16 to torch: it applies under
 ``NPK_TORCH_MATMUL=npukern``), the FMA chain otherwise (Intel's ``VDPBF16PS`` runs at half the FMA rate,
 and without AVX512-BF16 the pair dot is a slower flushed FMA chain);
 ``NPK_TORCH_MATMUL_MATH=chain`` (the FMA chain's bits everywhere) or
@@ -105,9 +111,12 @@ def _rule(dtype):
         return False, "not x86: torch's matmul is not known slower here (NEON's BFMMLA is not used by npukern)"
     if dtype == torch.float16 and "avx512_fp16" in flags:
         return False, "AVX512-FP16: the CPU multiplies float16 natively"
+    if dtype == torch.bfloat16 and _pair_dot_cpu(vendor, flags, family) and family >= 26:
+        return True, ("AVX512-BF16 on AMD Zen 5 and later: npukern's bf16 pair dot runs VDPBF16PS, about oneDNN's "
+                      "rate, and the Trainer step 0.94-0.97x its time with torch's bf16 matmuls")
     if dtype == torch.bfloat16 and "avx512_bf16" in flags and vendor == "AuthenticAMD":
-        return False, ("AVX512-BF16 on AMD: oneDNN's VDPBF16PS path; npukern's pair dot runs the same instruction "
-                       "and was not faster through torch (0.88-0.99x its rate on Zen 5)")
+        return False, ("AVX512-BF16 on AMD Zen 4: oneDNN's VDPBF16PS path (npukern's pair dot, the same "
+                       "instruction, is not measured there)")
     if dtype == torch.bfloat16 and "avx512_bf16" in flags:
         return True, "AVX512-BF16 on Intel without AMX: VDPBF16PS runs at half the FMA rate"
     if "avx2" not in flags or "fma" not in flags:
