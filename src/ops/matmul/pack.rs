@@ -19,7 +19,7 @@ pub(crate) const KC: usize = MATMUL_KC as usize;
 
 /// f32 of the widened row a narrow-panel pack keeps (A's `MATMUL_MC`
 /// rows, rounded up to a group).
-const ROW_BUF: usize = (super::plan::MATMUL_MC as usize).div_ceil(GROUP) * GROUP;
+pub(crate) const ROW_BUF: usize = (super::plan::MATMUL_MC as usize).div_ceil(GROUP) * GROUP;
 
 /// Steps ahead a transposed pack prefetches its rows (pairs ahead, in
 /// `pairs.rs`).

@@ -11,7 +11,7 @@
 //! panel `q`, pair `p`, row `r` at `(q * kp + p) * w + r` (`kp = ceil(ks /
 //! 2)`), A panels packed by rows at `r * KC + p`.
 
-use super::pack::{Mat, AHEAD, KC};
+use super::pack::{Mat, AHEAD, KC, ROW_BUF};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -79,6 +79,34 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
             } else {
                 None
             };
+            // Panels narrower than a group (A's MR = 14) take the whole
+            // row interleaved first, then their pieces as copies (14-wide
+            // loops do not fill the lanes).
+            if !w.is_multiple_of(GROUP) && rows <= ROW_BUF {
+                let mut wide = [0u32; ROW_BUF];
+                match hi {
+                    Some(hi) => {
+                        for ((o, &l), &h) in wide.iter_mut().zip(lo).zip(hi) {
+                            *o = u32::from(l) | u32::from(h) << 16;
+                        }
+                    }
+                    None => {
+                        for (o, &l) in wide.iter_mut().zip(lo) {
+                            *o = u32::from(l);
+                        }
+                    }
+                }
+                for q in 0..panels {
+                    let base = q * w;
+                    let n = w.min(rows - base);
+                    // SAFETY: pair p of panel q is inside dst.
+                    let o =
+                        unsafe { core::slice::from_raw_parts_mut(dst.add((q * kp + p) * w), w) };
+                    o[..n].copy_from_slice(&wide[base..base + n]);
+                    o[n..].fill(0);
+                }
+                continue;
+            }
             for q in 0..panels {
                 let base = q * w;
                 let n = w.min(rows - base);
