@@ -109,14 +109,37 @@ unsafe fn read_matmul_v2_options(p: *const npk_matmul_v2_options) -> Result<Matm
     })
 }
 
-/// Matmul's C skin.
-struct Skin;
+/// A Matmul options struct of the C ABI, read as `MatmulOptions`.
+trait ReadOptions {
+    /// Reads optional options (NULL = defaults).
+    ///
+    /// # Safety
+    /// `p` is NULL or points to a readable `Self`.
+    unsafe fn read(p: *const Self) -> Result<MatmulOptions>;
+}
 
-impl CapiOp for Skin {
+impl ReadOptions for npk_matmul_options {
+    unsafe fn read(p: *const Self) -> Result<MatmulOptions> {
+        // SAFETY: forwarded.
+        Ok(unsafe { read_matmul_options(p) })
+    }
+}
+
+impl ReadOptions for npk_matmul_v2_options {
+    unsafe fn read(p: *const Self) -> Result<MatmulOptions> {
+        // SAFETY: forwarded.
+        unsafe { read_matmul_v2_options(p) }
+    }
+}
+
+/// Matmul's C skin, for `npk_matmul`'s options (`O`) or v2's.
+struct Skin<O>(core::marker::PhantomData<O>);
+
+impl<O: ReadOptions> CapiOp for Skin<O> {
     type Args = (
         *const RawTensor,
         *const RawTensor,
-        *const npk_matmul_options,
+        *const O,
         *const RawTensor,
     );
     type Inputs = (RawTensor, RawTensor, MatmulOptions, RawTensor);
@@ -127,7 +150,7 @@ impl CapiOp for Skin {
             Ok((
                 read_tensor(a, "a")?,
                 read_tensor(b, "b")?,
-                read_matmul_options(opts),
+                O::read(opts)?,
                 read_tensor(c, "c")?,
             ))
         }
@@ -138,7 +161,7 @@ impl CapiOp for Skin {
     }
 }
 
-impl CapiCall for Skin {
+impl<O: ReadOptions> CapiCall for Skin<O> {
     type Outputs = ();
     type Call = MatmulCall;
 
@@ -164,7 +187,9 @@ pub unsafe extern "C" fn npk_matmul_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe { skin::workspace_size::<Skin>((a, b, opts, c), exec, workspace_bytes) }
+    unsafe {
+        skin::workspace_size::<Skin<npk_matmul_options>>((a, b, opts, c), exec, workspace_bytes)
+    }
 }
 
 /// `c = op(a) op(b)` (`c += ...` with `opts->accumulate`, c f32): a `[M, K]`
@@ -188,45 +213,14 @@ pub unsafe extern "C" fn npk_matmul(
     exec: *const npk_exec,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe { skin::launch::<Skin>((a, b, opts, c), (), workspace, workspace_bytes, exec) }
-}
-
-/// Matmul v2's C skin: `Skin` with the math option.
-struct SkinV2;
-
-impl CapiOp for SkinV2 {
-    type Args = (
-        *const RawTensor,
-        *const RawTensor,
-        *const npk_matmul_v2_options,
-        *const RawTensor,
-    );
-    type Inputs = (RawTensor, RawTensor, MatmulOptions, RawTensor);
-
-    unsafe fn read((a, b, opts, c): Self::Args) -> Result<Self::Inputs> {
-        // SAFETY: every pointer is NULL or valid (this function's contract).
-        unsafe {
-            Ok((
-                read_tensor(a, "a")?,
-                read_tensor(b, "b")?,
-                read_matmul_v2_options(opts)?,
-                read_tensor(c, "c")?,
-            ))
-        }
-    }
-
-    fn plan(inputs: &Self::Inputs, ub: &UbConfig) -> Result<u64> {
-        Skin::plan(inputs, ub)
-    }
-}
-
-impl CapiCall for SkinV2 {
-    type Outputs = ();
-    type Call = MatmulCall;
-
-    unsafe fn prepare(inputs: Self::Inputs, _: (), ub: &UbConfig) -> Result<MatmulCall> {
-        // SAFETY: forwarded.
-        unsafe { Skin::prepare(inputs, (), ub) }
+    unsafe {
+        skin::launch::<Skin<npk_matmul_options>>(
+            (a, b, opts, c),
+            (),
+            workspace,
+            workspace_bytes,
+            exec,
+        )
     }
 }
 
@@ -244,7 +238,9 @@ pub unsafe extern "C" fn npk_matmul_v2_workspace_size(
     workspace_bytes: *mut usize,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe { skin::workspace_size::<SkinV2>((a, b, opts, c), exec, workspace_bytes) }
+    unsafe {
+        skin::workspace_size::<Skin<npk_matmul_v2_options>>((a, b, opts, c), exec, workspace_bytes)
+    }
 }
 
 /// `npk_matmul` with v2 options: `math = NPK_MATMUL_BF16_DOT` sums bf16
@@ -267,5 +263,13 @@ pub unsafe extern "C" fn npk_matmul_v2(
     exec: *const npk_exec,
 ) -> npk_status {
     // SAFETY: every pointer is NULL or valid (this function's contract).
-    unsafe { skin::launch::<SkinV2>((a, b, opts, c), (), workspace, workspace_bytes, exec) }
+    unsafe {
+        skin::launch::<Skin<npk_matmul_v2_options>>(
+            (a, b, opts, c),
+            (),
+            workspace,
+            workspace_bytes,
+            exec,
+        )
+    }
 }

@@ -84,18 +84,7 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
             // loops do not fill the lanes).
             if !w.is_multiple_of(GROUP) && rows <= ROW_BUF {
                 let mut wide = [0u32; ROW_BUF];
-                match hi {
-                    Some(hi) => {
-                        for ((o, &l), &h) in wide.iter_mut().zip(lo).zip(hi) {
-                            *o = u32::from(l) | u32::from(h) << 16;
-                        }
-                    }
-                    None => {
-                        for (o, &l) in wide.iter_mut().zip(lo) {
-                            *o = u32::from(l);
-                        }
-                    }
-                }
+                interleave(&mut wide, lo, hi);
                 for q in 0..panels {
                     let base = q * w;
                     let n = w.min(rows - base);
@@ -112,22 +101,7 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
                 let n = w.min(rows - base);
                 // SAFETY: pair p of panel q is inside dst.
                 let o = unsafe { core::slice::from_raw_parts_mut(dst.add((q * kp + p) * w), w) };
-                match hi {
-                    Some(hi) => {
-                        for ((o, &l), &h) in o
-                            .iter_mut()
-                            .zip(&lo[base..base + n])
-                            .zip(&hi[base..base + n])
-                        {
-                            *o = u32::from(l) | u32::from(h) << 16;
-                        }
-                    }
-                    None => {
-                        for (o, &l) in o.iter_mut().zip(&lo[base..base + n]) {
-                            *o = u32::from(l);
-                        }
-                    }
-                }
+                interleave(o, &lo[base..base + n], hi.map(|h| &h[base..base + n]));
                 o[n..].fill(0);
             }
         }
@@ -209,6 +183,24 @@ unsafe fn pair_rows<T: Float>(
             } else {
                 0
             };
+        }
+    }
+}
+
+/// `dst[i] = lo[i] | hi[i] << 16` (hi zero when absent: an odd slice's
+/// last pair), over the shorter of `dst` and `lo`.
+#[inline(always)]
+fn interleave(dst: &mut [u32], lo: &[u16], hi: Option<&[u16]>) {
+    match hi {
+        Some(hi) => {
+            for ((o, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
+                *o = u32::from(l) | u32::from(h) << 16;
+            }
+        }
+        None => {
+            for (o, &l) in dst.iter_mut().zip(lo) {
+                *o = u32::from(l);
+            }
         }
     }
 }
