@@ -292,36 +292,16 @@ pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
     c: &K<L>,
 ) {
     let full = n / GROUP * GROUP;
-    let mut i = 0;
-    while i < full {
-        // Every stream a fixed distance ahead (an address past the piece
-        // is never dereferenced: a prefetch does not fault).
-        let d = i + PREFETCH;
-        L::prefetch(x.p.wrapping_add(d).cast());
-        L::prefetch(x.g.wrapping_add(d).cast());
-        L::prefetch(x.m.wrapping_add(d).cast());
-        L::prefetch(x.v.wrapping_add(d).cast());
-        if !x.master.is_null() {
-            L::prefetch(x.master.wrapping_add(d).cast());
+    // One loop per kind of master, so that a group's instructions hold no
+    // test of it: fewer of them in flight per group lets the out-of-order
+    // window hold more groups' divisions at once.
+    // SAFETY: forwarded.
+    unsafe {
+        match (x.master.is_null(), x.low.is_null()) {
+            (false, _) => full_groups::<L, P, G, M, F32_MASTER>(x, full, c),
+            (true, false) => full_groups::<L, P, G, M, SPLIT_MASTER>(x, full, c),
+            (true, true) => full_groups::<L, P, G, M, NO_MASTER>(x, full, c),
         }
-        if !x.low.is_null() {
-            L::prefetch(x.low.wrapping_add(d).cast());
-        }
-        // SAFETY: i + GROUP <= n elements of each present tensor are this
-        // piece's; absent lists are NULL and never dereferenced.
-        unsafe {
-            group::<L, P, G, M>(
-                c,
-                &mut *x.p.add(i).cast::<[P; GROUP]>(),
-                &*x.g.add(i).cast::<[G; GROUP]>(),
-                &mut *x.m.add(i).cast::<[M; GROUP]>(),
-                &mut *x.v.add(i).cast::<[M; GROUP]>(),
-                opt(x.vmax, i),
-                master(opt(x.master, i), opt(x.low, i)),
-                x.key.wrapping_add(i as u64),
-            )
-        };
-        i += GROUP;
     }
     let rest = n - full;
     if rest == 0 {
@@ -379,6 +359,59 @@ pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
         if !x.low.is_null() {
             copy_out(&low, x.low.add(full), rest);
         }
+    }
+}
+
+/// `full_groups`' kinds of master.
+const NO_MASTER: u8 = 0;
+const F32_MASTER: u8 = 1;
+const SPLIT_MASTER: u8 = 2;
+
+/// The first `full` (a multiple of `GROUP`) elements of a piece whose
+/// master is of kind `W`.
+///
+/// # Safety
+/// As `piece_step_with`'s; the piece's master pointers are `W`'s.
+#[inline(always)]
+unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8>(
+    x: &Piece<P, G, M>,
+    full: usize,
+    c: &K<L>,
+) {
+    let mut i = 0;
+    while i < full {
+        // Every stream a fixed distance ahead (an address past the piece
+        // is never dereferenced: a prefetch does not fault).
+        let d = i + PREFETCH;
+        L::prefetch(x.p.wrapping_add(d).cast());
+        L::prefetch(x.g.wrapping_add(d).cast());
+        L::prefetch(x.m.wrapping_add(d).cast());
+        L::prefetch(x.v.wrapping_add(d).cast());
+        match W {
+            F32_MASTER => L::prefetch(x.master.wrapping_add(d).cast()),
+            SPLIT_MASTER => L::prefetch(x.low.wrapping_add(d).cast()),
+            _ => {}
+        }
+        // SAFETY: i + GROUP <= n elements of each present tensor are this
+        // piece's; absent lists are NULL and never dereferenced.
+        unsafe {
+            let master = match W {
+                F32_MASTER => Master::F32(&mut *x.master.add(i).cast::<[f32; GROUP]>()),
+                SPLIT_MASTER => Master::Split(&mut *x.low.add(i).cast::<[i16; GROUP]>()),
+                _ => Master::None,
+            };
+            group::<L, P, G, M>(
+                c,
+                &mut *x.p.add(i).cast::<[P; GROUP]>(),
+                &*x.g.add(i).cast::<[G; GROUP]>(),
+                &mut *x.m.add(i).cast::<[M; GROUP]>(),
+                &mut *x.v.add(i).cast::<[M; GROUP]>(),
+                opt(x.vmax, i),
+                master,
+                x.key.wrapping_add(i as u64),
+            )
+        };
+        i += GROUP;
     }
 }
 

@@ -9,7 +9,15 @@
 //! slower (108 against 95-96 us; 20% slower before the two sets of buffers
 //! were kept off each other's 4 KiB aliases).
 //! Tried again on Zen 5 with the step's constants built once (so a group's
-//! step is a cheap call): 35% slower (59 against 43.5 us).
+//! step is a cheap call): 35% slower (59 against 43.5 us). And a third time
+//! on Zen 5 with two padded slots and no call or copy in the loop (checked
+//! in the disassembly): 57-60 against 44 us. What the profile shows: the
+//! samples sit on the step's chain (load, moments, sqrt, two divisions,
+//! the split), whose ~75 cycles the out-of-order window must cover with
+//! several groups at once; the coding's instructions placed between them
+//! take window entries, so fewer groups' divisions overlap. Issuing a
+//! group's second stage after the next group's first (software
+//! pipelining) was 5-13% slower too.
 
 use super::cpu::{consts, masters, piece_step_with, randoms, Piece, K};
 use super::formats::salt;
