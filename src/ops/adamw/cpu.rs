@@ -233,6 +233,12 @@ pub(super) struct K<L> {
     sr_moments: Option<u32>,
     /// The params' hash salt (stochastically rounded bf16 params).
     sr_params: Option<u32>,
+    /// `1 / grad_scale`, the clip's coefficient and the sign are all 1
+    /// (no AMP scale, no clipping this step, minimizing): their three
+    /// products are skipped. The same bits: `x * 1` is `x` for every
+    /// number, and a NaN gradient's payload reaches the moments alike
+    /// (their own products quiet it).
+    unit_grad: bool,
 }
 
 /// Steps the piece's `n` elements.
@@ -278,6 +284,7 @@ pub(super) fn consts<L: Lanes>(k: &AdamWConsts, st: &super::AdamWState, step: u6
         sr_moments: (st.rounding & ADAMW_SR_MOMENTS != 0)
             .then(|| salt(st.seed, step, STREAM_MOMENTS)),
         sr_params: (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, step, STREAM_PARAMS)),
+        unit_grad: exact_inverse(k.grad_scale) == Some(1.0) && k.clip_coef == 1.0 && k.sign == 1.0,
     }
 }
 
@@ -292,15 +299,19 @@ pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
     c: &K<L>,
 ) {
     let full = n / GROUP * GROUP;
-    // One loop per kind of master, so that a group's instructions hold no
-    // test of it: fewer of them in flight per group lets the out-of-order
-    // window hold more groups' divisions at once.
+    // One loop per kind of master and per gradient factor (see `K`'s
+    // `unit_grad`), so that a group's instructions hold no test of either:
+    // the fewer instructions and the shorter chain a group has, the more
+    // groups' divisions the out-of-order window overlaps.
     // SAFETY: forwarded.
     unsafe {
-        match (x.master.is_null(), x.low.is_null()) {
-            (false, _) => full_groups::<L, P, G, M, F32_MASTER>(x, full, c),
-            (true, false) => full_groups::<L, P, G, M, SPLIT_MASTER>(x, full, c),
-            (true, true) => full_groups::<L, P, G, M, NO_MASTER>(x, full, c),
+        match (x.master.is_null(), x.low.is_null(), c.unit_grad) {
+            (false, _, true) => full_groups::<L, P, G, M, F32_MASTER, true>(x, full, c),
+            (false, _, false) => full_groups::<L, P, G, M, F32_MASTER, false>(x, full, c),
+            (true, false, true) => full_groups::<L, P, G, M, SPLIT_MASTER, true>(x, full, c),
+            (true, false, false) => full_groups::<L, P, G, M, SPLIT_MASTER, false>(x, full, c),
+            (true, true, true) => full_groups::<L, P, G, M, NO_MASTER, true>(x, full, c),
+            (true, true, false) => full_groups::<L, P, G, M, NO_MASTER, false>(x, full, c),
         }
     }
     let rest = n - full;
@@ -332,7 +343,7 @@ pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
             copy_in(&mut low, x.low.add(full), rest);
         }
     }
-    group::<L, P, G, M>(
+    group::<L, P, G, M, false>(
         c,
         &mut p,
         &g,
@@ -368,12 +379,12 @@ const F32_MASTER: u8 = 1;
 const SPLIT_MASTER: u8 = 2;
 
 /// The first `full` (a multiple of `GROUP`) elements of a piece whose
-/// master is of kind `W`.
+/// master is of kind `W` (`UNIT`: `K::unit_grad`).
 ///
 /// # Safety
 /// As `piece_step_with`'s; the piece's master pointers are `W`'s.
 #[inline(always)]
-unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8>(
+unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8, const UNIT: bool>(
     x: &Piece<P, G, M>,
     full: usize,
     c: &K<L>,
@@ -400,7 +411,7 @@ unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8>(
                 SPLIT_MASTER => Master::Split(&mut *x.low.add(i).cast::<[i16; GROUP]>()),
                 _ => Master::None,
             };
-            group::<L, P, G, M>(
+            group::<L, P, G, M, UNIT>(
                 c,
                 &mut *x.p.add(i).cast::<[P; GROUP]>(),
                 &*x.g.add(i).cast::<[G; GROUP]>(),
@@ -496,10 +507,11 @@ unsafe fn copy_out<T: Copy>(src: &[T; GROUP], dst: *mut T, n: usize) {
     unsafe { core::ptr::copy_nonoverlapping(src.as_ptr(), dst, n) }
 }
 
-/// One group of 16 elements: the formula of the module docs, in its order.
+/// One group of 16 elements: the formula of the module docs, in its order
+/// (`UNIT`: the gradient's three factors are 1, their products skipped).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn group<L: Lanes, P: Float, G: Float, M: Float>(
+fn group<L: Lanes, P: Float, G: Float, M: Float, const UNIT: bool>(
     c: &K<L>,
     p: &mut [P; GROUP],
     g: &[G; GROUP],
@@ -509,11 +521,15 @@ fn group<L: Lanes, P: Float, G: Float, M: Float>(
     master: Master<'_>,
     key: u64,
 ) {
-    let gv = match c.inv_scale {
-        Some(r) => G::load::<L>(g).mul(r),
-        None => G::load::<L>(g).div(c.scale),
+    let gv = if UNIT {
+        G::load::<L>(g)
+    } else {
+        let gv = match c.inv_scale {
+            Some(r) => G::load::<L>(g).mul(r),
+            None => G::load::<L>(g).div(c.scale),
+        };
+        gv.mul(c.coef).mul(c.sign)
     };
-    let gv = gv.mul(c.coef).mul(c.sign);
     let mut pv = match &master {
         Master::F32(w) => L::load(w),
         Master::Split(low) => match bits(p) {
