@@ -802,3 +802,45 @@ fn wrong_dtypes_are_refused() {
     assert!(p.iter().all(|x| x.to_f32() == 1.0));
     assert!(mc.iter().chain(&vc).all(|&c| c == 0));
 }
+
+/// A block whose first moment's largest value is subnormal: its codes take
+/// the prescaled path (the reciprocal of a subnormal scale overflows), and
+/// decode within a code step of the exact moments, as the model's do.
+#[test]
+fn a_subnormal_scale_codes_through_the_prescaling() {
+    let n = 2 * 256;
+    let mut s = Q::<f32>::new(&mut Rng(6), &[n], Masters::F32, false);
+    let mut rng = Rng(7);
+    s.new_grads(&mut rng);
+    for i in 0..256 {
+        // exp_avg = 0.1 g after the first step: subnormal (< 2^-126).
+        let g = 1e-37 * ((i % 37) as f32 + 1.0) / 37.0;
+        s.g[0][256 + i] = bf16::from_f32(if i % 2 == 0 { g } else { -g });
+    }
+    let o = AdamWOptions {
+        weight_decay: 0.0,
+        ..opts(1, 0)
+    };
+    let f = q8(false, 0, 9);
+    let mut want = s.clone();
+    want.run(&common::reference(), &o, &f).unwrap();
+    s.run(&Exec::cpu(), &o, &f).unwrap();
+    let sm = s.sm[0][1];
+    assert!(sm > 0.0 && sm < f32::MIN_POSITIVE, "{sm:e}");
+    assert_eq!(sm.to_bits(), want.sm[0][1].to_bits());
+    let [m, _, _] = s.decoded(0);
+    for i in 256..512 {
+        let exact = s.g[0][i].to_f64() * 0.1;
+        assert!(
+            (m[i] as f64 - exact).abs() <= exact.abs() / 8.0 + 1e-45,
+            "{i}: {} vs {exact:e}",
+            m[i]
+        );
+    }
+    let differ = s.m[0][256..]
+        .iter()
+        .zip(&want.m[0][256..])
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(differ <= 2, "{differ}");
+}

@@ -182,9 +182,18 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     }
     let codes = [cm, cv, if ams { code(xs) } else { core::ptr::null_mut() }];
     let coder = Coder::<L>::new(scales, n, q8_salt, b.key, ams, rs);
-    for (g, r) in rs.iter().enumerate().take(n.div_ceil(GROUP)) {
-        // SAFETY: the block's codes (`n` of each from `at`) are its own.
-        unsafe { coder.group(m, v, x, codes, g, r) };
+    // A loop per case, not a test per group (or per element).
+    let groups = n.div_ceil(GROUP);
+    if coder.plain() {
+        for (g, r) in rs.iter().enumerate().take(groups) {
+            // SAFETY: the block's codes (`n` of each from `at`) are its own.
+            unsafe { coder.group::<true>(m, v, x, codes, g, r) };
+        }
+    } else {
+        for (g, r) in rs.iter().enumerate().take(groups) {
+            // SAFETY: as above.
+            unsafe { coder.group::<false>(m, v, x, codes, g, r) };
+        }
     }
 }
 
@@ -229,13 +238,22 @@ impl<L: Lanes> Coder<L> {
         }
     }
 
-    /// The codes of group `g` (of the first `n` elements) of each moment.
+    /// Every moment coded has codes and a normal scale (no prescaling):
+    /// `group::<true>` may skip their tests and the multiplication by 1.
+    #[inline(always)]
+    fn plain(&self) -> bool {
+        let n = 2 + self.ams as usize;
+        self.f[..n].iter().all(|f| f.live && f.pre_is_one)
+    }
+
+    /// The codes of group `g` (of the first `n` elements) of each moment
+    /// (`PLAIN`: `plain()` holds).
     ///
     /// # Safety
     /// `codes` are writable for the block's `n` codes (the maximum's only
     /// with amsgrad).
     #[inline(always)]
-    unsafe fn group(
+    unsafe fn group<const PLAIN: bool>(
         &self,
         m: &[f32; Q8_BLOCK],
         v: &[f32; Q8_BLOCK],
@@ -246,15 +264,15 @@ impl<L: Lanes> Coder<L> {
     ) {
         let i = g * GROUP;
         let len = (self.n - i).min(GROUP);
-        let a = code_group::<L, true, 0>(m, i, &self.f[0], r);
-        let b = code_group::<L, false, 16>(v, i, &self.f[1], r);
+        let a = code_group::<L, true, 0, PLAIN>(m, i, &self.f[0], r);
+        let b = code_group::<L, false, 16, PLAIN>(v, i, &self.f[1], r);
         // SAFETY: the caller's contract.
         unsafe {
             put(a, codes[0].add(i), len);
             put(b, codes[1].add(i), len);
         }
         if self.ams {
-            let c = code_group::<L, false, 16>(x, i, &self.f[2], r);
+            let c = code_group::<L, false, 16, PLAIN>(x, i, &self.f[2], r);
             // SAFETY: as above.
             unsafe { put(c, codes[2].add(i), len) };
         }
@@ -312,6 +330,8 @@ struct Factors<L> {
     pre: L,
     rcp: L,
     live: bool,
+    /// `pre` is 1 (a normal scale).
+    pre_is_one: bool,
 }
 
 impl<L: Lanes> Factors<L> {
@@ -322,6 +342,7 @@ impl<L: Lanes> Factors<L> {
             pre: L::splat(pre),
             rcp: L::splat(rcp),
             live: super::q8::live(scale),
+            pre_is_one: pre == 1.0,
         }
     }
 }
@@ -330,7 +351,7 @@ impl<L: Lanes> Factors<L> {
 /// closure may be compiled outside the ISA's target features, every lane
 /// operation a call), with the random bits `r >> SHIFT`.
 #[inline(always)]
-fn code_group<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
+fn code_group<L: Lanes, const SIGNED: bool, const SHIFT: u32, const PLAIN: bool>(
     x: &[f32; Q8_BLOCK],
     i: usize,
     f: &Factors<L>,
@@ -346,10 +367,14 @@ fn code_group<L: Lanes, const SIGNED: bool, const SHIFT: u32>(
     }
     // The normalized values: two IEEE multiplications on every ISA.
     let mut y = [0f32; GROUP];
-    L::load(&a).mul(f.pre).mul(f.rcp).store(&mut y);
+    // (A prescaling by 1 is exact: skipped when PLAIN.)
+    let a = L::load(&a);
+    let a = if PLAIN { a } else { a.mul(f.pre) };
+    a.mul(f.rcp).store(&mut y);
+    let live = PLAIN || f.live;
     let mut c = [0u8; GROUP];
     for j in 0..GROUP {
-        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j] >> SHIFT, f.live);
+        c[j] = q8_code::<SIGNED>(y[j], xg[j].to_bits(), r[j] >> SHIFT, live);
     }
     c
 }
