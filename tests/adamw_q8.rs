@@ -829,12 +829,11 @@ fn a_subnormal_scale_codes_through_the_prescaling() {
     assert!(sm > 0.0 && sm < f32::MIN_POSITIVE, "{sm:e}");
     assert_eq!(sm.to_bits(), want.sm[0][1].to_bits());
     let [m, _, _] = s.decoded(0);
-    for i in 256..512 {
-        let exact = s.g[0][i].to_f64() * 0.1;
+    for (i, (&mi, g)) in m.iter().zip(&s.g[0]).enumerate().skip(256) {
+        let exact = g.to_f64() * 0.1;
         assert!(
-            (m[i] as f64 - exact).abs() <= exact.abs() / 8.0 + 1e-45,
-            "{i}: {} vs {exact:e}",
-            m[i]
+            (mi as f64 - exact).abs() <= exact.abs() / 8.0 + 1e-45,
+            "{i}: {mi} vs {exact:e}"
         );
     }
     let differ = s.m[0][256..]
