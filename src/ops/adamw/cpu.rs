@@ -234,10 +234,10 @@ pub(super) struct K<L> {
     /// The params' hash salt (stochastically rounded bf16 params).
     sr_params: Option<u32>,
     /// `1 / grad_scale`, the clip's coefficient and the sign are all 1
-    /// (no AMP scale, no clipping this step, minimizing): their three
-    /// products are skipped. The same bits: `x * 1` is `x` for every
-    /// number, and a NaN gradient's payload reaches the moments alike
-    /// (their own products quiet it).
+    /// (no AMP scale, no clipping this step, minimizing), and no L2 term:
+    /// the gradient's three products are skipped. The same bits: `x * 1` is
+    /// `x` for every number, and a NaN gradient's payload reaches the
+    /// moments alike (their own products quiet it).
     unit_grad: bool,
 }
 
@@ -284,7 +284,10 @@ pub(super) fn consts<L: Lanes>(k: &AdamWConsts, st: &super::AdamWState, step: u6
         sr_moments: (st.rounding & ADAMW_SR_MOMENTS != 0)
             .then(|| salt(st.seed, step, STREAM_MOMENTS)),
         sr_params: (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, step, STREAM_PARAMS)),
-        unit_grad: exact_inverse(k.grad_scale) == Some(1.0) && k.clip_coef == 1.0 && k.sign == 1.0,
+        unit_grad: exact_inverse(k.grad_scale) == Some(1.0)
+            && k.clip_coef == 1.0
+            && k.sign == 1.0
+            && k.l2 == 0.0,
     }
 }
 
@@ -299,13 +302,18 @@ pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
     c: &K<L>,
 ) {
     let full = n / GROUP * GROUP;
-    // One loop per kind of master and per gradient factor (see `K`'s
-    // `unit_grad`), so that a group's instructions hold no test of either:
+    // One loop per kind of master and for the plain case (`K::unit_grad`
+    // and no amsgrad maximum), so that a group's instructions hold no test
+    // of them:
     // the fewer instructions and the shorter chain a group has, the more
     // groups' divisions the out-of-order window overlaps.
     // SAFETY: forwarded.
     unsafe {
-        match (x.master.is_null(), x.low.is_null(), c.unit_grad) {
+        match (
+            x.master.is_null(),
+            x.low.is_null(),
+            c.unit_grad && x.vmax.is_null(),
+        ) {
             (false, _, true) => full_groups::<L, P, G, M, F32_MASTER, true>(x, full, c),
             (false, _, false) => full_groups::<L, P, G, M, F32_MASTER, false>(x, full, c),
             (true, false, true) => full_groups::<L, P, G, M, SPLIT_MASTER, true>(x, full, c),
@@ -379,12 +387,12 @@ const F32_MASTER: u8 = 1;
 const SPLIT_MASTER: u8 = 2;
 
 /// The first `full` (a multiple of `GROUP`) elements of a piece whose
-/// master is of kind `W` (`UNIT`: `K::unit_grad`).
+/// master is of kind `W` (`PLAIN`: `K::unit_grad` and no amsgrad maximum).
 ///
 /// # Safety
 /// As `piece_step_with`'s; the piece's master pointers are `W`'s.
 #[inline(always)]
-unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8, const UNIT: bool>(
+unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8, const PLAIN: bool>(
     x: &Piece<P, G, M>,
     full: usize,
     c: &K<L>,
@@ -411,13 +419,13 @@ unsafe fn full_groups<L: Lanes, P: Float, G: Float, M: Float, const W: u8, const
                 SPLIT_MASTER => Master::Split(&mut *x.low.add(i).cast::<[i16; GROUP]>()),
                 _ => Master::None,
             };
-            group::<L, P, G, M, UNIT>(
+            group::<L, P, G, M, PLAIN>(
                 c,
                 &mut *x.p.add(i).cast::<[P; GROUP]>(),
                 &*x.g.add(i).cast::<[G; GROUP]>(),
                 &mut *x.m.add(i).cast::<[M; GROUP]>(),
                 &mut *x.v.add(i).cast::<[M; GROUP]>(),
-                opt(x.vmax, i),
+                if PLAIN { None } else { opt(x.vmax, i) },
                 master,
                 x.key.wrapping_add(i as u64),
             )
@@ -508,10 +516,11 @@ unsafe fn copy_out<T: Copy>(src: &[T; GROUP], dst: *mut T, n: usize) {
 }
 
 /// One group of 16 elements: the formula of the module docs, in its order
-/// (`UNIT`: the gradient's three factors are 1, their products skipped).
+/// (`PLAIN`: the gradient's three factors are 1, no L2 term, no amsgrad
+/// maximum: the products and the tests skipped).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn group<L: Lanes, P: Float, G: Float, M: Float, const UNIT: bool>(
+fn group<L: Lanes, P: Float, G: Float, M: Float, const PLAIN: bool>(
     c: &K<L>,
     p: &mut [P; GROUP],
     g: &[G; GROUP],
@@ -521,7 +530,7 @@ fn group<L: Lanes, P: Float, G: Float, M: Float, const UNIT: bool>(
     master: Master<'_>,
     key: u64,
 ) {
-    let gv = if UNIT {
+    let gv = if PLAIN {
         G::load::<L>(g)
     } else {
         let gv = match c.inv_scale {
@@ -545,8 +554,8 @@ fn group<L: Lanes, P: Float, G: Float, M: Float, const UNIT: bool>(
         Master::None => P::load::<L>(p),
     };
     let gv = match c.l2 {
-        Some(l2) => gv.add(pv.mul(l2)),
-        None => gv,
+        Some(l2) if !PLAIN => gv.add(pv.mul(l2)),
+        _ => gv,
     };
     pv = pv.mul(c.decay);
     let mv = M::load::<L>(m).mul(c.b1).add(gv.mul(c.omb1));
