@@ -182,18 +182,23 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     }
     let codes = [cm, cv, if ams { code(xs) } else { core::ptr::null_mut() }];
     let coder = Coder::<L>::new(scales, n, q8_salt, b.key, ams, rs);
-    // A loop per case, not a test per group (or per element).
-    let groups = n.div_ceil(GROUP);
+    // A loop per case, not a test per group (or per element); full groups
+    // in the loop, a partial last one after it.
+    let full = n / GROUP;
     if coder.plain() {
-        for (g, r) in rs.iter().enumerate().take(groups) {
+        for (g, r) in rs.iter().enumerate().take(full) {
             // SAFETY: the block's codes (`n` of each from `at`) are its own.
-            unsafe { coder.group::<true>(m, v, x, codes, g, r) };
+            unsafe { coder.group::<true, true>(m, v, x, codes, g, r) };
         }
     } else {
-        for (g, r) in rs.iter().enumerate().take(groups) {
+        for (g, r) in rs.iter().enumerate().take(full) {
             // SAFETY: as above.
-            unsafe { coder.group::<false>(m, v, x, codes, g, r) };
+            unsafe { coder.group::<false, true>(m, v, x, codes, g, r) };
         }
+    }
+    if full * GROUP < n {
+        // SAFETY: as above.
+        unsafe { coder.group::<false, false>(m, v, x, codes, full, &rs[full]) };
     }
 }
 
@@ -247,13 +252,13 @@ impl<L: Lanes> Coder<L> {
     }
 
     /// The codes of group `g` (of the first `n` elements) of each moment
-    /// (`PLAIN`: `plain()` holds).
+    /// (`PLAIN`: `plain()` holds; `FULL`: the group has 16 elements).
     ///
     /// # Safety
     /// `codes` are writable for the block's `n` codes (the maximum's only
     /// with amsgrad).
     #[inline(always)]
-    unsafe fn group<const PLAIN: bool>(
+    unsafe fn group<const PLAIN: bool, const FULL: bool>(
         &self,
         m: &[f32; Q8_BLOCK],
         v: &[f32; Q8_BLOCK],
@@ -263,7 +268,7 @@ impl<L: Lanes> Coder<L> {
         r: &[u32; GROUP],
     ) {
         let i = g * GROUP;
-        let len = (self.n - i).min(GROUP);
+        let len = if FULL { GROUP } else { (self.n - i).min(GROUP) };
         let a = code_group::<L, true, 0, PLAIN>(m, i, &self.f[0], r);
         let b = code_group::<L, false, 16, PLAIN>(v, i, &self.f[1], r);
         // SAFETY: the caller's contract.
