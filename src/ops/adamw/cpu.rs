@@ -238,7 +238,7 @@ pub(super) struct K<L> {
     /// the gradient's three products are skipped. The same bits: `x * 1` is
     /// `x` for every number, and a NaN gradient's payload reaches the
     /// moments alike (their own products quiet it).
-    unit_grad: bool,
+    plain_grad: bool,
 }
 
 /// Steps the piece's `n` elements.
@@ -284,7 +284,7 @@ pub(super) fn consts<L: Lanes>(k: &AdamWConsts, st: &super::AdamWState, step: u6
         sr_moments: (st.rounding & ADAMW_SR_MOMENTS != 0)
             .then(|| salt(st.seed, step, STREAM_MOMENTS)),
         sr_params: (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, step, STREAM_PARAMS)),
-        unit_grad: exact_inverse(k.grad_scale) == Some(1.0)
+        plain_grad: exact_inverse(k.grad_scale) == Some(1.0)
             && k.clip_coef == 1.0
             && k.sign == 1.0
             && k.l2 == 0.0,
@@ -302,17 +302,16 @@ pub(super) unsafe fn piece_step_with<L: Lanes, P: Float, G: Float, M: Float>(
     c: &K<L>,
 ) {
     let full = n / GROUP * GROUP;
-    // One loop per kind of master and for the plain case (`K::unit_grad`
+    // One loop per kind of master and for the plain case (`K::plain_grad`
     // and no amsgrad maximum), so that a group's instructions hold no test
-    // of them:
-    // the fewer instructions and the shorter chain a group has, the more
-    // groups' divisions the out-of-order window overlaps.
+    // of them: the fewer instructions and the shorter chain a group has,
+    // the more groups' divisions the out-of-order window overlaps.
     // SAFETY: forwarded.
     unsafe {
         match (
             x.master.is_null(),
             x.low.is_null(),
-            c.unit_grad && x.vmax.is_null(),
+            c.plain_grad && x.vmax.is_null(),
         ) {
             (false, _, true) => full_groups::<L, P, G, M, F32_MASTER, true>(x, full, c),
             (false, _, false) => full_groups::<L, P, G, M, F32_MASTER, false>(x, full, c),
@@ -387,7 +386,7 @@ const F32_MASTER: u8 = 1;
 const SPLIT_MASTER: u8 = 2;
 
 /// The first `full` (a multiple of `GROUP`) elements of a piece whose
-/// master is of kind `W` (`PLAIN`: `K::unit_grad` and no amsgrad maximum).
+/// master is of kind `W` (`PLAIN`: `K::plain_grad` and no amsgrad maximum).
 ///
 /// # Safety
 /// As `piece_step_with`'s; the piece's master pointers are `W`'s.

@@ -13,7 +13,7 @@
 //! on Zen 5 with two padded slots and no call or copy in the loop (checked
 //! in the disassembly): 57-60 against 44 us. What the profile shows: the
 //! samples sit on the step's chain (load, moments, sqrt, two divisions,
-//! the split), whose ~75 cycles the out-of-order window must cover with
+//! the split), whose ~70 cycles the out-of-order window must cover with
 //! several groups at once; the coding's instructions placed between them
 //! take window entries, so fewer groups' divisions overlap. Issuing a
 //! group's second stage after the next group's first (software
@@ -244,7 +244,7 @@ impl<L: Lanes> Coder<L> {
     }
 
     /// Every moment coded has codes and a normal scale (no prescaling):
-    /// `group::<true>` may skip their tests and the multiplication by 1.
+    /// `group::<true, _>` may skip their tests and the multiplication by 1.
     #[inline(always)]
     fn plain(&self) -> bool {
         let n = 2 + self.ams as usize;
