@@ -613,6 +613,21 @@ fn a_500_step_run_stays_near_f32_moments() {
     }
 }
 
+/// Steps `s` once on the CPU (step 1, no weight decay; 8-bit moments, no
+/// split masters, no stochastic rounding) and returns the reference
+/// model's step of the same state.
+fn first_step_and_model(s: &mut Q<f32>) -> Q<f32> {
+    let o = AdamWOptions {
+        weight_decay: 0.0,
+        ..opts(1, 0)
+    };
+    let f = q8(false, 0, 9);
+    let mut want = s.clone();
+    want.run(&common::reference(), &o, &f).unwrap();
+    s.run(&Exec::cpu(), &o, &f).unwrap();
+    want
+}
+
 #[test]
 fn zero_nan_huge_and_tiny_blocks() {
     let n = 4 * 256 + 10;
@@ -625,14 +640,7 @@ fn zero_nan_huge_and_tiny_blocks() {
         s.g[0][512 + i] = bf16::from_f32(1e-30 * (i as f32 + 1.0)); // tiny
     }
     s.g[0][3 * 256 + 7] = bf16::NAN; // block 3: one NaN
-    let o = AdamWOptions {
-        weight_decay: 0.0,
-        ..opts(1, 0)
-    };
-    let f = q8(false, 0, 9);
-    let mut want = s.clone();
-    want.run(&common::reference(), &o, &f).unwrap();
-    s.run(&Exec::cpu(), &o, &f).unwrap();
+    let want = first_step_and_model(&mut s);
     assert_eq!((s.sm[0][0], s.sv[0][0]), (0.0, 0.0));
     assert!(s.m[0][..256].iter().all(|&c| c == 0));
     let [m, v, _] = s.decoded(0);
@@ -817,14 +825,7 @@ fn a_subnormal_scale_codes_through_the_prescaling() {
         let g = 1e-37 * ((i % 37) as f32 + 1.0) / 37.0;
         s.g[0][256 + i] = bf16::from_f32(if i % 2 == 0 { g } else { -g });
     }
-    let o = AdamWOptions {
-        weight_decay: 0.0,
-        ..opts(1, 0)
-    };
-    let f = q8(false, 0, 9);
-    let mut want = s.clone();
-    want.run(&common::reference(), &o, &f).unwrap();
-    s.run(&Exec::cpu(), &o, &f).unwrap();
+    let want = first_step_and_model(&mut s);
     let sm = s.sm[0][1];
     assert!(sm > 0.0 && sm < f32::MIN_POSITIVE, "{sm:e}");
     assert_eq!(sm.to_bits(), want.sm[0][1].to_bits());
