@@ -163,6 +163,9 @@ fn every_layout_and_shape_is_the_models_bits_on_every_isa() {
             (17, 40, 257),
             (45, 97, 600),
             (200, 530, 33),
+            // Two tiles down each of two columns, K in one slice: a
+            // worker's second tile reuses its column's packed b.
+            (700, 530, 45),
         ] {
             let case = Case::new(m, n, k, dot(ta, tb, false), uniform(&mut rng));
             case.check::<bf16>(&vec![bf16::from_f32(-7.25); m * n]);

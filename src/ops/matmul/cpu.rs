@@ -121,14 +121,17 @@ unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool>(k: &Kern<T, O>, w:
             .as_mut_ptr()
     };
     let mut tile = w;
+    // The columns whose packed b slice the arena holds (K in one slice).
+    let mut packed = None;
     while tile < t.tiles() {
         // SAFETY: the tile is inside c; the arena is this worker's.
-        unsafe { one_tile::<L, T, O, DOT>(k, tile, arena) };
+        unsafe { one_tile::<L, T, O, DOT>(k, tile, arena, &mut packed) };
         tile += t.blocks as usize;
     }
 }
 
-/// One output tile, all of K.
+/// One output tile, all of K. `packed`: the columns of the b slice the
+/// arena holds from this worker's last tile, when that was all of K.
 ///
 /// # Safety
 /// As `worker`; `arena` holds `t.arena_bytes`.
@@ -137,6 +140,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
     k: &Kern<T, O>,
     tile: usize,
     arena: *mut f32,
+    packed: &mut Option<(usize, usize)>,
 ) {
     // The pair dot in hardware (pair panels), or as the flushed chain.
     let hw = DOT && L::PAIRS;
@@ -170,14 +174,20 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
         } else {
             panel_steps::<DOT>(ks)
         };
-        // SAFETY: b's slice is inside b; bp holds kc x nc.
-        unsafe {
-            if hw {
-                pack_pairs::<L, T>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp)
-            } else {
-                pack::<L, T, DOT>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp)
-            }
-        };
+        // K in one slice: b's slice is the same for every tile down a
+        // column (a weight gradient's, K the tokens), packed once.
+        let whole = first && last;
+        if !(whole && *packed == Some((c0, c1))) {
+            // SAFETY: b's slice is inside b; bp holds kc x nc.
+            unsafe {
+                if hw {
+                    pack_pairs::<L, T>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp)
+                } else {
+                    pack::<L, T, DOT>(k.b, !k.trans_b, c0, c1 - c0, p0, ks, nr, bp)
+                }
+            };
+        }
+        *packed = if whole { Some((c0, c1)) } else { None };
         let mut i0 = r0;
         while i0 < r1 {
             let rows = mc.min(r1 - i0);

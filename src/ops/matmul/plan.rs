@@ -72,10 +72,12 @@ pub struct MatmulTiling {
 }
 
 impl MatmulTiling {
-    /// Tile `t`'s rows and columns: `(r0, r1, c0, c1)`.
+    /// Tile `t`'s rows and columns: `(r0, r1, c0, c1)`. Tiles run down a
+    /// column first, so that a worker's consecutive tiles share b's columns
+    /// (its packed slice is reused when K is one slice).
     pub fn tile(&self, t: usize) -> (usize, usize, usize, usize) {
-        let tn = (self.tiles_n as usize).max(1);
-        let (ti, tj) = (t / tn, t % tn);
+        let tm = (self.tiles_m as usize).max(1);
+        let (ti, tj) = (t % tm, t / tm);
         let (mt, nc) = (self.mt as usize, self.nc as usize);
         let r0 = ti * mt;
         let c0 = tj * nc;
