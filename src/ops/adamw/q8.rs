@@ -85,15 +85,23 @@ const fn off(signed: bool) -> u32 {
 /// block's scale: exact.
 #[inline(always)]
 pub fn q8_magnitude<const SIGNED: bool>(c: u8) -> f32 {
-    let c = c as u32;
-    let e = if SIGNED { (c >> 3) & 15 } else { c >> 3 };
-    let mag = if e == 0 {
-        0
+    // Written for the lanes: the code shifted once puts `eee(e)fff` where
+    // an f32's exponent and mantissa end; adding the offset to the exponent
+    // never carries into the sign. (Six vector operations where the
+    // field-by-field form took nine: a fifth of the 8-bit pass's decode.)
+    // The sign-extended code's high bits are its sign.
+    let x = if SIGNED {
+        c as i8 as i32 as u32
     } else {
-        ((e + off(SIGNED)) << 23) | ((c & 7) << 20)
+        c as u32
     };
-    let sign = if SIGNED { (c >> 7) << 31 } else { 0 };
-    f32::from_bits(mag | sign)
+    let (e_mask, bits) = if SIGNED { (0x78, 0x7f) } else { (0xf8, 0xff) };
+    let mag = if x & e_mask != 0 {
+        ((x & bits) << 20) + (off(SIGNED) << 23)
+    } else {
+        0
+    };
+    f32::from_bits(mag | (x & 0x8000_0000))
 }
 
 /// The value of code `c` in a block of scale `scale`.
@@ -179,7 +187,7 @@ pub(crate) fn q8_code<const SIGNED: bool>(y: f32, xb: u32, r: u32, live: bool) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::adamw::reference::q8_encode_f64;
+    use crate::ops::adamw::reference::{q8_decode_f64, q8_encode_f64};
 
     fn xorshift(s: &mut u32) -> u32 {
         *s ^= *s << 13;
@@ -228,6 +236,37 @@ mod tests {
                     q8_encode::<false>(x.abs(), sc, r),
                     q8_encode_f64(x.abs(), sc, r, false)
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn every_code_decodes_as_the_f64_model() {
+        let mut s = 0x5eed_u32;
+        let mut scales = vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            f32::from_bits(0x0012_3456),
+            f32::INFINITY,
+            f32::NAN,
+        ];
+        scales.extend((0..200).map(|_| f32::from_bits(xorshift(&mut s) & 0x7fff_ffff)));
+        for sc in scales {
+            for c in 0..=255u8 {
+                for (got, signed) in [
+                    (q8_decode::<true>(sc, c), true),
+                    (q8_decode::<false>(sc, c), false),
+                ] {
+                    let want = q8_decode_f64(sc, c, signed);
+                    assert!(
+                        got.to_bits() == want.to_bits() || got.is_nan() && want.is_nan(),
+                        "{c:#x} {sc:e} {signed}: {got:e} against {want:e}"
+                    );
+                }
             }
         }
     }
