@@ -11,7 +11,7 @@
 //! panel `q`, pair `p`, row `r` at `(q * kp + p) * w + r` (`kp = ceil(ks /
 //! 2)`), A panels packed by rows at `r * KC + p`.
 
-use super::pack::{Mat, AHEAD, KC, ROW_BUF};
+use super::pack::{Mat, AHEAD, KC};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -79,25 +79,27 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
             } else {
                 None
             };
-            // Panels narrower than a group (A's MR = 14) take the whole
-            // row interleaved first, then their pieces as copies (14-wide
-            // loops do not fill the lanes).
-            if !w.is_multiple_of(GROUP) && rows <= ROW_BUF {
-                let mut wide = [0u32; ROW_BUF];
-                interleave(&mut wide, lo, hi);
-                for q in 0..panels {
-                    let base = q * w;
-                    let n = w.min(rows - base);
-                    // SAFETY: pair p of panel q is inside dst.
-                    let o =
-                        unsafe { core::slice::from_raw_parts_mut(dst.add((q * kp + p) * w), w) };
-                    o[..n].copy_from_slice(&wide[base..base + n]);
-                    o[n..].fill(0);
-                }
-                continue;
-            }
+            // Panels narrower than a group (A's MR = 14): a whole group
+            // interleaved and stored, its last 16 - w words spilling into
+            // the panel's next pair, which this loop writes next (the last
+            // pair, and a panel without 16 rows left, exactly). 14-wide
+            // loops do not fill the lanes; a whole row interleaved first,
+            // then copied in pieces, moved the words twice.
+            let last = p + 1 == kp;
             for q in 0..panels {
                 let base = q * w;
+                if w < GROUP && !last && base + GROUP <= rows {
+                    let words =
+                        group_pairs(&lo[base..base + GROUP], hi.map(|h| &h[base..base + GROUP]));
+                    // SAFETY: pair p of panel q and the next pair's first
+                    // 16 - w words are inside dst (p is not the last).
+                    unsafe {
+                        dst.add((q * kp + p) * w)
+                            .cast::<[u32; GROUP]>()
+                            .write_unaligned(words)
+                    };
+                    continue;
+                }
                 let n = w.min(rows - base);
                 // SAFETY: pair p of panel q is inside dst.
                 let o = unsafe { core::slice::from_raw_parts_mut(dst.add((q * kp + p) * w), w) };
@@ -185,6 +187,14 @@ unsafe fn pair_rows<T: Float>(
             };
         }
     }
+}
+
+/// `interleave` of one group: 16 `lo` and (when present) `hi`.
+#[inline(always)]
+fn group_pairs(lo: &[u16], hi: Option<&[u16]>) -> [u32; GROUP] {
+    let mut o = [0u32; GROUP];
+    interleave(&mut o, lo, hi);
+    o
 }
 
 /// `dst[i] = lo[i] | hi[i] << 16` (hi zero when absent: an odd slice's
