@@ -110,9 +110,14 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float, const DOT: bool>(
         // Stored [k][rows]: each step's row of x is read once, in order
         // (panel by panel it was strided: a TLB miss a step), and its w-wide
         // pieces go to the panels.
-        // Panels narrower than a group (A's MR: 14, 6, 4) take the row
-        // widened whole on the lanes first, then their pieces as copies (a
-        // 14-wide piece has no whole group: it went element by element).
+        // Panels narrower than a group (A's MR: 14, 6, 4): a whole group
+        // widened and stored, the words past w spilling into the panel's
+        // next steps, which this loop writes next (a step whose group
+        // would pass the panel's end, and a panel without 16 rows left,
+        // exactly). The pair dot's panels hold steps swapped in pairs (the
+        // next one written is not the next in memory): the row widened
+        // whole on the lanes first, then its pieces as copies (a 14-wide
+        // piece has no whole group: it went element by element).
         let mut wide = [0f32; ROW_BUF];
         let whole_row = !w.is_multiple_of(GROUP) && rows <= ROW_BUF;
         for k in 0..kc {
@@ -124,6 +129,30 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float, const DOT: bool>(
             let next = x.p.wrapping_add((p0 + k + AHEAD) * x.ld + r0) as *const u8;
             for off in (0..rows * core::mem::size_of::<T>()).step_by(64) {
                 L::prefetch(next.wrapping_add(off));
+            }
+            if !DOT && w < GROUP {
+                let spills_inside = k * w + GROUP <= kp * w;
+                for q in 0..panels {
+                    let base = q * w;
+                    // SAFETY: step k of panel q is inside dst.
+                    let o = unsafe { dst.add((q * kp + k) * w) };
+                    if spills_inside && base + GROUP <= rows {
+                        // SAFETY: 16 elements at base in src; the group's
+                        // words are inside panel q (spills_inside).
+                        unsafe {
+                            T::load::<L>(&*(src.as_ptr().add(base) as *const [T; GROUP]))
+                                .store(&mut *(o as *mut [f32; GROUP]))
+                        };
+                        continue;
+                    }
+                    let n = w.min(rows - base);
+                    // SAFETY: step k of panel q is inside dst.
+                    let o = unsafe { core::slice::from_raw_parts_mut(o, w) };
+                    for (j, d) in o.iter_mut().enumerate() {
+                        *d = if j < n { src[base + j].to_f32() } else { 0.0 };
+                    }
+                }
+                continue;
             }
             if whole_row {
                 // (widen_into fills whole groups: the tail group zero-padded.)

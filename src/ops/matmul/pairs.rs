@@ -80,19 +80,20 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
                 None
             };
             // Panels narrower than a group (A's MR = 14): a whole group
-            // interleaved and stored, its last 16 - w words spilling into
-            // the panel's next pair, which this loop writes next (the last
-            // pair, and a panel without 16 rows left, exactly). 14-wide
-            // loops do not fill the lanes; a whole row interleaved first,
-            // then copied in pieces, moved the words twice.
-            let last = p + 1 == kp;
+            // interleaved and stored, the words past w spilling into the
+            // panel's next pairs, which this loop writes next (a pair whose
+            // group would pass the panel's end, and a panel without 16
+            // rows left, exactly). 14-wide loops do not fill the lanes; a
+            // whole row interleaved first, then copied in pieces, moved the
+            // words twice.
+            let spills_inside = p * w + GROUP <= kp * w;
             for q in 0..panels {
                 let base = q * w;
-                if w < GROUP && !last && base + GROUP <= rows {
+                if w < GROUP && spills_inside && base + GROUP <= rows {
                     let words =
                         group_pairs(&lo[base..base + GROUP], hi.map(|h| &h[base..base + GROUP]));
-                    // SAFETY: pair p of panel q and the next pair's first
-                    // 16 - w words are inside dst (p is not the last).
+                    // SAFETY: the group's words are inside panel q
+                    // (spills_inside).
                     unsafe {
                         dst.add((q * kp + p) * w)
                             .cast::<[u32; GROUP]>()
