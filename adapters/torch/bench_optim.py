@@ -10,7 +10,12 @@ step reads (and writes back). Every row and copy interleaved rep by rep,
 medians of --reps. With --deepspeed, also
 DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, AdamW mode, float32 params; needs
 `pip install deepspeed`, whose CPUAdam extension builds on first use and
-needs `ninja` on PATH: run with the venv's `bin` first on PATH)."""
+needs `ninja` on PATH: run with the venv's `bin` first on PATH). With --ipex
+(in the venv of benches/ipex_race.sh: torch 2.8 + IPEX 2.8), also what
+`ipex.optimize(model, optimizer=torch.optim.AdamW(...), dtype=torch.bfloat16)`
+steps: bf16 weights with float32 masters (IPEX 2.8 has no fused AdamW on
+CPU: it warns and runs torch's AdamW on the masters, then copies them to
+the bf16 weights)."""
 
 import argparse
 import statistics
@@ -45,12 +50,25 @@ def deepspeed_adam(ps):
     return DeepSpeedCPUAdam(ps, lr=1e-4, adamw_mode=True, weight_decay=0.01)
 
 
+def ipex_adamw(n):
+    """IPEX's bf16 recipe on a Linear of ~n weights (`ipex.optimize` acts on
+    modules), its gradients made by one backward and kept."""
+    import intel_extension_for_pytorch as ipex
+
+    side = int(n**0.5)
+    m = torch.nn.Linear(side, side, bias=False)
+    m, o = ipex.optimize(m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-4), dtype=torch.bfloat16)
+    m(torch.randn(4, side).bfloat16()).float().sum().backward()
+    return o.step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--numel", type=int, default=16_000_000)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--deepspeed", action="store_true", help="add DeepSpeedCPUAdam's row")
+    ap.add_argument("--ipex", action="store_true", help="add IPEX's bf16 AdamW row (ipex.optimize)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     n = a.numel
@@ -70,6 +88,9 @@ def main():
         name = f"npukern bf16+master{' +clip' if clip else ''}"
         fns[name] = o.step
         floors[name] = f"copy {14 + (2 if clip else 0)} B"
+    if a.ipex:
+        fns["ipex bf16+master"] = ipex_adamw(n)
+        floors["ipex bf16+master"] = "copy 14 B"
     for name, make in (
         ("npukern f32", lambda ps: AdamW(ps, lr=1e-4)),
         ("torch fused f32", lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True)),
@@ -88,6 +109,8 @@ def main():
         print(f"{name:<28} {t:8.2f} {c:8.2f} {t / c:6.2f}")
     f32 = {r[0]: r[1] for r in rows}
     print(f"npukern f32 / torch fused f32: {f32['npukern f32'] / f32['torch fused f32']:.2f}")
+    if a.ipex:
+        print(f"npukern bf16+master / ipex bf16+master: {f32['npukern bf16+master'] / f32['ipex bf16+master']:.2f}")
     if a.deepspeed:
         print(f"npukern f32 / deepspeed cpu_adam f32: {f32['npukern f32'] / f32['deepspeed cpu_adam f32']:.2f}")
 
