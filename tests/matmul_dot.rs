@@ -166,6 +166,11 @@ fn every_layout_and_shape_is_the_models_bits_on_every_isa() {
             // Two tiles down each of two columns, K in one slice: a
             // worker's second tile reuses its column's packed b.
             (700, 530, 45),
+            // Whole 14-row panels of a row-major a over three slices (the
+            // last short), and with an odd K rows that start between words
+            // and an odd last slice.
+            (28, 40, 1100),
+            (42, 33, 1031),
         ] {
             let case = Case::new(m, n, k, dot(ta, tb, false), uniform(&mut rng));
             case.check::<bf16>(&vec![bf16::from_f32(-7.25); m * n]);
