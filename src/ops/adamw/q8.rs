@@ -87,9 +87,9 @@ const fn off(signed: bool) -> u32 {
 pub fn q8_magnitude<const SIGNED: bool>(c: u8) -> f32 {
     // Written for the lanes: the code shifted once puts `eee(e)fff` where
     // an f32's exponent and mantissa end; adding the offset to the exponent
-    // never carries into the sign. (Six vector operations where the
-    // field-by-field form took nine: a fifth of the 8-bit pass's decode.)
-    // The sign-extended code's high bits are its sign.
+    // never carries into the sign. (Both moments' decoding took 16 vector
+    // operations a group where the field-by-field form took 20.) The
+    // sign-extended code's high bits are its sign.
     let x = if SIGNED {
         c as i8 as i32 as u32
     } else {
