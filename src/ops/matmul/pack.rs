@@ -47,6 +47,22 @@ const fn at<const DOT: bool>(k: usize) -> usize {
     }
 }
 
+/// Whether step `k` of a transposed pack's `w`-wide panel (`w < 16`) may
+/// be stored as a whole group of 16 from source row offset `base`: the
+/// group's words past `w` spill into the panel's next steps, which the
+/// pack writes after this one, so they must stay inside the panel (`kp`
+/// steps) and the group inside the source row (`rows`).
+#[inline(always)]
+pub(crate) const fn group_store_fits(
+    k: usize,
+    w: usize,
+    kp: usize,
+    base: usize,
+    rows: usize,
+) -> bool {
+    w < GROUP && k * w + GROUP <= kp * w && base + GROUP <= rows
+}
+
 /// x, or a zero of its sign when x is subnormal (VDPBF16PS's DAZ and FTZ).
 #[inline(always)]
 pub(crate) fn flush(x: f32) -> f32 {
@@ -131,14 +147,13 @@ pub(crate) unsafe fn pack<L: Lanes, T: Float, const DOT: bool>(
                 L::prefetch(next.wrapping_add(off));
             }
             if !DOT && w < GROUP {
-                let spills_inside = k * w + GROUP <= kp * w;
                 for q in 0..panels {
                     let base = q * w;
                     // SAFETY: step k of panel q is inside dst.
                     let o = unsafe { dst.add((q * kp + k) * w) };
-                    if spills_inside && base + GROUP <= rows {
+                    if group_store_fits(k, w, kp, base, rows) {
                         // SAFETY: 16 elements at base in src; the group's
-                        // words are inside panel q (spills_inside).
+                        // words are inside panel q (group_store_fits).
                         unsafe {
                             T::load::<L>(&*(src.as_ptr().add(base) as *const [T; GROUP]))
                                 .store(&mut *(o as *mut [f32; GROUP]))

@@ -11,7 +11,7 @@
 //! panel `q`, pair `p`, row `r` at `(q * kp + p) * w + r` (`kp = ceil(ks /
 //! 2)`), A panels packed by rows at `r * KC + p`.
 
-use super::pack::{Mat, AHEAD, KC};
+use super::pack::{group_store_fits, Mat, AHEAD, KC};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -86,14 +86,13 @@ pub(crate) unsafe fn pack_pairs<L: Lanes, T: Float>(
             // rows left, exactly). 14-wide loops do not fill the lanes; a
             // whole row interleaved first, then copied in pieces, moved the
             // words twice.
-            let spills_inside = p * w + GROUP <= kp * w;
             for q in 0..panels {
                 let base = q * w;
-                if w < GROUP && spills_inside && base + GROUP <= rows {
+                if group_store_fits(p, w, kp, base, rows) {
                     let words =
                         group_pairs(&lo[base..base + GROUP], hi.map(|h| &h[base..base + GROUP]));
                     // SAFETY: the group's words are inside panel q
-                    // (spills_inside).
+                    // (group_store_fits).
                     unsafe {
                         dst.add((q * kp + p) * w)
                             .cast::<[u32; GROUP]>()
