@@ -165,9 +165,9 @@ static npk_status fake_embedding(void *ctx, const npk_embedding_dense_grad_call 
 
 static fake_npu g_fake;
 static const npk_foreign_backend g_fake_table = {sizeof(npk_foreign_backend), &g_fake, fake_rms_norm, fake_add_rms_norm, fake_rms_norm_grad,
-                                                 fake_embedding, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                                 fake_embedding, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 /* All entries NULL: every operator falls back to the CPU backend. */
-static const npk_foreign_backend g_empty_table = {sizeof(npk_foreign_backend), &g_fake, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+static const npk_foreign_backend g_empty_table = {sizeof(npk_foreign_backend), &g_fake, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 /* ======================= execs ======================= */
 

@@ -120,7 +120,7 @@ static npk_status fake_embedding(void *ctx, const npk_embedding_dense_grad_call 
 }
 
 FakeNpu g_fake;
-const npk_foreign_backend g_table{sizeof(npk_foreign_backend), &g_fake, fake_rms_norm, fake_add_rms_norm, fake_rms_norm_grad, fake_embedding, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+const npk_foreign_backend g_table{sizeof(npk_foreign_backend), &g_fake, fake_rms_norm, fake_add_rms_norm, fake_rms_norm_grad, fake_embedding, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 // ---- execs and the two-phase helper ----
 

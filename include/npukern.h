@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 10
+#define NPK_ABI_VERSION_MINOR 11
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -317,6 +317,20 @@ typedef enum npk_matmul_math {
    */
   NPK_MATMUL_BF16_DOT = 1,
 } npk_matmul_math;
+
+/**
+ * `npk_attention_options.layout`: q, k, v and their outputs'. ABI 2.11.
+ */
+typedef enum npk_attention_layout {
+  /**
+   * `[batch, heads, seq, head_dim]`.
+   */
+  NPK_ATTENTION_BNSD = 0,
+  /**
+   * `[batch, seq, heads, head_dim]`.
+   */
+  NPK_ATTENTION_BSND = 1,
+} npk_attention_layout;
 
 /**
  * Which GELU (`GeluApproximate`; torch_npu's `approximate`). ABI 2.5.
@@ -1868,6 +1882,148 @@ typedef struct npk_matmul_call {
 } npk_matmul_call;
 
 /**
+ * Attention's plan (its TilingData).
+ */
+typedef struct npk_attention_tiling {
+  /**
+   * Batch.
+   */
+  uint64_t batch;
+  /**
+   * Query heads.
+   */
+  uint64_t heads_q;
+  /**
+   * Key/value heads (divides `heads_q`).
+   */
+  uint64_t heads_kv;
+  /**
+   * Query rows per head.
+   */
+  uint64_t seq_q;
+  /**
+   * Keys per head.
+   */
+  uint64_t seq_kv;
+  /**
+   * The head dim.
+   */
+  uint64_t head_dim;
+  /**
+   * Query rows per block.
+   */
+  uint32_t rows;
+  /**
+   * Blocks per query head: `ceil(seq_q / rows)`.
+   */
+  uint32_t q_blocks;
+  /**
+   * Units of work: forward `batch * heads_q * q_blocks`, backward
+   * `batch * heads_kv`.
+   */
+  uint64_t units;
+  /**
+   * Workers, each with its arena: `min(ub.blocks, units)`.
+   */
+  uint32_t blocks;
+  /**
+   * `NORM_FLAG_SERIAL` for a small call.
+   */
+  uint32_t flags;
+  /**
+   * Keys rounded for the packed panels (`seq_kv + 16` up to 32).
+   */
+  uint64_t kv_pad;
+  /**
+   * The head dim rounded up to 32.
+   */
+  uint64_t dim_pad;
+  /**
+   * Bytes of one worker's arena (64-byte multiple).
+   */
+  uint64_t arena_bytes;
+  /**
+   * Workspace bytes: the arenas plus alignment slack.
+   */
+  uint64_t workspace_bytes;
+} npk_attention_tiling;
+
+/**
+ * The validated arguments of one Attention, forward or backward
+ * (`npk_attention_call`).
+ */
+typedef struct npk_attention_call {
+  /**
+   * Queries: `[B, Hq, Sq, D]` (BNSD) or `[B, Sq, Hq, D]` (BSND).
+   */
+  struct npk_tensor q;
+  /**
+   * Keys: `[B, Hkv, Skv, D]` or `[B, Skv, Hkv, D]`, q's dtype.
+   */
+  struct npk_tensor k;
+  /**
+   * Values: k's shape and dtype.
+   */
+  struct npk_tensor v;
+  /**
+   * The output (forward: written; backward: read), q's shape and dtype.
+   */
+  struct npk_tensor out;
+  /**
+   * Each row's softmax max, `[B, Hq, Sq]` f32 (forward: written).
+   */
+  struct npk_tensor softmax_max;
+  /**
+   * Each row's softmax sum, `[B, Hq, Sq]` f32 (forward: written).
+   */
+  struct npk_tensor softmax_sum;
+  /**
+   * The output's gradient (backward), q's shape and dtype; empty forward.
+   */
+  struct npk_tensor dout;
+  /**
+   * q's gradient (backward, written); empty forward.
+   */
+  struct npk_tensor dq;
+  /**
+   * k's gradient (backward, written); empty forward.
+   */
+  struct npk_tensor dk;
+  /**
+   * v's gradient (backward, written); empty forward.
+   */
+  struct npk_tensor dv;
+  /**
+   * 1: the backward.
+   */
+  uint32_t backward;
+  /**
+   * 1: causal.
+   */
+  uint32_t causal;
+  /**
+   * `AttentionLayout`.
+   */
+  uint32_t layout;
+  /**
+   * The scores' factor.
+   */
+  float scale;
+  /**
+   * The plan: units of work, blocks, the per-worker arenas.
+   */
+  struct npk_attention_tiling tiling;
+  /**
+   * The caller's workspace (the arenas).
+   */
+  void *workspace;
+  /**
+   * Its size in bytes.
+   */
+  size_t workspace_bytes;
+} npk_attention_call;
+
+/**
  * An adapter's operator table (`exec->foreign`). Set `struct_size` to
  * `sizeof(npk_foreign_backend)` as your header declares it; entries are only
  * ever appended (in operator-id order), so a backend built against an older
@@ -1966,6 +2122,11 @@ typedef struct npk_foreign_backend {
    */
   npk_status (*matmul)(void *ctx,
                        const struct npk_matmul_call *call);
+  /**
+   * Attention, forward and backward (ABI 2.11).
+   */
+  npk_status (*attention)(void *ctx,
+                          const struct npk_attention_call *call);
 } npk_foreign_backend;
 
 /**
@@ -2130,6 +2291,30 @@ typedef struct npk_rms_norm_options {
    */
   npk_rounding rounding;
 } npk_rms_norm_options;
+
+/**
+ * Options of Attention. NULL options = not causal, BNSD, scale
+ * `1 / sqrt(head_dim)` (SDPA's defaults). ABI 2.11.
+ */
+typedef struct npk_attention_options {
+  /**
+   * Nonzero: query i sees keys `j <= i` (SDPA's `is_causal`).
+   */
+  uint32_t causal;
+  /**
+   * `npk_attention_layout`; another value is `NPK_ERR_PARAM_INVALID`
+   * (argument `layout`).
+   */
+  uint32_t layout;
+  /**
+   * The scores' factor; finite.
+   */
+  float scale;
+  /**
+   * Must be 0.
+   */
+  uint32_t reserved;
+} npk_attention_options;
 
 /**
  * Options of CrossEntropy, its gradient and the fused form. NULL options =
@@ -2449,6 +2634,83 @@ enum npk_status npk_add_rms_norm(const struct npk_tensor *x1,
                                  void *workspace,
                                  size_t workspace_bytes,
                                  const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_attention` needs (the same q, k, v and options as
+ * the run): one arena per worker, about `4 (3 kv_pad + 84) head_dim +
+ * 2 * 336 kv_pad` bytes (kv_pad: the keys plus 16, up to 32).
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_attention_workspace_size(const struct npk_tensor *q,
+                                             const struct npk_tensor *k,
+                                             const struct npk_tensor *v,
+                                             const struct npk_attention_options *opts,
+                                             const struct npk_exec *exec,
+                                             size_t *workspace_bytes);
+
+/**
+ * The forward: `out = softmax(scale q k^T) v` per head (causal: query i
+ * sees keys `j <= i`), q `[B, Hq, Sq, D]` (BSND: `[B, Sq, Hq, D]`), k and
+ * v `[B, Hkv, Skv, D]` with Hkv dividing Hq, one dtype of f32, f16, bf16;
+ * `out` q's shape and dtype; `softmax_max`, `softmax_sum` `[B, Hq, Sq]`
+ * f32 (what the backward reads). f32 inside, each sum in one fixed order:
+ * the same bits on every ISA and thread count. On error nothing is
+ * written.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type, and every tensor's `data`
+ * points to a buffer of its shape and dtype, live for the call.
+ */
+enum npk_status npk_attention(const struct npk_tensor *q,
+                              const struct npk_tensor *k,
+                              const struct npk_tensor *v,
+                              const struct npk_attention_options *opts,
+                              const struct npk_tensor *out,
+                              const struct npk_tensor *softmax_max,
+                              const struct npk_tensor *softmax_sum,
+                              void *workspace,
+                              size_t workspace_bytes,
+                              const struct npk_exec *exec);
+
+/**
+ * Workspace bytes `npk_attention_backward` needs.
+ *
+ * # Safety
+ * Every pointer is NULL or valid for its type.
+ */
+enum npk_status npk_attention_backward_workspace_size(const struct npk_tensor *q,
+                                                      const struct npk_tensor *k,
+                                                      const struct npk_tensor *v,
+                                                      const struct npk_attention_options *opts,
+                                                      const struct npk_exec *exec,
+                                                      size_t *workspace_bytes);
+
+/**
+ * The backward: `dq` (q's shape), `dk`, `dv` (k's) from q, k, v, the
+ * forward's `out`, `softmax_max`, `softmax_sum` and the output's gradient
+ * `dout` (out's shape), with the forward's options. dk and dv sum over the
+ * query heads sharing a key/value head and over rows, in one fixed order.
+ * On error nothing is written.
+ *
+ * # Safety
+ * As `npk_attention`.
+ */
+enum npk_status npk_attention_backward(const struct npk_tensor *q,
+                                       const struct npk_tensor *k,
+                                       const struct npk_tensor *v,
+                                       const struct npk_tensor *out,
+                                       const struct npk_tensor *dout,
+                                       const struct npk_tensor *softmax_max,
+                                       const struct npk_tensor *softmax_sum,
+                                       const struct npk_attention_options *opts,
+                                       const struct npk_tensor *dq,
+                                       const struct npk_tensor *dk,
+                                       const struct npk_tensor *dv,
+                                       void *workspace,
+                                       size_t workspace_bytes,
+                                       const struct npk_exec *exec);
 
 /**
  * Workspace bytes `npk_cross_entropy` needs (N f32 and 64 bytes for a sum

@@ -73,6 +73,10 @@ pub use ops::adamw::{
 pub use ops::add_rms_norm::{
     add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,
 };
+pub use ops::attention::{
+    attention, attention_backward, attention_workspace_size, AttentionCall, AttentionLayout,
+    AttentionOptions, AttentionSaved, AttentionTiling, ATTENTION_ROWS,
+};
 pub use ops::cross_entropy::{
     cross_entropy, cross_entropy_fused, cross_entropy_fused_workspace_size, cross_entropy_grad,
     cross_entropy_grad_in_place, cross_entropy_grad_scale, cross_entropy_grad_workspace_size,

@@ -15,6 +15,7 @@ use crate::backend::Backend;
 use crate::error::{invalid_fmt, Error, Result};
 use crate::ops::adamw::AdamWCall;
 use crate::ops::add_rms_norm::AddRmsNormCall;
+use crate::ops::attention::AttentionCall;
 use crate::ops::cross_entropy::CrossEntropyCall;
 use crate::ops::embedding_dense_grad::EmbeddingDenseGradCall;
 use crate::ops::geglu::GegluCall;
@@ -93,6 +94,9 @@ pub struct npk_foreign_backend {
     /// Matmul (ABI 2.8).
     pub matmul:
         Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const MatmulCall) -> RawStatus>,
+    /// Attention, forward and backward (ABI 2.11).
+    pub attention:
+        Option<unsafe extern "C" fn(ctx: *mut c_void, call: *const AttentionCall) -> RawStatus>,
 }
 
 /// The smallest valid `npk_foreign_backend.struct_size`: `struct_size` and
@@ -141,6 +145,7 @@ impl npk_foreign_backend {
             grad_stats: None,
             clip_grad_norm: None,
             matmul: None,
+            attention: None,
         };
         let n = size.min(size_of::<npk_foreign_backend>());
         // SAFETY: `n` bytes are readable at `p` (caller) and fit in `t`; every
@@ -176,6 +181,7 @@ impl npk_foreign_backend {
                 Op::GradStats(c) => self.grad_stats.map(|f| f(ctx, c)),
                 Op::ClipGradNorm(c) => self.clip_grad_norm.map(|f| f(ctx, c)),
                 Op::Matmul(c) => self.matmul.map(|f| f(ctx, c)),
+                Op::Attention(c) => self.attention.map(|f| f(ctx, c)),
             }
         }
     }

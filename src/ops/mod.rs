@@ -97,6 +97,7 @@ macro_rules! operators {
 // cbindgen (which does not expand macros) finds the C entry points.
 pub mod adamw;
 pub mod add_rms_norm;
+pub mod attention;
 pub mod cross_entropy;
 pub mod embedding_dense_grad;
 pub mod geglu;
@@ -138,6 +139,8 @@ operators! {
     ClipGradNorm = 12 => grad_stats::ClipGradNormCall, "clip_grad_norm";
     /// Matmul (`MatmulCall`).
     Matmul = 13 => matmul::MatmulCall, "matmul";
+    /// Attention, forward and backward (`AttentionCall`).
+    Attention = 14 => attention::AttentionCall, "attention";
 }
 
 pub mod elementwise;

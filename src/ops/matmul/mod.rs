@@ -25,7 +25,7 @@ mod pack;
 mod pairs;
 mod plan;
 pub(crate) mod reference;
-mod ukernel;
+pub(crate) mod ukernel;
 
 pub(crate) use plan::{plan, prepare};
 pub use plan::{MatmulTiling, MATMUL_KC, MATMUL_MC, MATMUL_NC};
