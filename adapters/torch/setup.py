@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = Path(os.environ.get("NPUKERN_ROOT", HERE.parent.parent)).resolve()
 INCLUDE = ROOT / "include"
 SOURCES = ["glue.cpp", "norm_ops.cpp", "embedding_ops.cpp", "grad_ops.cpp", "elementwise_ops.cpp", "loss_ops.cpp",
-           "autograd.cpp", "fast_call.cpp", "optim_ops.cpp", "matmul_ops.cpp",
+           "autograd.cpp", "fast_call.cpp", "optim_ops.cpp", "matmul_ops.cpp", "attention_ops.cpp",
            "register.cpp"]
 
 

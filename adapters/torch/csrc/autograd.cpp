@@ -91,6 +91,10 @@ NPK_OP(cross_entropy_backward_op, "cross_entropy_backward",
 NPK_OP(matmul_op, "matmul",
        Tensor(const Tensor &, const Tensor &, bool, bool, std::optional<at::ScalarType>, int64_t))
 NPK_OP(linear_op, "linear", Tensor(const Tensor &, const Tensor &, const Opt &, int64_t))
+NPK_OP(attention_op, "attention", T3(const Tensor &, const Tensor &, const Tensor &, bool, std::optional<double>))
+NPK_OP(attention_backward_op, "attention_backward",
+       T3(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &,
+          const Tensor &, bool, std::optional<double>))
 
 // The differentiable float32 composites (npukern_torch/_composite.py).
 NPK_OP(rms_norm_grads_composite, "_rms_norm_grads_composite",
@@ -1024,10 +1028,80 @@ Tensor linear(c10::DispatchKeySet ks, const Tensor &input, const Tensor &weight,
   return Linear::apply(input, weight, bias, math)[0];
 }
 
+// ---------------------------------------------------------------------------
+// Attention: q, k, v differentiable; softmax_max / softmax_sum are not (as
+// FlashAttentionScore's). The backward is npukern's attention_backward on
+// the saved out and stats; it has no derivative of its own (no double
+// backward: create_graph=True through it raises).
+
+struct Attention : Function<Attention> {
+  static variable_list forward(AutogradContext *ctx, const Tensor &q, const Tensor &k, const Tensor &v,
+                               bool causal, std::optional<double> scale) {
+    Below guard;
+    auto [out, mx, sm] = attention_op().call(q, k, v, causal, scale);
+    ctx->save_for_backward({q, k, v, out, mx, sm});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale.has_value() ? c10::IValue(*scale) : c10::IValue();
+    ctx->mark_non_differentiable({mx, sm});
+    return {out, mx, sm};
+  }
+
+  static variable_list backward(AutogradContext *ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3];
+    if (!grads[0].defined()) return {{}, {}, {}, {}, {}};
+    if (building_graph({&grads[0], &q, &k, &v})) no_derivative("attention");
+    const c10::IValue s = ctx->saved_data["scale"];
+    const std::optional<double> scale = s.isNone() ? std::nullopt : std::optional<double>(s.toDouble());
+    auto [dq, dk, dv] = attention_backward_op().call(grads[0], q, k, v, out, saved[4], saved[5],
+                                                     ctx->saved_data["causal"].toBool(), scale);
+    return {dq, dk, dv, {}, {}};
+  }
+};
+
+T3 attention(c10::DispatchKeySet ks, const Tensor &q, const Tensor &k, const Tensor &v, bool causal,
+             std::optional<double> scale) {
+  if (!recording({&q, &k, &v})) {
+    Below guard;
+    return attention_op().redispatch(ks & kBelow, q, k, v, causal, scale);
+  }
+  no_forward_ad("attention", {&q, &k, &v});
+  variable_list out = Attention::apply(q, k, v, causal, scale);
+  return {out[0], out[1], out[2]};
+}
+
+// Called directly with inputs that require grad: a node whose backward
+// refuses (no derivative of its own).
+struct AttentionBackward : Function<AttentionBackward> {
+  static variable_list forward(AutogradContext *, const Tensor &dout, const Tensor &q, const Tensor &k,
+                               const Tensor &v, const Tensor &out, const Tensor &mx, const Tensor &sm, bool causal,
+                               std::optional<double> scale) {
+    Below guard;
+    auto [dq, dk, dv] = attention_backward_op().call(dout, q, k, v, out, mx, sm, causal, scale);
+    return {dq, dk, dv};
+  }
+
+  static variable_list backward(AutogradContext *, variable_list) { no_derivative("attention_backward"); }
+};
+
+T3 attention_backward(c10::DispatchKeySet ks, const Tensor &dout, const Tensor &q, const Tensor &k, const Tensor &v,
+                      const Tensor &out, const Tensor &mx, const Tensor &sm, bool causal,
+                      std::optional<double> scale) {
+  if (!recording({&dout, &q, &k, &v, &out, &mx, &sm})) {
+    Below guard;
+    return attention_backward_op().redispatch(ks & kBelow, dout, q, k, v, out, mx, sm, causal, scale);
+  }
+  no_forward_ad("attention_backward", {&dout, &q, &k, &v, &out, &mx, &sm});
+  variable_list r = AttentionBackward::apply(dout, q, k, v, out, mx, sm, causal, scale);
+  return {r[0], r[1], r[2]};
+}
+
 }  // namespace npk_torch::grad
 
 TORCH_LIBRARY_IMPL(npukern, Autograd, m) {
+  m.impl("attention_backward", TORCH_FN(npk_torch::grad::attention_backward));
   using namespace npk_torch::grad;
+  m.impl("attention", TORCH_FN(attention));
   m.impl("matmul", TORCH_FN(matmul));
   m.impl("linear", TORCH_FN(linear));
   m.impl("rms_norm", TORCH_FN(rms_norm));

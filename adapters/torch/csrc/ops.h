@@ -90,4 +90,13 @@ void matmul_accumulate_(at::Tensor &c, const at::Tensor &a, const at::Tensor &b,
 at::Tensor linear(const at::Tensor &input, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
                   int64_t math);
 
+// Attention (SDPA without mask or dropout): out, softmax_max, softmax_sum;
+// its backward: dq, dk, dv. scale: SDPA's (None: 1 / sqrt(head_dim)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention(const at::Tensor &q, const at::Tensor &k,
+                                                         const at::Tensor &v, bool is_causal,
+                                                         std::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
+    const at::Tensor &softmax_max, const at::Tensor &softmax_sum, bool is_causal, std::optional<double> scale);
+
 }  // namespace npk_torch

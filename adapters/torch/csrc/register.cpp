@@ -121,6 +121,14 @@ TORCH_LIBRARY(npukern, m) {
   m.def("matmul_accumulate_(Tensor(a!) c, Tensor a, Tensor b, bool trans_a=False, bool trans_b=False, "
         "int math=0) -> ()");
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None, int math=0) -> Tensor");
+  // aclnnFlashAttentionScore / its Grad: SDPA without a mask or dropout
+  // (causal or not, grouped-query heads: k and v may have fewer heads
+  // dividing q's), f32 inside, each sum in one fixed order. The forward's
+  // softmax_max / softmax_sum ([B, H, S] float32) are what the backward reads.
+  m.def("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None) -> "
+        "(Tensor out, Tensor softmax_max, Tensor softmax_sum)");
+  m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_max, "
+        "Tensor softmax_sum, bool is_causal=False, float? scale=None) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(npukern, CPU, m) {
@@ -139,6 +147,8 @@ TORCH_LIBRARY_IMPL(npukern, CPU, m) {
   m.impl("matmul", &npk_torch::matmul);
   m.impl("matmul_accumulate_", &npk_torch::matmul_accumulate_);
   m.impl("linear", &npk_torch::linear);
+  m.impl("attention", &npk_torch::attention);
+  m.impl("attention_backward", &npk_torch::attention_backward);
   m.impl("swiglu", &npk_torch::swiglu);
   m.impl("swiglu_backward", &npk_torch::swiglu_backward);
   m.impl("silu_mul", &npk_torch::silu_mul);

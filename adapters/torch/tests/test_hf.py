@@ -35,12 +35,13 @@ ADDS = {f: 0 if f in ("gemma2", "gemma3") else LAYERS for f in FAMILIES}
 
 def _counts(family):
     return {"rms_norm": NORMS[family], "add_rms_norm": ADDS[family], "embedding": 1, "mlp": MLPS[family],
-            "rope": LAYERS, "loss": 1, "linear": PROJECTIONS}
+            "rope": LAYERS, "attention": LAYERS, "loss": 1, "linear": PROJECTIONS}
 
 
 # nn.Linear projections per decoder layer: q, k, v, o and gate, up, down.
 PROJECTIONS = 7 * LAYERS
-NONE = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0, "linear": 0}
+NONE = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "attention": 0, "loss": 0,
+        "linear": 0}
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -171,7 +172,7 @@ def test_class_level_form():
         x = torch.randn(4, 64).to(torch.bfloat16)
         assert torch.equal(norms[0](x), stock_norm(x))
         assert hf.patch(model) == {**NONE, "add_rms_norm": ADDS["llama"], "embedding": 1, "mlp": MLPS["llama"],
-                                   "rope": LAYERS, "loss": 1, "linear": PROJECTIONS}
+                                   "rope": LAYERS, "attention": LAYERS, "loss": 1, "linear": PROJECTIONS}
     finally:
         hf.revert_transformers()
     assert modeling.LlamaRMSNorm is original

@@ -23,6 +23,10 @@ implementations (torch.compile) and autograd formulas:
 - ``cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing,
   lse_square_scale, softcap) -> (loss, lse)``, its backward, and ``cross_entropy_fused_``
   (loss and dlogits in place: the fused linear cross-entropy's step)
+- ``matmul(a, b, trans_a, trans_b, out_dtype, math)``, ``matmul_accumulate_``, ``linear``
+- ``attention(q, k, v, is_causal=False, scale=None) -> (out, softmax_max, softmax_sum)`` and
+  ``attention_backward(dout, q, k, v, out, softmax_max, softmax_sum, is_causal, scale) -> (dq, dk, dv)``
+  (SDPA without mask or dropout, grouped-query heads; ``functional.scaled_dot_product_attention`` wraps it)
 
 and exports drop-in modules (:class:`RMSNorm`, :class:`AddRMSNorm`,
 :class:`Embedding`; ``casting="torch" | "llama" | "gemma"`` and ``offset``

@@ -215,3 +215,39 @@ def _matmul_accumulate_(c, a, b, trans_a=False, trans_b=False, math=0):
 def _linear(input, weight, bias=None, math=0):
     _check_math(input, weight, math)
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+def _attention_bsnd(q, k, v):
+    """Whether the CPU kernel reads q, k, v as BSND (csrc/attention_ops.cpp):
+    not all contiguous, all the transpose(1, 2) of contiguous tensors. Its
+    outputs then are such views too: the fake ones must have their strides."""
+    if all(t.is_contiguous() for t in (q, k, v)):
+        return False
+    return all(t.dim() == 4 and t.transpose(1, 2).is_contiguous() for t in (q, k, v))
+
+
+def _attention_like(t, bsnd):
+    if bsnd:
+        return t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2)
+    return t.new_empty(t.shape)
+
+
+def _attention_check(q, k, v):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: "npukern::attention: q, k, v must be 4-D [batch, heads, seq, head_dim]")
+    torch._check(k.shape == v.shape, lambda: f"npukern::attention: v's shape {tuple(v.shape)} is not k's")
+    torch._check(q.dtype == k.dtype == v.dtype, lambda: "npukern::attention: q, k, v must share a dtype")
+
+
+@torch.library.register_fake("npukern::attention")
+def _attention(q, k, v, is_causal=False, scale=None):
+    _attention_check(q, k, v)
+    stats = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _attention_like(q, _attention_bsnd(q, k, v)), stats, stats.new_empty(stats.shape)
+
+
+@torch.library.register_fake("npukern::attention_backward")
+def _attention_backward(dout, q, k, v, out, softmax_max, softmax_sum, is_causal=False, scale=None):
+    _attention_check(q, k, v)
+    bsnd = _attention_bsnd(q, k, v)
+    return _attention_like(q, bsnd), _attention_like(k, bsnd), _attention_like(v, bsnd)

@@ -28,6 +28,7 @@ _rope_qk_op = eager(ops.rope_qk.default)
 _NULL = contextlib.nullcontext()
 _linear_op = eager(ops.linear.default)
 _matmul_op = eager(ops.matmul.default)
+_attention_op = eager(ops.attention.default)
 # The decode-sized norms' C callers themselves, for the default numerics:
 # one Python frame less per call (0.1 us of a 1x4096 call). None with the
 # fast caller off.
@@ -228,3 +229,45 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias=None, *, route: bool 
     m = _route.resolve_math(math or ("auto" if route else "chain"), input.dtype)
     with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else _NULL:
         return _linear_op(input, weight, bias, m)
+
+
+def _attention_takes(q, k, v, attn_mask, dropout_p, enable_gqa):
+    """Whether npukern's attention computes this SDPA call."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if attn_mask is not None or dropout_p != 0.0:
+        return False
+    if not all(type(t) in plain and t.device.type == "cpu" and t.dim() == 4 for t in (q, k, v)):
+        return False
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in _route.DTYPES):
+        return False
+    hq, hkv = q.shape[1], k.shape[1]
+    return (k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[3] == q.shape[3] and q.shape[3] > 0
+            and hkv > 0 and (hkv == hq or (enable_gqa and hq % hkv == 0)) and (k.shape[2] > 0 or q.shape[2] == 0))
+
+
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+                                 enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` on npukern's
+    Attention (aclnnFlashAttentionScore's analog) where it takes the call:
+    no ``attn_mask``, no dropout, CPU tensors ``[B, H, S, D]`` of one dtype
+    (float32, bfloat16, float16), k and v with H heads, or (``enable_gqa``)
+    a number dividing it. ``is_causal``: query i sees keys ``j <= i``, as
+    torch's (top-left). Inside, float32: each score one FMA chain, the
+    softmax's sum in a fixed order, each output rounded once; the backward
+    (dq, dk, dv; dk and dv summed over a group's heads and the rows in one
+    order) recomputes the probabilities bit for bit: the same bits on every
+    ISA and thread count. q, k and v that are the per-head views of
+    ``[B, S, H, D]`` tensors (``x.view(B, S, H, D).transpose(1, 2)``) are
+    read in place and the output is such a view too. Under CPU autocast the
+    inputs are cast to its dtype first. Anything else runs torch's."""
+    if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        query, key, value = (_autocast(t, dt) for t in (query, key, value))
+    if not _attention_takes(query, key, value, attn_mask, dropout_p, enable_gqa):
+        kw = {"enable_gqa": True} if enable_gqa else {}
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                scale=scale, **kw)
+    with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else _NULL:
+        return _attention_op(query, key, value, bool(is_causal), None if scale is None else float(scale))[0]
+

@@ -30,6 +30,7 @@ import torch
 
 from . import functional as _F
 from . import loss as _loss
+from . import route as _route
 from ._dtypes import KERNEL_DTYPES, on_kernels
 from .modules import Embedding, RMSNorm
 
@@ -282,6 +283,86 @@ def _rope_forward_of(cls):
     return _with_global(cls.forward, "apply_rotary_pos_emb", stand_in) if stand_in else None
 
 
+def _sdpa(original, route, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+          **kwargs):
+    """transformers' ``sdpa_attention_forward`` (`original`) on npukern's
+    attention where it takes the call: no mask (transformers passes None
+    for a causal batch without padding), no dropout, no softcap, position
+    bias or sinks, keys as many as queries when causal, and (``route`` None:
+    "auto") :func:`npukern_torch.route.attention_route` taking the dtype.
+    The causal flag is transformers' own rule; grouped-query heads are read
+    without ``repeat_kv``. Returns what `original` does: ``[B, S, H, D]``,
+    no weights."""
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    takes = (attention_mask is None and not dropout and kwargs.get("softcap") is None
+             and kwargs.get("position_bias") is None and kwargs.get("s_aux") is None
+             and kwargs.get("sinks") is None and not kwargs.get("output_attentions", False)
+             and (not causal or key.shape[2] == q_len)
+             and _F._attention_takes(query, key, value, None, 0.0, True)
+             and (route == "npukern" or _route.attention_route(query.dtype)))
+    if not takes:
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+    out = _F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class _AttentionFunctions:
+    """Stands in for transformers' ``ALL_ATTENTION_FUNCTIONS`` in a patched
+    attention layer's forward (that layer alone): its ``"sdpa"`` entry runs
+    :func:`_sdpa`, every other entry and attribute is the table's own."""
+
+    def __init__(self, table, route):
+        self._table, self._route, self._made = table, route, {}
+
+    def _wrap(self, name, fn):
+        if name != "sdpa" or fn is None:
+            return fn
+        made = self._made.get(id(fn))
+        if made is None or made[0] is not fn:
+            def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+                return _sdpa(fn, self._route, module, query, key, value, attention_mask, *args, **kwargs)
+            made = self._made[id(fn)] = (fn, sdpa_attention_forward)
+        return made[1]
+
+    def get_interface(self, name, default=None):
+        return self._wrap(name, self._table.get_interface(name, default))
+
+    def __getitem__(self, name):
+        return self._wrap(name, self._table[name])
+
+    def get(self, name, default=None):
+        return self._wrap(name, self._table.get(name, default))
+
+    def __contains__(self, name):
+        return name in self._table
+
+    def __getattr__(self, name):
+        return getattr(self._table, name)
+
+
+def _attention_layer_forward_of(cls, rope, attention):
+    """`cls.forward` with npukern's RoPE (`rope`) and npukern's SDPA
+    (`attention`: "auto" by the route's rule, "npukern" always, None not)
+    standing in for its module's ``apply_rotary_pos_emb`` and
+    ``ALL_ATTENTION_FUNCTIONS``'s ``"sdpa"``; and which of the two it took
+    (a function or signature this adapter does not know is left alone)."""
+    fn, parts = cls.forward, []
+    if rope:
+        r = _rope_forward_of(cls)
+        if r is not None:
+            fn, parts = r, ["rope"]
+    if attention:
+        table = getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None)
+        a = _with_global(fn, "ALL_ATTENTION_FUNCTIONS", _AttentionFunctions(table, attention)) \
+            if table is not None and hasattr(table, "get_interface") else None
+        if a is not None:
+            fn, parts = a, parts + ["attention"]
+    return (fn if parts else None), parts
+
+
 def _with_inner(fn, inner):
     """A copy of the decorator chain of `fn` (wrappers with ``__wrapped__``)
     around `inner` in place of the function it ends in: the decorators'
@@ -430,14 +511,21 @@ class _Forward:
     transformers module). Picklable and deep-copyable: it holds only the
     module and its kind, and rebuilds its function on load."""
 
-    def __init__(self, module, kind, matmul="torch"):
+    def __init__(self, module, kind, matmul="torch", rope=True, attention=None):
         # matmul: whose matmul the linear and loss kinds run ("auto": the route's rule).
+        # rope, attention: what an attention layer's forward ("attention_layer") swaps.
         self.module, self.kind, self.matmul = module, kind, matmul
+        self.rope, self.attention = rope, attention
         self._build()
 
     def _build(self):
-        builders = {"rope": _rope_forward_of, "add_rms_norm": _decoder_forward_of}
-        self.fn = builders[self.kind](type(self.module)) if self.kind in builders else None
+        self.parts = [self.kind]
+        if self.kind == "attention_layer":
+            self.fn, self.parts = _attention_layer_forward_of(type(self.module), self.rope, self.attention)
+        elif self.kind == "add_rms_norm":
+            self.fn = _decoder_forward_of(type(self.module))
+        else:
+            self.fn = None
 
     @property
     def __signature__(self):
@@ -459,10 +547,14 @@ class _Forward:
         return self.fn(self.module, *args, **kwargs)
 
     def __getstate__(self):
-        return {"module": self.module, "kind": self.kind, "matmul": self.matmul}
+        return {"module": self.module, "kind": self.kind, "matmul": self.matmul, "rope": self.rope,
+                "attention": self.attention}
 
     def __setstate__(self, state):
         self.module, self.kind, self.matmul = state["module"], state["kind"], state.get("matmul", "torch")
+        self.rope, self.attention = state.get("rope", True), state.get("attention")
+        if self.kind == "rope":  # pickled before the attention option
+            self.kind = "attention_layer"
         self._build()
 
 
@@ -575,9 +667,15 @@ def _is_causal_lm(m):
             and type(m).__module__ in _FAMILY_MODULES and any(c is head for c in m.children()))
 
 
-def _patched_kind(m):
+def _patched_parts(m):
+    """What the patched forward of `m` swapped (count names), or ()."""
     fwd = vars(m).get("forward")
-    return fwd.kind if isinstance(fwd, _Forward) else None
+    return fwd.parts if isinstance(fwd, _Forward) else ()
+
+
+# What patch / unpatch count.
+_NO_COUNTS = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "attention": 0, "loss": 0,
+              "linear": 0}
 
 
 def _is_family_attention(m):
@@ -592,7 +690,7 @@ def _is_family_decoder(m):
 
 
 def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = True, mlp: bool = True,
-          rope: bool = True, loss: bool = True, add_rms_norm: bool = True, linear=True) -> dict:
+          rope: bool = True, loss: bool = True, add_rms_norm: bool = True, linear=True, attention=True) -> dict:
     """Swaps, in place and in this model alone, its RMSNorm modules of the
     supported families and its input embedding for npukern's, its gated
     MLPs' activation for npukern's SwiGLU (SiLU) or GeGLU (GELU, Gemma's)
@@ -614,7 +712,12 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     this CPU for the dtype they run in (True, the default: by that rule;
     ``"npukern"``: always; False: torch's matmuls and the stock bits
     everywhere), summed as :func:`npukern_torch.route.matmul_math` says (the
-    bf16 pair dot on AMD Zen 4 and later, the FMA chain otherwise). Modules already patched are left alone (a second call
+    bf16 pair dot on AMD Zen 4 and later, the FMA chain otherwise);
+    ``attention``: the attention layers' SDPA (transformers' ``"sdpa"``
+    implementation, the default) runs on npukern's attention where it takes
+    the call (no mask: a causal batch without padding; no dropout) and
+    :func:`npukern_torch.route.attention_route` says so (True, by that rule:
+    x86 without AMX; ``"npukern"``: always; False: torch's SDPA). Modules already patched are left alone (a second call
     counts 0). An RMSNorm class it does not know is left alone and named in a
     warning. Embeddings with ``max_norm`` or ``sparse=True`` (which npukern
     does not take) are left alone. Every swapped path gives the stock
@@ -624,8 +727,11 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     norms, scaled_embeddings = _family_classes()
     if linear not in (True, False, "npukern"):
         raise ValueError(f"hf.patch: linear must be True, False or 'npukern', not {linear!r}")
+    if attention not in (True, False, "npukern"):
+        raise ValueError(f"hf.patch: attention must be True, False or 'npukern', not {attention!r}")
     matmul = {True: "auto", False: "torch", "npukern": "npukern"}[linear]
-    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0, "linear": 0}
+    attention = {True: "auto", False: None, "npukern": "npukern"}[attention]
+    counts = dict(_NO_COUNTS)
     projections = {id(p) for d in model.modules() if _is_family_decoder(d) for p in d.modules()
                    if _plain_linear(p)} if linear else set()
     for m in model.modules():
@@ -640,11 +746,12 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
         elif mlp and _is_gated_mlp(m):
             m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
-        elif rope and _is_family_attention(m):
-            fwd = _Forward(m, "rope")
+        elif (rope or attention) and _is_family_attention(m):
+            fwd = _Forward(m, "attention_layer", rope=rope, attention=attention)
             if fwd.fn is not None:  # None: not a forward or signature this adapter knows
                 m.forward = fwd
-                counts["rope"] += 1
+                for part in fwd.parts:
+                    counts[part] += 1
         elif add_rms_norm and rms_norm and _is_family_decoder(m):
             fwd = _Forward(m, "add_rms_norm")
             if fwd.fn is not None:  # None: not the decoder layer this adapter knows
@@ -683,12 +790,13 @@ def unpatch(model: torch.nn.Module) -> dict:
     replaced (they share the same Parameters, so training since the patch is
     kept) and the MLPs' and attention layers' own forward; returns the
     counts."""
-    counts = {"rms_norm": 0, "add_rms_norm": 0, "embedding": 0, "mlp": 0, "rope": 0, "loss": 0, "linear": 0}
+    counts = dict(_NO_COUNTS)
     for m in model.modules():
-        kind = _patched_kind(m)
-        if kind is not None:
+        parts = _patched_parts(m)
+        if parts:
             del m.forward
-            counts[kind] += 1
+            for part in parts:
+                counts[part] += 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             original = getattr(child, "_npukern_original", None)

@@ -183,3 +183,29 @@ def explain():
             why += "; summed by the " + ("bf16 pair dot" if pair else "FMA chain") + " (NPK_TORCH_MATMUL_MATH)"
         told[dt] = (matmul_route(dt), why)
     return told
+
+
+def _attention_rule(dtype):
+    """(npukern takes it, why) for the attention (see :func:`attention_route`)."""
+    vendor, flags, _ = _cpu()
+    if dtype not in DTYPES:
+        return False, f"{dtype} is not a dtype npukern's attention computes"
+    if "amx_tile" in flags:
+        return False, "AMX: torch's CPU flash attention runs its products on oneDNN's tiles"
+    if vendor not in ("GenuineIntel", "AuthenticAMD") or "avx2" not in flags or "fma" not in flags:
+        return False, "no AVX2 + FMA (or not x86): npukern's attention is not known faster here"
+    return True, ("x86 without AMX: npukern's attention (FMA chains) took 16.5 ms a layer forward + backward "
+                  "where torch's CPU flash attention took 36.4 and Hugging Face's eager form 18.8 (Zen 5, "
+                  "16 heads of 64, 4 KV heads, 512 tokens, causal, bf16)")
+
+
+def attention_route(dtype):
+    """Whether :func:`npukern_torch.hf.patch`'s attention layers run a
+    ``dtype`` SDPA (no mask, no dropout) on npukern's attention (True) or
+    torch's (False) on this CPU: npukern's on x86 with AVX2 + FMA and no
+    AMX (measured: docs/performance.md "Attention"), torch's elsewhere.
+    ``NPK_TORCH_ATTENTION=npukern`` or ``=torch`` overrides it."""
+    forced = os.environ.get("NPK_TORCH_ATTENTION", "").strip().lower()
+    if forced in ("npukern", "torch"):
+        return forced == "npukern" and dtype in DTYPES
+    return _attention_rule(dtype)[0]
