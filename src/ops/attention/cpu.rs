@@ -349,21 +349,41 @@ unsafe fn pack_a<L: Tile, T: Float>(
 }
 
 /// A panels (rows: the block's `rows`, steps: columns `0..steps`) of the f32
-/// block `s` (row stride `ld`): group `g` at `g * steps * MR`.
+/// block `s` (row stride `ld`): group `g` at `g * steps * MR`. Sixteen steps
+/// at a time through a 16 x 16 transpose, each step's 16 lanes stored whole
+/// (the lanes past MR spill into the next step, written next, or past the
+/// group: into the next group or the buffer's 16 f32 of slack).
 ///
 /// # Safety
-/// `s` holds the rows' steps; `dst` holds `round_up(rows, MR) * steps`.
+/// Inside `L::enter`; `s` holds the rows' steps (rows readable 16 past
+/// `steps`); `dst` holds `round_up(rows, MR) * steps + 16`.
 #[inline(always)]
 unsafe fn pack_a_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, steps: usize, dst: *mut f32) {
     let mr = L::MR;
+    let full = steps / GROUP * GROUP;
     for g0 in (0..rows).step_by(mr) {
         // SAFETY: group g0 / mr.
         let p = unsafe { dst.add(g0 * steps) };
-        for r in 0..mr {
-            let i = g0 + r;
-            for j in 0..steps {
+        let n = mr.min(rows - g0);
+        for j0 in (0..full).step_by(GROUP) {
+            let m: [L; GROUP] = core::array::from_fn(|r| {
+                if r < n {
+                    // SAFETY: row g0 + r < rows, columns j0..j0 + 16 < steps.
+                    L::load(unsafe { &*(s.add((g0 + r) * ld + j0) as *const [f32; GROUP]) })
+                } else {
+                    L::splat(0.0)
+                }
+            });
+            for (t, v) in L::transpose16(&m).iter().enumerate() {
+                // SAFETY: step j0 + t of the group, spilling at most 16 - MR
+                // f32 into what is written next (or the slack).
+                v.store(unsafe { &mut *(p.add((j0 + t) * mr) as *mut [f32; GROUP]) });
+            }
+        }
+        for j in full..steps {
+            for r in 0..mr {
                 // SAFETY: as the contract.
-                unsafe { *p.add(j * mr + r) = if i < rows { *s.add(i * ld + j) } else { 0.0 } };
+                unsafe { *p.add(j * mr + r) = if r < n { *s.add((g0 + r) * ld + j) } else { 0.0 } };
             }
         }
     }
@@ -371,9 +391,12 @@ unsafe fn pack_a_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, steps: usiz
 
 /// A panels of `s^T` (rows: columns `0..keys` of `s`, steps: its `rows`
 /// rows): group `g` (keys `g MR ..`, zero past `keys`) at `g * rows * MR`.
+/// A step is MR consecutive f32 of a row of `s`: stored 16 at a time, the
+/// lanes past MR spilling as in `pack_a_f32`.
 ///
 /// # Safety
-/// `s` holds the rows' keys; `dst` holds `round_up(keys, MR) * rows`.
+/// Inside `L::enter`; `s` holds the rows' keys (readable 16 past `keys`);
+/// `dst` holds `round_up(keys, MR) * rows + 16`.
 #[inline(always)]
 unsafe fn pack_at_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, keys: usize, dst: *mut f32) {
     let mr = L::MR;
@@ -382,15 +405,18 @@ unsafe fn pack_at_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, keys: usiz
         let p = unsafe { dst.add(g0 * rows) };
         let n = mr.min(keys - g0);
         for i in 0..rows {
+            if n == mr {
+                // SAFETY: 16 f32 of row i from key g0 (inside the row's
+                // slack); step i of the group, spilling into step i + 1.
+                unsafe {
+                    L::load(&*(s.add(i * ld + g0) as *const [f32; GROUP]))
+                        .store(&mut *(p.add(i * mr) as *mut [f32; GROUP]))
+                };
+                continue;
+            }
             for jj in 0..mr {
                 // SAFETY: as the contract.
-                unsafe {
-                    *p.add(i * mr + jj) = if jj < n {
-                        *s.add(i * ld + g0 + jj)
-                    } else {
-                        0.0
-                    }
-                };
+                unsafe { *p.add(i * mr + jj) = if jj < n { *s.add(i * ld + g0 + jj) } else { 0.0 } };
             }
         }
     }

@@ -136,7 +136,8 @@ fn arena(r: usize, kp: usize, dp: usize, d: usize, backward: bool) -> Option<Are
         vp: take(kpd)?,
         qa: take(d.checked_mul(r))?,
         s: take(r.checked_mul(kp))?,
-        pa: take(kp.checked_mul(r))?,
+        // 16 f32 of slack: the vector packs' last spill.
+        pa: take(kp.checked_mul(r).and_then(|x| x.checked_add(16)))?,
         acc: take(r.checked_mul(dp))?,
         ..Arena::default()
     };
