@@ -51,7 +51,12 @@ fn run<T: Float>(dims: [usize; 5], causal: bool) {
             .collect()
     };
     let (qd, kd) = ([b, hq, s, d], [b, hkv, s, d]);
-    let (qv, kv, vv, dov) = (rnd(b * hq * s * d), rnd(b * hkv * s * d), rnd(b * hkv * s * d), rnd(b * hq * s * d));
+    let (qv, kv, vv, dov) = (
+        rnd(b * hq * s * d),
+        rnd(b * hkv * s * d),
+        rnd(b * hkv * s * d),
+        rnd(b * hq * s * d),
+    );
     let q = TensorRef::new(&qv, &qd).unwrap();
     let k = TensorRef::new(&kv, &kd).unwrap();
     let v = TensorRef::new(&vv, &kd).unwrap();
@@ -65,7 +70,11 @@ fn run<T: Float>(dims: [usize; 5], causal: bool) {
     let mut out = vec![zero; qv.len()];
     let (mut mx, mut sm) = (vec![0f32; b * hq * s], vec![0f32; b * hq * s]);
     let fwd = best(|| attention(&exec, q, k, v, &o, &mut out, &mut mx, &mut sm, &mut ws).unwrap());
-    let (mut dq, mut dk, mut dv) = (vec![zero; qv.len()], vec![zero; kv.len()], vec![zero; kv.len()]);
+    let (mut dq, mut dk, mut dv) = (
+        vec![zero; qv.len()],
+        vec![zero; kv.len()],
+        vec![zero; kv.len()],
+    );
     let sd = [b, hq, s];
     let saved = AttentionSaved {
         out: TensorRef::new(&out, &qd).unwrap(),
@@ -74,7 +83,10 @@ fn run<T: Float>(dims: [usize; 5], causal: bool) {
         softmax_sum: TensorRef::new(&sm, &sd).unwrap(),
     };
     let bwd = best(|| {
-        attention_backward(&exec, q, k, v, &saved, &o, &mut dq, &mut dk, &mut dv, &mut ws).unwrap()
+        attention_backward(
+            &exec, q, k, v, &saved, &o, &mut dq, &mut dk, &mut dv, &mut ws,
+        )
+        .unwrap()
     });
     // Products of 2 s s d flops per head: two forward, five backward (the
     // scores again, dP, dq, dk, dv); causal: half of them.

@@ -349,7 +349,8 @@ unsafe fn pack_a<L: Tile, T: Float>(
 }
 
 /// A panels (rows: the block's `rows`, steps: columns `0..steps`) of the f32
-/// block `s` (row stride `ld`): group `g` at `g * steps * MR`. Sixteen steps
+/// block `s` (row stride `ld`): group `g` at `g * steps * MR`, holding its
+/// `group_steps` (`diag`). Sixteen steps
 /// at a time through a 16 x 16 transpose, each step's 16 lanes stored whole
 /// (the lanes past MR spill into the next step, written next, or past the
 /// group: into the next group or the buffer's 16 f32 of slack).
@@ -358,12 +359,20 @@ unsafe fn pack_a<L: Tile, T: Float>(
 /// Inside `L::enter`; `s` holds the rows' steps (rows readable 16 past
 /// `steps`); `dst` holds `round_up(rows, MR) * steps + 16`.
 #[inline(always)]
-unsafe fn pack_a_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, steps: usize, dst: *mut f32) {
+unsafe fn pack_a_f32<L: Tile>(
+    s: *const f32,
+    ld: usize,
+    rows: usize,
+    steps: usize,
+    diag: Diag,
+    dst: *mut f32,
+) {
     let mr = L::MR;
-    let full = steps / GROUP * GROUP;
     for g0 in (0..rows).step_by(mr) {
-        // SAFETY: group g0 / mr.
+        // SAFETY: group g0 / mr (its stride: `steps`, whatever it holds).
         let p = unsafe { dst.add(g0 * steps) };
+        let steps = group_steps(diag, steps, g0);
+        let full = steps / GROUP * GROUP;
         let n = mr.min(rows - g0);
         for j0 in (0..full).step_by(GROUP) {
             let m: [L; GROUP] = core::array::from_fn(|r| {
@@ -383,7 +392,13 @@ unsafe fn pack_a_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, steps: usiz
         for j in full..steps {
             for r in 0..mr {
                 // SAFETY: as the contract.
-                unsafe { *p.add(j * mr + r) = if r < n { *s.add((g0 + r) * ld + j) } else { 0.0 } };
+                unsafe {
+                    *p.add(j * mr + r) = if r < n {
+                        *s.add((g0 + r) * ld + j)
+                    } else {
+                        0.0
+                    }
+                };
             }
         }
     }
@@ -416,15 +431,45 @@ unsafe fn pack_at_f32<L: Tile>(s: *const f32, ld: usize, rows: usize, keys: usiz
             }
             for jj in 0..mr {
                 // SAFETY: as the contract.
-                unsafe { *p.add(i * mr + jj) = if jj < n { *s.add(i * ld + g0 + jj) } else { 0.0 } };
+                unsafe {
+                    *p.add(i * mr + jj) = if jj < n {
+                        *s.add(i * ld + g0 + jj)
+                    } else {
+                        0.0
+                    }
+                };
             }
         }
     }
 }
 
+/// How a causal block's row groups limit a product over its keys (`i0`:
+/// the block's first row, so row `i0 + r` sees keys `..= i0 + r`).
+#[derive(Clone, Copy)]
+enum Diag {
+    /// Every row group takes all of it.
+    No,
+    /// Columns are keys: a row group's stop after its last row's keys.
+    Cols(usize),
+    /// Steps are keys: a row group's stop before its first row (the keys
+    /// all its rows see; each row's diagonal is added after).
+    Steps(usize),
+}
+
+/// The keys every row of the group at block row `g0` sees: `..min(steps,
+/// i0 + g0)` under `Diag::Steps`, else `steps`.
+#[inline(always)]
+fn group_steps(diag: Diag, steps: usize, g0: usize) -> usize {
+    match diag {
+        Diag::Steps(i0) => steps.min(i0 + g0),
+        _ => steps,
+    }
+}
+
 /// `c = [c +] A B` over the microkernel: A panels of `rows` rows and `steps`
 /// steps (`pack_a*`), B panels of `cols` columns, panel stride `pstride`;
-/// c f32 with row stride `ldc`. `init`: c's value starts each sum.
+/// c f32 with row stride `ldc`. `init`: c's value starts each sum. `diag`
+/// cuts each row group's columns or steps (a causal block).
 ///
 /// # Safety
 /// Inside `L::enter`; the panels and c hold what they say.
@@ -440,15 +485,21 @@ unsafe fn gemm<L: Tile>(
     c: *mut f32,
     ldc: usize,
     init: bool,
+    diag: Diag,
 ) {
     let (mr, nr) = (L::MR, L::NR);
     for i0 in (0..rows).step_by(mr) {
+        let cols = match diag {
+            Diag::Cols(d0) => cols.min(d0 + i0 + mr),
+            _ => cols,
+        };
+        let kc = group_steps(diag, steps, i0);
         for j0 in (0..cols).step_by(nr) {
             // SAFETY: the contract's panels and c's block (i0, j0).
             unsafe {
                 let dst = c.add(i0 * ldc + j0);
                 let u = Micro::<f32> {
-                    kc: steps,
+                    kc,
                     a: a.add(i0 * steps),
                     b: b.add((j0 / nr) * pstride),
                     init: if init { dst } else { core::ptr::null() },
@@ -546,17 +597,53 @@ fn fold_max<L: Lanes>(m: f32, v: L) -> f32 {
     o.into_iter().fold(m, |m, v| if m < v { v } else { m })
 }
 
-/// The block's rows and key ranges: `(i0, rows, kfull, kend)`. Every row
-/// sees keys `..kfull`; row `i0 + r` sees keys `..seen(r)`, all `< kend`.
+/// A block's rows and keys.
+#[derive(Clone, Copy)]
+struct Block {
+    /// Its first row.
+    i0: usize,
+    /// Its rows.
+    rows: usize,
+    /// Keys every row sees.
+    kfull: usize,
+    /// Keys any row sees.
+    kend: usize,
+    /// Keys every row of its last row group sees (A panels' step stride).
+    kmax: usize,
+    /// The limits of a product whose columns are keys.
+    cols: Diag,
+    /// The limits of a product whose steps are keys.
+    steps: Diag,
+}
+
+/// Block `blk`'s rows and keys for microkernel rows `mr`.
 #[inline(always)]
-fn block_keys<T>(k: &Kern<T>, blk: usize) -> (usize, usize, usize, usize) {
+fn block_keys<T>(k: &Kern<T>, blk: usize, mr: usize) -> Block {
     let (sq, skv, r) = (k.t.seq_q as usize, k.t.seq_kv as usize, k.t.rows as usize);
     let i0 = blk * r;
     let i1 = (i0 + r).min(sq);
-    if k.causal {
-        (i0, i1 - i0, i0.min(skv), i1.min(skv))
-    } else {
-        (i0, i1 - i0, skv, skv)
+    let rows = i1 - i0;
+    if !k.causal {
+        let (cols, steps) = (Diag::No, Diag::No);
+        return Block {
+            i0,
+            rows,
+            kfull: skv,
+            kend: skv,
+            kmax: skv,
+            cols,
+            steps,
+        };
+    }
+    let kend = i1.min(skv);
+    Block {
+        i0,
+        rows,
+        kfull: i0.min(skv),
+        kend,
+        kmax: kend.min(i0 + (rows - 1) / mr * mr),
+        cols: Diag::Cols(i0),
+        steps: Diag::Steps(i0),
     }
 }
 
@@ -583,6 +670,7 @@ unsafe fn scores<L: Tile, T>(
     kend: usize,
     at: usize,
     panels: usize,
+    diag: Diag,
 ) {
     let (d, kp) = (k.t.head_dim as usize, k.t.kv_pad as usize);
     // SAFETY: the arena's buffers.
@@ -597,6 +685,7 @@ unsafe fn scores<L: Tile, T>(
             ar.add(k.a.s),
             kp,
             false,
+            diag,
         )
     };
 }
@@ -619,12 +708,13 @@ unsafe fn forward_block<L: Tile, T: Float>(
         k.t.dim_pad as usize,
     );
     let a = &k.a;
-    let (i0, rows, kfull, kend) = block_keys(k, blk);
+    let bk = block_keys(k, blk, L::MR);
+    let (i0, rows) = (bk.i0, bk.rows);
     let groups = d.div_ceil(GROUP);
     // SAFETY: the block's rows of head h, the arena's buffers (plan.rs).
     unsafe {
         pack_a::<L, T>(|r| k.q.row(b, h, i0 + r) as *const T, rows, d, ar.add(a.qa));
-        scores::<L, T>(k, ar, rows, kend, a.qa, a.kt);
+        scores::<L, T>(k, ar, rows, bk.kend, a.qa, a.kt, bk.cols);
         let scale = L::splat(k.scale);
         let s = ar.add(a.s);
         let stat = (b * k.t.heads_q as usize + h) * k.t.seq_q as usize + i0;
@@ -650,15 +740,28 @@ unsafe fn forward_block<L: Tile, T: Float>(
             *k.mx.add(stat + r) = mf;
             *k.sm.add(stat + r) = sum.finish();
         }
-        // p v over the keys every row sees, then each row's diagonal.
-        pack_a_f32::<L>(s, kp, rows, kfull, ar.add(a.pa));
+        // p v over the keys every row of a group sees, then each row's
+        // diagonal.
+        pack_a_f32::<L>(s, kp, rows, bk.kmax, bk.steps, ar.add(a.pa));
         let acc = ar.add(a.acc);
         let vp = ar.add(a.vp);
         let vstride = kp * L::NR;
-        gemm::<L>(ar.add(a.pa), rows, kfull, vp, vstride, d, acc, dp, false);
+        gemm::<L>(
+            ar.add(a.pa),
+            rows,
+            bk.kmax,
+            vp,
+            vstride,
+            d,
+            acc,
+            dp,
+            false,
+            bk.steps,
+        );
         for r in 0..rows {
             let orow = acc.add(r * dp);
-            for j in kfull..seen(k, i0 + r) {
+            let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
+            for j in kf..seen(k, i0 + r) {
                 axpy_step::<L>(orow, *s.add(r * kp + j), vp, vstride, j, groups);
             }
             let l = L::splat(*k.sm.add(stat + r));
@@ -731,7 +834,8 @@ unsafe fn backward_block<L: Tile, T: Float>(
         k.t.dim_pad as usize,
     );
     let a = &k.a;
-    let (i0, rows, kfull, kend) = block_keys(k, blk);
+    let bk = block_keys(k, blk, L::MR);
+    let (i0, rows, kfull, kend) = (bk.i0, bk.rows, bk.kfull, bk.kend);
     let groups = d.div_ceil(GROUP);
     let bstride = k.t.rows as usize * L::NR;
     // SAFETY: the block's rows of head h, the arena's buffers (plan.rs).
@@ -742,7 +846,7 @@ unsafe fn backward_block<L: Tile, T: Float>(
         pack_a::<L, T>(dorow, rows, d, ar.add(a.doa));
         pack_b::<L, T>(qrow, rows, d, bstride, ar.add(a.qb));
         pack_b::<L, T>(dorow, rows, d, bstride, ar.add(a.dob));
-        scores::<L, T>(k, ar, rows, kend, a.qa, a.kt);
+        scores::<L, T>(k, ar, rows, kend, a.qa, a.kt, bk.cols);
         // dP = dout v^T.
         gemm::<L>(
             ar.add(a.doa),
@@ -754,6 +858,7 @@ unsafe fn backward_block<L: Tile, T: Float>(
             ar.add(a.dp),
             kp,
             false,
+            bk.cols,
         );
         let scale = L::splat(k.scale);
         let (s, dps) = (ar.add(a.s), ar.add(a.dp));
@@ -774,15 +879,28 @@ unsafe fn backward_block<L: Tile, T: Float>(
                 p.mul(L::load(dg).sub(dd)).store(dg);
             }
         }
-        // dq = scale (dS k): the keys every row sees, then the diagonal.
+        // dq = scale (dS k): the keys every row of a group sees, then the
+        // diagonal.
         let acc = ar.add(a.acc);
         let kpan = ar.add(a.kp);
         let kstride = kp * L::NR;
-        pack_a_f32::<L>(dps, kp, rows, kfull, ar.add(a.pa));
-        gemm::<L>(ar.add(a.pa), rows, kfull, kpan, kstride, d, acc, dp, false);
+        pack_a_f32::<L>(dps, kp, rows, bk.kmax, bk.steps, ar.add(a.pa));
+        gemm::<L>(
+            ar.add(a.pa),
+            rows,
+            bk.kmax,
+            kpan,
+            kstride,
+            d,
+            acc,
+            dp,
+            false,
+            bk.steps,
+        );
         for r in 0..rows {
             let orow = acc.add(r * dp);
-            for j in kfull..seen(k, i0 + r) {
+            let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
+            for j in kf..seen(k, i0 + r) {
                 axpy_step::<L>(orow, *dps.add(r * kp + j), kpan, kstride, j, groups);
             }
             let dst = k.dq.row(b, h, i0 + r);
@@ -791,16 +909,42 @@ unsafe fn backward_block<L: Tile, T: Float>(
                 put::<L, T>(o, dst.add(g * GROUP), (d - g * GROUP).min(GROUP));
             }
         }
-        // dv += P^T dout and dk += dS^T q: keys every row sees, then the
-        // diagonal's keys from the first row that sees each.
+        // dv += P^T dout and dk += dS^T q, each key's sum over the rows in
+        // order: keys every row sees in one microkernel pass; a diagonal
+        // group of keys (kfull, a multiple of 84, starts one) from the
+        // first row that sees each key, row by row up to the first that
+        // sees them all, then the microkernel from there.
+        let (mr, nr) = (L::MR, L::NR);
         for (src, bp, sums) in [(s, a.dob, a.dv), (dps, a.qb, a.dk)] {
-            let (bp, sums) = (ar.add(bp), ar.add(sums));
-            pack_at_f32::<L>(src, kp, rows, kfull, ar.add(a.pa));
-            gemm::<L>(ar.add(a.pa), kfull, rows, bp, bstride, d, sums, dp, true);
-            for j in kfull..kend {
-                let srow = sums.add(j * dp);
-                for r in j - i0..rows {
-                    axpy_step::<L>(srow, *src.add(r * kp + j), bp, bstride, r, groups);
+            let (bp, sums, pa) = (ar.add(bp), ar.add(sums), ar.add(a.pa));
+            pack_at_f32::<L>(src, kp, rows, kend, pa);
+            gemm::<L>(pa, kfull, rows, bp, bstride, d, sums, dp, true, Diag::No);
+            for jg in (kfull..kend).step_by(mr) {
+                let nk = mr.min(kend - jg);
+                let r_all = jg + nk - 1 - i0;
+                for j in jg..jg + nk {
+                    let srow = sums.add(j * dp);
+                    for r in j - i0..r_all.min(rows) {
+                        axpy_step::<L>(srow, *src.add(r * kp + j), bp, bstride, r, groups);
+                    }
+                }
+                if r_all >= rows {
+                    continue;
+                }
+                for c0 in (0..d).step_by(nr) {
+                    let dst = sums.add(jg * dp + c0);
+                    let u = Micro::<f32> {
+                        kc: rows - r_all,
+                        a: pa.add(jg * rows + r_all * mr),
+                        b: bp.add((c0 / nr) * bstride + r_all * nr),
+                        init: dst,
+                        ldi: dp,
+                        dst,
+                        ldd: dp,
+                        rows: nk,
+                        cols: nr.min(d - c0),
+                    };
+                    L::micro::<f32, false, false, false>(&u);
                 }
             }
         }
