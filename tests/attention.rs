@@ -176,10 +176,11 @@ fn check<T: Float>(rng: &mut Rng, dims: [usize; 6], causal: bool, layout: Attent
         .unwrap();
         (dq, dk, dv)
     };
-    let [_, _, _, _, skv, d] = dims;
-    // f32 chains of D (scores) and Skv (sums) terms, an exponential of a
-    // few ulp: normwise within (D + Skv) * 2^-20.
-    let tol = (d + skv) as f64 / (1u64 << 20) as f64;
+    let [_, hq, hkv, sq, skv, d] = dims;
+    // f32 chains of D (scores), Skv (out, dq) and G Sq (dk, dv: the
+    // group's rows) terms, an exponential of a few ulp: normwise within
+    // (D + Skv + G Sq) 2^-20.
+    let tol = (d + skv + hq / hkv * sq) as f64 / (1u64 << 20) as f64;
     let what = format!("{dims:?} {:?} causal {causal} {layout:?}", T::DTYPE);
     let s = [
         score(&got.out, &want_fwd.out, tol, &format!("{what} out")),
