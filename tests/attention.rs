@@ -237,3 +237,152 @@ fn more_rows_than_a_block_and_keys_past_a_panel() {
         AttentionLayout::Bsnd,
     );
 }
+
+/// A NaN in a later token's key or value never reaches an earlier causal
+/// row: its output, its dq, and the dk / dv of the keys it sees stay
+/// finite and equal to a run without the NaN.
+#[test]
+fn a_causal_row_never_reads_a_later_key() {
+    let mut rng = Rng(94);
+    let dims = [1, 2, 1, 100, 100, 16];
+    let mut case = Case::<f32>::random(&mut rng, dims, true, AttentionLayout::Bnsd);
+    let cpu = Cpu::new(Threads::new(2));
+    let exec = Exec::new(&cpu);
+    let clean = case.run(&exec).unwrap();
+    // Key and value 90 poisoned (one key/value head, rows of 16).
+    for x in 0..16 {
+        case.k[90 * 16 + x] = f32::NAN;
+        case.v[90 * 16 + x] = f32::INFINITY;
+    }
+    let got = case.run(&exec).unwrap();
+    for h in 0..2 {
+        for i in 0..100 {
+            let row = (h * 100 + i) * 16..(h * 100 + i + 1) * 16;
+            let clean_rows = (&clean.out[row.clone()], &clean.dq[row.clone()]);
+            if i < 90 {
+                assert_eq!(
+                    (&got.out[row.clone()], &got.dq[row.clone()]),
+                    clean_rows,
+                    "row {i}"
+                );
+            } else {
+                assert!(
+                    got.out[row].iter().all(|x| x.is_nan()),
+                    "row {i} sees the NaN key"
+                );
+            }
+        }
+    }
+    // A NaN query row 95 adds into the dk / dv of the keys it sees
+    // (0..=95) and of no other: keys 96.. keep the clean run's sums.
+    let mut case = Case::<f32>::random(&mut Rng(94), dims, true, AttentionLayout::Bnsd);
+    for x in 0..16 {
+        case.q[95 * 16 + x] = f32::NAN;
+    }
+    let got = case.run(&exec).unwrap();
+    assert!(got.dk[95 * 16..96 * 16].iter().all(|x| x.is_nan()));
+    assert_eq!(&got.dk[96 * 16..], &clean.dk[96 * 16..]);
+    assert_eq!(&got.dv[96 * 16..], &clean.dv[96 * 16..]);
+}
+
+/// Bad input is refused with a clear error and nothing is written.
+#[test]
+fn bad_input_is_refused_and_nothing_is_written() {
+    let exec = Exec::cpu();
+    let o = AttentionOptions {
+        causal: true,
+        scale: 0.25,
+        layout: AttentionLayout::Bnsd,
+    };
+    let q = vec![1.0f32; 2 * 4 * 5 * 8];
+    let k = vec![1.0f32; 2 * 4 * 5 * 8];
+    let poison = -7.25f32;
+    let run = |qd: &[usize], kd: &[usize], vd: &[usize], o: &AttentionOptions, stats: usize| {
+        let qt = TensorRef::new(&q[..qd.iter().product()], qd)?;
+        let kt = TensorRef::new(&k[..kd.iter().product()], kd)?;
+        let vt = TensorRef::new(&k[..vd.iter().product()], vd)?;
+        let mut out = vec![poison; qd.iter().product()];
+        let (mut mx, mut sm) = (vec![poison; stats], vec![poison; stats]);
+        let n = attention_workspace_size(&exec, qt, kt, vt, o, false).unwrap_or(0);
+        let mut ws = vec![0u8; n];
+        let r = attention(&exec, qt, kt, vt, o, &mut out, &mut mx, &mut sm, &mut ws);
+        if r.is_err() {
+            assert!(
+                out.iter().chain(&mx).chain(&sm).all(|x| *x == poison),
+                "written on error"
+            );
+        }
+        r
+    };
+    let msg = |r: Result<()>| format!("{}", r.unwrap_err());
+    assert!(run(&[2, 4, 5, 8], &[2, 2, 5, 8], &[2, 2, 5, 8], &o, 40).is_ok());
+    // Heads that do not divide.
+    let e = msg(run(&[2, 4, 5, 8], &[2, 3, 5, 8], &[2, 3, 5, 8], &o, 40));
+    assert!(e.contains("do not divide"), "{e}");
+    // v's shape is not k's.
+    let e = msg(run(&[2, 4, 5, 8], &[2, 2, 5, 8], &[2, 2, 4, 8], &o, 40));
+    assert!(e.contains("not k's"), "{e}");
+    // head_dim differs.
+    let e = msg(run(&[2, 4, 5, 8], &[2, 2, 5, 4], &[2, 2, 5, 4], &o, 40));
+    assert!(e.contains("head_dim"), "{e}");
+    // Rank 3.
+    let e = msg(run(&[8, 5, 8], &[2, 2, 5, 8], &[2, 2, 5, 8], &o, 40));
+    assert!(e.contains("rank 3"), "{e}");
+    // No keys.
+    let e = msg(run(&[2, 4, 5, 8], &[2, 2, 0, 8], &[2, 2, 0, 8], &o, 40));
+    assert!(e.contains("no keys"), "{e}");
+    // A non-finite scale.
+    let nan = AttentionOptions {
+        scale: f32::NAN,
+        ..o
+    };
+    let e = msg(run(&[2, 4, 5, 8], &[2, 2, 5, 8], &[2, 2, 5, 8], &nan, 40));
+    assert!(e.contains("scale"), "{e}");
+    // Stats of the wrong length.
+    assert!(run(&[2, 4, 5, 8], &[2, 2, 5, 8], &[2, 2, 5, 8], &o, 39).is_err());
+    // The workspace too small.
+    let qt = TensorRef::new(&q, &[2, 4, 5, 8]).unwrap();
+    let kt = TensorRef::new(&k[..160], &[2, 2, 5, 8]).unwrap();
+    let mut out = vec![poison; q.len()];
+    let (mut mx, mut sm) = (vec![poison; 40], vec![poison; 40]);
+    let mut ws = vec![0u8; 64];
+    let r = attention(&exec, qt, kt, kt, &o, &mut out, &mut mx, &mut sm, &mut ws);
+    assert!(matches!(r, Err(Error::WorkspaceTooSmall { .. })), "{r:?}");
+    assert!(out.iter().all(|x| *x == poison));
+}
+
+/// A backward with no query rows writes zero dk and dv.
+#[test]
+fn no_query_rows_give_zero_key_gradients() {
+    let exec = Exec::cpu();
+    let o = AttentionOptions::default();
+    let (q, k) = (Vec::<bf16>::new(), vec![bf16::from_f32(1.0); 2 * 3 * 4]);
+    let qt = TensorRef::new(&q, &[1, 2, 0, 4]).unwrap();
+    let kt = TensorRef::new(&k, &[1, 2, 3, 4]).unwrap();
+    let e: Vec<f32> = Vec::new();
+    let saved = AttentionSaved {
+        out: qt,
+        dout: qt,
+        softmax_max: TensorRef::new(&e, &[1, 2, 0]).unwrap(),
+        softmax_sum: TensorRef::new(&e, &[1, 2, 0]).unwrap(),
+    };
+    let mut ws = vec![0u8; attention_workspace_size(&exec, qt, kt, kt, &o, true).unwrap()];
+    let (mut dk, mut dv) = (
+        vec![bf16::from_f32(3.0); k.len()],
+        vec![bf16::from_f32(3.0); k.len()],
+    );
+    attention_backward(
+        &exec,
+        qt,
+        kt,
+        kt,
+        &saved,
+        &o,
+        &mut [],
+        &mut dk,
+        &mut dv,
+        &mut ws,
+    )
+    .unwrap();
+    assert!(dk.iter().chain(&dv).all(|x| x.to_f32() == 0.0));
+}

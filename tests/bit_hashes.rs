@@ -585,6 +585,67 @@ fn matmul_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
     }
 }
 
+/// Attention, forward and backward: both layouts, causal or not, grouped
+/// heads, more rows than a block (100 > 84), an odd head dim; specials in q.
+fn attention_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
+    let exec = Exec::new(cpu);
+    for (si, (hq, hkv, sq, skv, d, causal, bsnd)) in [
+        (4usize, 2usize, 100usize, 100usize, 20usize, true, false),
+        (2, 2, 7, 33, 17, false, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng(seed * 100 + si as u64);
+        let q: Vec<T> = data(&mut rng, hq * sq * d, si == 1);
+        let k: Vec<T> = vec_of(hkv * skv * d, || rng.uniform(-2.0, 2.0));
+        let v: Vec<T> = vec_of(hkv * skv * d, || rng.uniform(-2.0, 2.0));
+        let dout: Vec<T> = vec_of(hq * sq * d, || rng.uniform(-1.0, 1.0));
+        let (qd, kd) = if bsnd {
+            ([1, sq, hq, d], [1, skv, hkv, d])
+        } else {
+            ([1, hq, sq, d], [1, hkv, skv, d])
+        };
+        let o = AttentionOptions {
+            causal,
+            scale: 1.0 / (d as f32).sqrt(),
+            layout: if bsnd {
+                AttentionLayout::Bsnd
+            } else {
+                AttentionLayout::Bnsd
+            },
+        };
+        let (qt, kt, vt) = (
+            TensorRef::new(&q, &qd).unwrap(),
+            TensorRef::new(&k, &kd).unwrap(),
+            TensorRef::new(&v, &kd).unwrap(),
+        );
+        let case = format!("attention.{}.{si}", dname::<T>());
+        let mut ws = vec![0u8; attention_workspace_size(&exec, qt, kt, vt, &o, false).unwrap()];
+        let mut out = vec![T::from_f64(0.0); q.len()];
+        let (mut mx, mut sm) = (vec![0f32; hq * sq], vec![0f32; hq * sq]);
+        attention(&exec, qt, kt, vt, &o, &mut out, &mut mx, &mut sm, &mut ws).unwrap();
+        run.out(&format!("{case}.out"), &out);
+        run.out(&format!("{case}.max"), &mx);
+        run.out(&format!("{case}.sum"), &sm);
+        let saved = AttentionSaved {
+            out: TensorRef::new(&out, &qd).unwrap(),
+            dout: TensorRef::new(&dout, &qd).unwrap(),
+            softmax_max: TensorRef::new(&mx, &[1, hq, sq]).unwrap(),
+            softmax_sum: TensorRef::new(&sm, &[1, hq, sq]).unwrap(),
+        };
+        let (mut dq, mut dk, mut dv) = (q.clone(), k.clone(), v.clone());
+        let mut ws = vec![0u8; attention_workspace_size(&exec, qt, kt, vt, &o, true).unwrap()];
+        attention_backward(
+            &exec, qt, kt, vt, &saved, &o, &mut dq, &mut dk, &mut dv, &mut ws,
+        )
+        .unwrap();
+        run.out(&format!("{case}.dq"), &dq);
+        run.out(&format!("{case}.dk"), &dk);
+        run.out(&format!("{case}.dv"), &dv);
+    }
+}
+
 fn run_all(isa: Isa) -> Run {
     let cpu = Cpu::new(Serial).with_isa(isa);
     let mut run = Run::default();
@@ -611,6 +672,9 @@ fn run_all(isa: Isa) -> Run {
     matmul_case::<f32>(&mut run, &cpu, 24);
     matmul_case::<bf16>(&mut run, &cpu, 25);
     matmul_case::<f16>(&mut run, &cpu, 26);
+    attention_case::<f32>(&mut run, &cpu, 29);
+    attention_case::<bf16>(&mut run, &cpu, 30);
+    attention_case::<f16>(&mut run, &cpu, 31);
     use adamw_cases::adamw_case;
     let (clip_ams, l2) = (ADAMW_CLIP | ADAMW_AMSGRAD, ADAMW_L2 | ADAMW_MAXIMIZE);
     adamw_case::<bf16, bf16, f32>(
