@@ -74,6 +74,8 @@ done
   -o "$build/test_geglu_static"
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_matmul.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
   -o "$build/test_matmul_static"
+"$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_attention.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
+  -o "$build/test_attention_static"
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_adamw.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
   -o "$build/test_adamw_static"
 "$cc" -std=c11 "${flags[@]}" "$root/ffi-tests/test_cross_entropy.c" "$libdir/libnpukern.a" "${static_libs[@]}" \
@@ -104,7 +106,7 @@ done
 
 # The pkg-config template, as an installed copy would be used: a staged
 # prefix whose include/ and lib/ point at this tree and its libraries.
-tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static test_elementwise_static test_geglu_static test_matmul_static test_adamw_static test_cross_entropy_static test_regressions_static test_abi_shared
+tests=(test_c_static test_c_shared test_cpp_static test_cpp_shared test_grad_stats_static test_elementwise_static test_geglu_static test_matmul_static test_attention_static test_adamw_static test_cross_entropy_static test_regressions_static test_abi_shared
        test_fuzz_regressions_static test_snippet_README_md_static
        test_snippet_docs_c_md_static)
 if command -v pkg-config >/dev/null; then
