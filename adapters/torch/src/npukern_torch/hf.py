@@ -698,8 +698,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     layers' rotary embedding for npukern's RoPE (``rope``: the layer's own
     forward reads npukern's ``apply_rotary_pos_emb``; the transformers
     module and every other model are untouched); returns the counts of what
-    this call swapped, e.g. ``{"rms_norm": 5, "embedding": 1, "mlp": 2,
-    "rope": 2, "loss": 1, "add_rms_norm": 2}``; ``add_rms_norm``: decoder
+    this call swapped, e.g. ``{"rms_norm": 5, "add_rms_norm": 2, "embedding": 1,
+    "mlp": 2, "rope": 2, "attention": 2, "loss": 1, "linear": 14}``; ``add_rms_norm``: decoder
     layers of the Llama shape (Llama, Mistral, Qwen2, Qwen3, Gemma) add the
     attention output to the residual and normalize the sum in one AddRmsNorm
     (stock forward bits; needs ``rms_norm``); ``loss``: a causal LM given ``labels`` computes
