@@ -15,6 +15,10 @@ nor float32 is used as float32.
   ``activate_left``), ``gelu`` the activated half's GELU; approximate 1 the
   tanh form, 0 the erf form
 - ``npu_rotary_mul(x, r1, r2, rotary_mode="half") -> x * r1 + rotate_half(x) * r2``
+- ``npu_fusion_attention(query, key, value, head_num, input_layout, ...) ->
+  (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``:
+  FlashAttentionScore on npukern's Attention (see its docstring for what
+  runs on the kernel and what on a float32 composite)
 
 fp32 inside, one rounding; differentiable (npu_rotary_mul in r1 and r2 too).
 
@@ -38,6 +42,7 @@ def _torch_rms_norm(x, gamma, epsilon):
 
 __all__ = [
     "npu_add_rms_norm",
+    "npu_fusion_attention",
     "npu_apply_adam_w",
     "npu_apply_fused_adamw_v2",
     "npu_cross_entropy_loss",
@@ -251,4 +256,141 @@ def npu_apply_fused_adamw_v2(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s
                              float(beta2), float(eps), float(weight_decay), step, flags, 0.0, 1.0, 0.0, 1.0, [], [], [])
     if back is not None:
         back.copy_(max_exp_avg_sq)
+
+
+_NO_BAND = 2147483647
+
+
+def _heads_view(t, layout, heads):
+    """``t`` (in torch_npu's ``input_layout``) as a ``[B, N, S, D]`` view."""
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        b, n, h = t.shape
+        return t.view(b, n, heads, h // heads).transpose(1, 2)
+    if layout == "SBH":
+        n, b, h = t.shape
+        return t.view(n, b, heads, h // heads).permute(1, 2, 0, 3)
+    raise NotImplementedError(f"npu_fusion_attention: input_layout {layout!r} (BSH, SBH, BSND, BNSD are taken; "
+                              "TND's variable lengths are not)")
+
+
+def _from_heads(o, layout, like):
+    """The ``[B, N, S, D]`` output back in ``input_layout`` (query's shape)."""
+    if layout == "BNSD":
+        return o
+    if layout == "BSND":
+        return o.transpose(1, 2)
+    if layout == "BSH":
+        return o.transpose(1, 2).reshape(like.shape)
+    return o.permute(2, 0, 1, 3).reshape(like.shape)
+
+
+def _causal_mask(sq, skv, device):
+    """torch_npu's causal ``atten_mask``: True where query i must not see key j > i."""
+    return torch.ones(sq, skv, dtype=torch.bool, device=device).triu(1)
+
+
+def _is_causal_mask(mask, sq, skv):
+    """Whether a bool ``atten_mask`` (SS, 11SS, B1SS or BNSS) masks exactly the
+    keys after each query, the same in every batch and head."""
+    if mask is None or mask.dtype not in (torch.bool, torch.uint8) or mask.shape[-2:] != (sq, skv):
+        return False
+    return bool((mask.bool() == _causal_mask(sq, skv, mask.device)).all())
+
+
+def _attention_composite(q, k, v, mask, scale, keep_prob, pse):
+    """FlashAttentionScore's formula in float32 torch ops (differentiable):
+    ``softmax(mask(scale (q k^T + pse))) v`` with dropout ``1 - keep_prob``;
+    and each row's max and sum."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2))
+    if pse is not None:
+        s = s + pse.float()
+    s = s * scale
+    if mask is not None:
+        s = s.masked_fill(mask.bool(), float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    p = e / total
+    if keep_prob < 1.0:
+        p = torch.nn.functional.dropout(p, 1.0 - keep_prob)
+    out = torch.matmul(p, v.float()).to(q.dtype)
+    return out, m.squeeze(-1), total.detach().squeeze(-1)
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1.0, keep_prob=1.0, pre_tockens=_NO_BAND, next_tockens=_NO_BAND, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False):
+    """torch_npu's ``npu_fusion_attention`` (FlashAttentionScore):
+    ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
+    numels)`` with ``attention_out`` in ``input_layout`` (BSH, SBH, BSND,
+    BNSD; key and value may have fewer heads, dividing ``head_num``),
+    ``softmax_max`` / ``softmax_sum`` float32 ``[B, N, Sq, 8]`` (each row's
+    max of the scaled scores and sum of ``e^(s - max)``, repeated 8 times as
+    torch_npu's), ``softmax_out`` empty and ``seed = offset = numels = 0``;
+    differentiable in query, key, value.
+
+    npukern's Attention computes it (f32 inside, the same bits on every ISA
+    and thread count; docs/operators.md "Attention") when there is no
+    ``pse``, no dropout (``keep_prob`` 1), no ``prefix`` and the mask is
+    none or causal: ``sparse_mode`` 2 (leftUpCausal: the mask argument is
+    the compressed triangle and is not read), 3 (rightDownCausal) with as
+    many keys as queries, or 0 with an ``atten_mask`` that masks exactly the
+    keys after each query (or ``next_tockens=0``) and no other band. Any
+    other mask, band, ``pse`` or dropout runs a float32 composite of the
+    same formula (torch's dropout, not the NPU's random bits). ``TND`` and
+    the ``actual_seq_*`` lengths are not taken (NotImplementedError)."""
+    if input_layout == "TND" or actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise NotImplementedError("npu_fusion_attention: TND and actual_seq_qlen / actual_seq_kvlen "
+                                  "(variable-length batches) are not taken on the CPU")
+    q = _heads_view(query, input_layout, head_num)
+    d = q.shape[-1]
+    kv_heads = key.shape[-1] // d if input_layout in ("BSH", "SBH") else None
+    k = _heads_view(key, input_layout, kv_heads)
+    v = _heads_view(value, input_layout, kv_heads)
+    if q.shape[1] != head_num:
+        raise ValueError(f"npu_fusion_attention: query has {q.shape[1]} heads in {input_layout}, head_num is "
+                         f"{head_num}")
+    sq, skv = q.shape[2], k.shape[2]
+    default_band = pre_tockens == _NO_BAND and next_tockens == _NO_BAND
+    if sparse_mode == 2:
+        causal, mask = True, None
+    elif sparse_mode == 3:
+        if sq == skv:
+            causal, mask = True, None
+        else:  # bottom-right: query i sees keys j <= i + skv - sq
+            causal, mask = False, torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(1 + skv - sq)
+    elif sparse_mode == 0 and atten_mask is None and default_band:
+        causal, mask = False, None
+    elif sparse_mode == 0 and pre_tockens == _NO_BAND and (
+            (default_band and _is_causal_mask(atten_mask, sq, skv))
+            or (next_tockens == 0 and (atten_mask is None or _is_causal_mask(atten_mask, sq, skv)))):
+        causal, mask = True, None
+    elif sparse_mode in (0, 1):
+        causal = False
+        mask = atten_mask
+        if sparse_mode == 0 and not default_band:
+            i = torch.arange(sq, device=q.device).unsqueeze(1)
+            j = torch.arange(skv, device=q.device).unsqueeze(0)
+            band = (j > i + next_tockens) | (j < i - pre_tockens)
+            mask = band if mask is None else (mask.bool() | band)
+    else:
+        raise NotImplementedError(f"npu_fusion_attention: sparse_mode {sparse_mode} (0-3 are taken)")
+    takes = (causal or mask is None) and pse is None and keep_prob == 1.0 and prefix is None and \
+        _F._attention_takes(q, k, v, None, 0.0, True)
+    if takes:
+        out, mx, sm = torch.ops.npukern.attention(q, k, v, bool(causal), float(scale))
+    else:
+        if causal:
+            mask = _causal_mask(sq, skv, q.device)
+        out, mx, sm = _attention_composite(q, k, v, mask, float(scale), float(keep_prob), pse)
+    stat = (q.shape[0], q.shape[1], sq, 8)
+    return (_from_heads(out, input_layout, query), mx.unsqueeze(-1).expand(stat).contiguous(),
+            sm.unsqueeze(-1).expand(stat).contiguous(), query.new_empty(0), 0, 0, 0)
 
