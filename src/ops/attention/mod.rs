@@ -24,9 +24,11 @@
 //! (one row of scores per query row, f32), so the softmax needs no
 //! rescaling pass.
 
+mod backward;
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
 pub(crate) mod cpu;
+mod panels;
 mod plan;
 pub(crate) mod reference;
 
