@@ -1919,9 +1919,26 @@ typedef struct npk_attention_tiling {
   uint32_t q_blocks;
   /**
    * Units of work: forward `batch * heads_q * q_blocks`, backward
-   * `batch * heads_kv`.
+   * `batch * heads_kv`, split backward `batch * heads_kv * kv_blocks`
+   * (its first phase).
    */
   uint64_t units;
+  /**
+   * The split backward's second phase (dq): `batch * heads_q *
+   * q_blocks` units; 0 otherwise.
+   */
+  uint64_t dq_units;
+  /**
+   * Key blocks (of `rows` keys) per key/value head: `ceil(seq_kv /
+   * rows)`.
+   */
+  uint32_t kv_blocks;
+  /**
+   * 1: the backward runs in two phases (fewer key/value heads than
+   * workers): dk and dv per key block, then dq per query block, the
+   * scores and dP computed in both (the same bits as one pass).
+   */
+  uint32_t split;
   /**
    * Workers, each with its arena: `min(ub.blocks, units)`.
    */

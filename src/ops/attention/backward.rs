@@ -4,7 +4,7 @@
 //! sums `dk += dS^T q`, `dv += P^T dout` carried in the arena, rounded at
 //! the end.
 
-use super::cpu::{block_keys, put, scaled, scores, seen, Heads, Kern};
+use super::cpu::{block_keys, put, scaled, scores, seen, Block, Heads, Kern, Keys};
 use super::panels::{axpy_step, gemm, group_steps, pack_a, pack_a_f32, pack_at_f32, pack_b, Diag};
 use super::*;
 use crate::lanes::math::exp_nonpos;
@@ -52,11 +52,22 @@ pub(super) unsafe fn row_dots<L: Lanes, T: Float>(
 /// `ATTENTION_ROWS` rounded up to 16.
 pub(super) const ROWS_PAD: usize = (ATTENTION_ROWS as usize).next_multiple_of(GROUP);
 
-/// One backward block: rows `blk * rows ..` of head `h`, into dq and the
-/// arena's dk and dv sums.
+/// What a backward block computes: dq (its rows against every key) and /
+/// or the dk and dv sums (of the packed keys).
+#[derive(Clone, Copy)]
+pub(super) struct Wants {
+    /// dq's rows.
+    pub(super) dq: bool,
+    /// The dk and dv sums.
+    pub(super) dkv: bool,
+}
+
+/// One backward block: rows `blk * rows ..` of head `h` against `keys`
+/// (packed in the arena), into dq and / or the arena's dk and dv sums.
 ///
 /// # Safety
-/// Inside `L::enter`; the head's key/value head is packed.
+/// Inside `L::enter`; `keys` of the head's key/value head are packed (all
+/// of them when dq is wanted).
 #[inline(always)]
 pub(super) unsafe fn backward_block<L: Tile, T: Float>(
     k: &Kern<T>,
@@ -64,6 +75,8 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
     b: usize,
     h: usize,
     blk: usize,
+    keys: Keys,
+    wants: Wants,
 ) {
     let (d, kp, dp) = (
         k.t.head_dim as usize,
@@ -71,18 +84,24 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
         k.t.dim_pad as usize,
     );
     let a = &k.a;
-    let bk = block_keys(k, blk, L::MR);
-    let (i0, rows, kfull, kend) = (bk.i0, bk.rows, bk.kfull, bk.kend);
+    // None: no row of the block sees these keys.
+    let Some(bk) = block_keys(k, blk, L::MR, keys) else {
+        return;
+    };
+    // q0: the block's first row; i0: its diagonal offset among the keys.
+    let (q0, i0, rows, kfull, kend) = (bk.q0, bk.i0, bk.rows, bk.kfull, bk.kend);
     let groups = d.div_ceil(GROUP);
     let bstride = k.t.rows as usize * L::NR;
     // SAFETY: the block's rows of head h, the arena's buffers (plan.rs).
     unsafe {
-        let qrow = |r| k.q.row(b, h, i0 + r) as *const T;
-        let dorow = |r| k.dout.row(b, h, i0 + r) as *const T;
+        let qrow = |r| k.q.row(b, h, q0 + r) as *const T;
+        let dorow = |r| k.dout.row(b, h, q0 + r) as *const T;
         pack_a::<L, T>(qrow, rows, d, ar.add(a.qa));
         pack_a::<L, T>(dorow, rows, d, ar.add(a.doa));
-        pack_b::<L, T>(qrow, rows, d, bstride, ar.add(a.qb));
-        pack_b::<L, T>(dorow, rows, d, bstride, ar.add(a.dob));
+        if wants.dkv {
+            pack_b::<L, T>(qrow, rows, d, bstride, ar.add(a.qb));
+            pack_b::<L, T>(dorow, rows, d, bstride, ar.add(a.dob));
+        }
         scores::<L, T>(k, ar, rows, kend, a.qa, a.kt, bk.cols);
         // dP = dout v^T.
         gemm::<L>(
@@ -99,11 +118,10 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
         );
         let scale = L::splat(k.scale);
         let (s, dps) = (ar.add(a.s), ar.add(a.dp));
-        let stat = (b * k.t.heads_q as usize + h) * k.t.seq_q as usize + i0;
-        let dsums = row_dots::<L, T>(k, b, h, i0, rows);
+        let stat = (b * k.t.heads_q as usize + h) * k.t.seq_q as usize + q0;
+        let dsums = row_dots::<L, T>(k, b, h, q0, rows);
         for (r, dsum) in dsums.iter().enumerate().take(rows) {
-            let i = i0 + r;
-            let n = seen(k, i);
+            let n = seen(k, q0 + r, keys);
             let dd = L::splat(*dsum);
             let (mv, lv) = (L::splat(*k.mx.add(stat + r)), L::splat(*k.sm.add(stat + r)));
             let (row, drow) = (s.add(r * kp), dps.add(r * kp));
@@ -116,35 +134,11 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
                 p.mul(L::load(dg).sub(dd)).store(dg);
             }
         }
-        // dq = scale (dS k): the keys every row of a group sees, then the
-        // diagonal.
-        let acc = ar.add(a.acc);
-        let kpan = ar.add(a.kp);
-        let kstride = kp * L::NR;
-        pack_a_f32::<L>(dps, kp, rows, bk.kmax, bk.steps, ar.add(a.pa));
-        gemm::<L>(
-            ar.add(a.pa),
-            rows,
-            bk.kmax,
-            kpan,
-            kstride,
-            d,
-            acc,
-            dp,
-            false,
-            bk.steps,
-        );
-        for r in 0..rows {
-            let orow = acc.add(r * dp);
-            let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
-            for j in kf..seen(k, i0 + r) {
-                axpy_step::<L>(orow, *dps.add(r * kp + j), kpan, kstride, j, groups);
-            }
-            let dst = k.dq.row(b, h, i0 + r);
-            for g in 0..groups {
-                let o = L::load(&*(orow.add(g * GROUP) as *const [f32; GROUP])).mul(scale);
-                put::<L, T>(o, dst.add(g * GROUP), (d - g * GROUP).min(GROUP));
-            }
+        if wants.dq {
+            dq_rows::<L, T>(k, ar, b, h, &bk, keys);
+        }
+        if !wants.dkv {
+            return;
         }
         // dv += P^T dout and dk += dS^T q, each key's sum over the rows in
         // order: keys every row sees in one microkernel pass; a diagonal
@@ -188,7 +182,64 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
     }
 }
 
-/// Rounds the key/value head's dk (times scale) and dv sums into dk, dv.
+/// dq's rows of the block: `scale (dS k)`, the keys every row of a group
+/// sees by the microkernel, then each row's diagonal; dS is in the arena.
+///
+/// # Safety
+/// Inside `L::enter`; every key is packed, the block's dS computed.
+#[inline(always)]
+unsafe fn dq_rows<L: Tile, T: Float>(
+    k: &Kern<T>,
+    ar: *mut f32,
+    b: usize,
+    h: usize,
+    bk: &Block,
+    keys: Keys,
+) {
+    let (d, kp, dp) = (
+        k.t.head_dim as usize,
+        k.t.kv_pad as usize,
+        k.t.dim_pad as usize,
+    );
+    let (a, rows, q0) = (&k.a, bk.rows, bk.q0);
+    let groups = d.div_ceil(GROUP);
+    let scale = L::splat(k.scale);
+    // SAFETY: the arena's buffers (plan.rs); dq's rows of the block.
+    unsafe {
+        let dps = ar.add(a.dp);
+        let acc = ar.add(a.acc);
+        let kpan = ar.add(a.kp);
+        let kstride = kp * L::NR;
+        pack_a_f32::<L>(dps, kp, rows, bk.kmax, bk.steps, ar.add(a.pa));
+        gemm::<L>(
+            ar.add(a.pa),
+            rows,
+            bk.kmax,
+            kpan,
+            kstride,
+            d,
+            acc,
+            dp,
+            false,
+            bk.steps,
+        );
+        for r in 0..rows {
+            let orow = acc.add(r * dp);
+            let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
+            for j in kf..seen(k, q0 + r, keys) {
+                axpy_step::<L>(orow, *dps.add(r * kp + j), kpan, kstride, j, groups);
+            }
+            let dst = k.dq.row(b, h, q0 + r);
+            for g in 0..groups {
+                let o = L::load(&*(orow.add(g * GROUP) as *const [f32; GROUP])).mul(scale);
+                put::<L, T>(o, dst.add(g * GROUP), (d - g * GROUP).min(GROUP));
+            }
+        }
+    }
+}
+
+/// Rounds the sums of `keys` of the key/value head into dk (times scale)
+/// and dv.
 ///
 /// # Safety
 /// Inside `L::enter`; the sums are complete.
@@ -198,19 +249,16 @@ pub(super) unsafe fn backward_finish<L: Tile, T: Float>(
     ar: *mut f32,
     b: usize,
     hkv: usize,
+    keys: Keys,
 ) {
-    let (d, dp, n) = (
-        k.t.head_dim as usize,
-        k.t.dim_pad as usize,
-        k.t.seq_kv as usize,
-    );
+    let (d, dp, n) = (k.t.head_dim as usize, k.t.dim_pad as usize, keys.n);
     let groups = d.div_ceil(GROUP);
     let scale = L::splat(k.scale);
     // SAFETY: the sums' rows j < seq_kv; dk, dv rows of head hkv.
     unsafe {
         for j in 0..n {
             let (sk, sv) = (ar.add(k.a.dk + j * dp), ar.add(k.a.dv + j * dp));
-            let (ok, ov) = (k.dk.row(b, hkv, j), k.dv.row(b, hkv, j));
+            let (ok, ov) = (k.dk.row(b, hkv, keys.j0 + j), k.dv.row(b, hkv, keys.j0 + j));
             for g in 0..groups {
                 let w = (d - g * GROUP).min(GROUP);
                 let x = L::load(&*(sk.add(g * GROUP) as *const [f32; GROUP])).mul(scale);

@@ -12,7 +12,7 @@
 //! microkernel), the diagonal's by some, added row by row in the same
 //! ascending order — so a row's chain never reads a key it does not see.
 
-use super::backward::{backward_block, backward_finish};
+use super::backward::{backward_block, backward_finish, Wants};
 use super::panels::{axpy_step, gemm, group_steps, pack_a, pack_a_f32, pack_b, pack_bt, Diag};
 use super::plan::Arena;
 use super::*;
@@ -123,11 +123,44 @@ unsafe fn run<L: Tile, T: Float>(call: &AttentionCall, runner: &dyn Runner) {
         a: t.arena(backward),
     };
     let kp = &kern;
-    if backward {
-        run_blocks!(plain runner, t.flags, t.blocks, |w| backward_units::<L, T>(kp, w))
+    if backward && t.split != 0 {
+        run_blocks!(plain runner, t.flags, t.blocks, |w| backward_dkv::<L, T>(kp, w));
+        run_blocks!(plain runner, t.flags, t.blocks, |w| backward_dq::<L, T>(kp, w))
+    } else if backward {
+        run_blocks!(plain runner, t.flags, t.blocks, |w| backward_all::<L, T>(kp, w))
     } else {
         run_blocks!(plain runner, t.flags, t.blocks, |w| forward_units::<L, T>(kp, w))
     }
+}
+
+/// `backward_units` in one pass.
+///
+/// # Safety
+/// As `backward_units`.
+#[inline(always)]
+unsafe fn backward_all<L: Tile, T: Float>(k: &Kern<T>, w: usize) {
+    // SAFETY: forwarded.
+    unsafe { backward_units::<L, T, PHASE_ALL>(k, w) }
+}
+
+/// `backward_units`' key blocks.
+///
+/// # Safety
+/// As `backward_units`.
+#[inline(always)]
+unsafe fn backward_dkv<L: Tile, T: Float>(k: &Kern<T>, w: usize) {
+    // SAFETY: forwarded.
+    unsafe { backward_units::<L, T, PHASE_DKV>(k, w) }
+}
+
+/// `backward_units`' query blocks.
+///
+/// # Safety
+/// As `backward_units`.
+#[inline(always)]
+unsafe fn backward_dq<L: Tile, T: Float>(k: &Kern<T>, w: usize) {
+    // SAFETY: forwarded.
+    unsafe { backward_units::<L, T, PHASE_DQ>(k, w) }
 }
 
 /// Worker `w`'s arena.
@@ -165,7 +198,7 @@ unsafe fn forward_units<L: Tile, T: Float>(k: &Kern<T>, w: usize) {
             if packed != Some((b, hkv)) {
                 enter_apart::<L, _>(
                     #[inline(always)]
-                    || pack_kv::<L, T>(k, ar, b, hkv, false),
+                    || pack_kv::<L, T>(k, ar, b, hkv, Keys::all(k), None),
                 );
                 packed = Some((b, hkv));
             }
@@ -178,45 +211,119 @@ unsafe fn forward_units<L: Tile, T: Float>(k: &Kern<T>, w: usize) {
     }
 }
 
-/// Worker `w`'s backward units (key/value heads).
+/// Worker `w`'s backward units: key/value heads (dq, dk and dv of each
+/// in one pass over its group's rows), or, split (`AttentionTiling::split`:
+/// fewer heads than workers), key blocks of a head (`DKV`: their dk and
+/// dv over the group's rows that see them) then blocks of query rows (dq
+/// against every key). Each element is the same chain either way: the
+/// same bits.
 ///
 /// # Safety
 /// Inside `L::enter`; the call's contract.
 #[inline(always)]
-unsafe fn backward_units<L: Tile, T: Float>(k: &Kern<T>, w: usize) {
+unsafe fn backward_units<L: Tile, T: Float, const PHASE: u8>(k: &Kern<T>, w: usize) {
     let k = &{ *k };
     // SAFETY: w < blocks.
     let ar = unsafe { arena_of(k, w) };
     let hkvs = k.t.heads_kv as usize;
-    let group = k.t.heads_q as usize / hkvs.max(1);
+    let hq = k.t.heads_q as usize;
+    let group = hq / hkvs.max(1);
+    let (qb, kb) = (k.t.q_blocks as usize, k.t.kv_blocks as usize);
+    let r = k.t.rows as usize;
+    let units = match PHASE {
+        PHASE_DQ => k.t.dq_units as usize,
+        _ => k.t.units as usize,
+    };
+    let mut packed = None;
     let mut u = w;
-    while u < k.t.units as usize {
-        let (b, hkv) = (u / hkvs, u % hkvs);
+    while u < units {
         // SAFETY: the unit's tensors and this worker's arena.
         unsafe {
-            enter_apart::<L, _>(
-                #[inline(always)]
-                || pack_kv::<L, T>(k, ar, b, hkv, true),
-            );
-            for h in hkv * group..(hkv + 1) * group {
-                for blk in 0..k.t.q_blocks as usize {
+            match PHASE {
+                PHASE_DQ => {
+                    let (blk, h, b) = (u % qb, (u / qb) % hq, u / (qb * hq));
+                    let hkv = h / group;
+                    let (keys, wants) = (
+                        Keys::all(k),
+                        Wants {
+                            dq: true,
+                            dkv: false,
+                        },
+                    );
+                    if packed != Some((b, hkv)) {
+                        enter_apart::<L, _>(
+                            #[inline(always)]
+                            || pack_kv::<L, T>(k, ar, b, hkv, keys, Some(wants)),
+                        );
+                        packed = Some((b, hkv));
+                    }
                     enter_apart::<L, _>(
                         #[inline(always)]
-                        || backward_block::<L, T>(k, ar, b, h, blk),
+                        || backward_block::<L, T>(k, ar, b, h, blk, keys, wants),
+                    );
+                }
+                _ => {
+                    let (b, hkv, keys, wants) = if PHASE == PHASE_DKV {
+                        let (j, hkv, b) = (u % kb, (u / kb) % hkvs, u / (kb * hkvs));
+                        let j0 = j * r;
+                        let keys = Keys {
+                            j0,
+                            n: r.min(k.t.seq_kv as usize - j0),
+                        };
+                        (
+                            b,
+                            hkv,
+                            keys,
+                            Wants {
+                                dq: false,
+                                dkv: true,
+                            },
+                        )
+                    } else {
+                        (
+                            u / hkvs,
+                            u % hkvs,
+                            Keys::all(k),
+                            Wants {
+                                dq: true,
+                                dkv: true,
+                            },
+                        )
+                    };
+                    enter_apart::<L, _>(
+                        #[inline(always)]
+                        || pack_kv::<L, T>(k, ar, b, hkv, keys, Some(wants)),
+                    );
+                    for h in hkv * group..(hkv + 1) * group {
+                        for blk in 0..qb {
+                            enter_apart::<L, _>(
+                                #[inline(always)]
+                                || backward_block::<L, T>(k, ar, b, h, blk, keys, wants),
+                            );
+                        }
+                    }
+                    enter_apart::<L, _>(
+                        #[inline(always)]
+                        || backward_finish::<L, T>(k, ar, b, hkv, keys),
                     );
                 }
             }
-            enter_apart::<L, _>(
-                #[inline(always)]
-                || backward_finish::<L, T>(k, ar, b, hkv),
-            );
         }
         u += k.t.blocks as usize;
     }
 }
 
-/// Packs key/value head `hkv` of batch `b`: k^T (and, backward, v^T and k)
-/// as B panels, v as B panels forward; backward, zeroes dk's and dv's sums.
+/// `backward_units`' phases: one pass, key blocks' dk and dv, query
+/// blocks' dq.
+const PHASE_ALL: u8 = 0;
+/// See `PHASE_ALL`.
+const PHASE_DKV: u8 = 1;
+/// See `PHASE_ALL`.
+const PHASE_DQ: u8 = 2;
+
+/// Packs `keys` of key/value head `hkv` of batch `b`: k^T as B panels; v
+/// as B panels forward (`wants` None); backward, v^T, and k for dq, and
+/// zeroes the dk and dv sums for them.
 ///
 /// # Safety
 /// Inside `L::enter`; `ar` is this worker's arena.
@@ -226,22 +333,26 @@ unsafe fn pack_kv<L: Tile, T: Float>(
     ar: *mut f32,
     b: usize,
     hkv: usize,
-    backward: bool,
+    keys: Keys,
+    wants: Option<Wants>,
 ) {
-    let (n, d, kp) = (
-        k.t.seq_kv as usize,
-        k.t.head_dim as usize,
-        k.t.kv_pad as usize,
-    );
+    let (n, d, kp) = (keys.n, k.t.head_dim as usize, k.t.kv_pad as usize);
     let a = &k.a;
-    // SAFETY: rows j < seq_kv of head hkv; the arena's buffers (plan.rs).
+    // SAFETY: rows keys.j0 + j < seq_kv of head hkv; the arena's buffers
+    // (plan.rs).
     unsafe {
-        let krow = |j| k.k.row(b, hkv, j) as *const T;
-        let vrow = |j| k.v.row(b, hkv, j) as *const T;
+        let krow = |j| k.k.row(b, hkv, keys.j0 + j) as *const T;
+        let vrow = |j| k.v.row(b, hkv, keys.j0 + j) as *const T;
         pack_bt::<L, T>(krow, n, d, ar.add(a.kt));
-        if backward {
-            pack_bt::<L, T>(vrow, n, d, ar.add(a.vt));
+        let Some(wants) = wants else {
+            pack_b::<L, T>(vrow, n, d, kp * L::NR, ar.add(a.vp));
+            return;
+        };
+        pack_bt::<L, T>(vrow, n, d, ar.add(a.vt));
+        if wants.dq {
             pack_b::<L, T>(krow, n, d, kp * L::NR, ar.add(a.kp));
+        }
+        if wants.dkv {
             let dp = k.t.dim_pad as usize;
             for x in core::slice::from_raw_parts_mut(ar.add(a.dk), n * dp) {
                 *x = 0.0;
@@ -249,8 +360,6 @@ unsafe fn pack_kv<L: Tile, T: Float>(
             for x in core::slice::from_raw_parts_mut(ar.add(a.dv), n * dp) {
                 *x = 0.0;
             }
-        } else {
-            pack_b::<L, T>(vrow, n, d, kp * L::NR, ar.add(a.vp));
         }
     }
 }
@@ -302,10 +411,33 @@ fn fold_max<L: Lanes>(m: f32, v: L) -> f32 {
     o.into_iter().fold(m, |m, v| if m < v { v } else { m })
 }
 
-/// A block's rows and keys.
+/// A range of a key/value head's keys, `j0..j0 + n`: all of them, or one
+/// block of them (the split backward's dk / dv units). Keys are numbered
+/// from `j0` inside the arena's panels and sums.
+#[derive(Clone, Copy)]
+pub(super) struct Keys {
+    /// The first key.
+    pub(super) j0: usize,
+    /// How many.
+    pub(super) n: usize,
+}
+
+impl Keys {
+    /// Every key of the call.
+    pub(super) fn all<T>(k: &Kern<T>) -> Keys {
+        Keys {
+            j0: 0,
+            n: k.t.seq_kv as usize,
+        }
+    }
+}
+
+/// A block's rows and keys (keys counted from its `Keys`' first).
 #[derive(Clone, Copy)]
 pub(super) struct Block {
-    /// Its first row.
+    /// Its first row (of the query head).
+    pub(super) q0: usize,
+    /// Its first row less the keys' first: the diagonal's offset.
     pub(super) i0: usize,
     /// Its rows.
     pub(super) rows: usize,
@@ -321,45 +453,55 @@ pub(super) struct Block {
     pub(super) steps: Diag,
 }
 
-/// Block `blk`'s rows and keys for microkernel rows `mr`.
+/// Block `blk`'s rows and its keys among `keys`, for microkernel rows `mr`;
+/// None when no row of it sees any of them (causal). Blocks of rows and
+/// of keys both start at multiples of `rows`: a block that sees a key
+/// block's first key starts at or after it.
 #[inline(always)]
-pub(super) fn block_keys<T>(k: &Kern<T>, blk: usize, mr: usize) -> Block {
-    let (sq, skv, r) = (k.t.seq_q as usize, k.t.seq_kv as usize, k.t.rows as usize);
-    let i0 = blk * r;
-    let i1 = (i0 + r).min(sq);
-    let rows = i1 - i0;
+pub(super) fn block_keys<T>(k: &Kern<T>, blk: usize, mr: usize, keys: Keys) -> Option<Block> {
+    let (sq, r) = (k.t.seq_q as usize, k.t.rows as usize);
+    let q0 = blk * r;
+    let rows = (q0 + r).min(sq) - q0;
+    let n = keys.n;
     if !k.causal {
         let (cols, steps) = (Diag::No, Diag::No);
-        return Block {
-            i0,
+        return Some(Block {
+            q0,
+            i0: 0,
             rows,
-            kfull: skv,
-            kend: skv,
-            kmax: skv,
+            kfull: n,
+            kend: n,
+            kmax: n,
             cols,
             steps,
-        };
+        });
     }
-    let kend = i1.min(skv);
-    Block {
+    if q0 + rows <= keys.j0 {
+        return None;
+    }
+    debug_assert!(q0 >= keys.j0, "row and key blocks are aligned");
+    let i0 = q0 - keys.j0;
+    let kend = (i0 + rows).min(n);
+    Some(Block {
+        q0,
         i0,
         rows,
-        kfull: i0.min(skv),
+        kfull: i0.min(n),
         kend,
         kmax: kend.min(i0 + (rows - 1) / mr * mr),
         cols: Diag::Cols(i0),
         steps: Diag::Steps(i0),
-    }
+    })
 }
 
-/// Keys row `i` sees.
+/// Keys of `keys` row `i` of the query head sees (`i >= keys.j0` when
+/// causal).
 #[inline(always)]
-pub(super) fn seen<T>(k: &Kern<T>, i: usize) -> usize {
-    let skv = k.t.seq_kv as usize;
+pub(super) fn seen<T>(k: &Kern<T>, i: usize, keys: Keys) -> usize {
     if k.causal {
-        (i + 1).min(skv)
+        (i + 1 - keys.j0).min(keys.n)
     } else {
-        skv
+        keys.n
     }
 }
 
@@ -413,8 +555,12 @@ unsafe fn forward_block<L: Tile, T: Float>(
         k.t.dim_pad as usize,
     );
     let a = &k.a;
-    let bk = block_keys(k, blk, L::MR);
-    let (i0, rows) = (bk.i0, bk.rows);
+    let keys = Keys::all(k);
+    // Some: every block of rows sees the first key.
+    let Some(bk) = block_keys(k, blk, L::MR, keys) else {
+        return;
+    };
+    let (i0, rows) = (bk.q0, bk.rows);
     let groups = d.div_ceil(GROUP);
     // SAFETY: the block's rows of head h, the arena's buffers (plan.rs).
     unsafe {
@@ -424,7 +570,7 @@ unsafe fn forward_block<L: Tile, T: Float>(
         let s = ar.add(a.s);
         let stat = (b * k.t.heads_q as usize + h) * k.t.seq_q as usize + i0;
         for r in 0..rows {
-            let n = seen(k, i0 + r);
+            let n = seen(k, i0 + r, keys);
             let row = s.add(r * kp);
             let mut m = L::splat(-f32::MAX);
             for j in (0..n).step_by(GROUP) {
@@ -466,7 +612,7 @@ unsafe fn forward_block<L: Tile, T: Float>(
         for r in 0..rows {
             let orow = acc.add(r * dp);
             let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
-            for j in kf..seen(k, i0 + r) {
+            for j in kf..seen(k, i0 + r, keys) {
                 axpy_step::<L>(orow, *s.add(r * kp + j), vp, vstride, j, groups);
             }
             let l = L::splat(*k.sm.add(stat + r));

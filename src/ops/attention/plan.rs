@@ -3,7 +3,10 @@
 //! The forward's units are blocks of `rows` query rows of one query head
 //! (they share nothing: any worker may take any); the backward's are
 //! key/value heads, each summing its keys' gradients over its group's query
-//! heads and rows in one fixed order. A worker takes units `w, w + blocks,
+//! heads and rows in one fixed order — or, with fewer key/value heads than
+//! workers, two phases: blocks of a head's keys (each key's sums in that
+//! same order), then blocks of query rows (dq), recomputing the scores in
+//! each: more work, as many units as the forward's, the same bits. A worker takes units `w, w + blocks,
 //! ...`, so the thread count changes no bit.
 
 use super::*;
@@ -42,8 +45,19 @@ pub struct AttentionTiling {
     /// Blocks per query head: `ceil(seq_q / rows)`.
     pub q_blocks: u32,
     /// Units of work: forward `batch * heads_q * q_blocks`, backward
-    /// `batch * heads_kv`.
+    /// `batch * heads_kv`, split backward `batch * heads_kv * kv_blocks`
+    /// (its first phase).
     pub units: u64,
+    /// The split backward's second phase (dq): `batch * heads_q *
+    /// q_blocks` units; 0 otherwise.
+    pub dq_units: u64,
+    /// Key blocks (of `rows` keys) per key/value head: `ceil(seq_kv /
+    /// rows)`.
+    pub kv_blocks: u32,
+    /// 1: the backward runs in two phases (fewer key/value heads than
+    /// workers): dk and dv per key block, then dq per query block, the
+    /// scores and dP computed in both (the same bits as one pass).
+    pub split: u32,
     /// Workers, each with its arena: `min(ub.blocks, units)`.
     pub blocks: u32,
     /// `NORM_FLAG_SERIAL` for a small call.
@@ -307,12 +321,20 @@ pub(crate) fn plan(inp: &AttentionInputs, ub: &UbConfig) -> Result<AttentionTili
     let ovf = |arg| Error::SizeOverflow { arg };
     let rows = ATTENTION_ROWS as usize;
     let q_blocks = sq.div_ceil(rows);
-    let units = if inp.backward {
-        b.checked_mul(hkv).ok_or(ovf("k"))?
+    let kv_blocks = skv.div_ceil(rows);
+    let q_units = b
+        .checked_mul(hq)
+        .and_then(|x| x.checked_mul(q_blocks))
+        .ok_or(ovf("q"))?;
+    let head_units = b.checked_mul(hkv).ok_or(ovf("k"))?;
+    let split = inp.backward && q_blocks > 0 && kv_blocks > 1 && head_units < ub.blocks as usize;
+    let (units, dq_units) = if split {
+        let kv_units = head_units.checked_mul(kv_blocks).ok_or(ovf("k"))?;
+        (kv_units, q_units)
+    } else if inp.backward {
+        (head_units, 0)
     } else {
-        b.checked_mul(hq)
-            .and_then(|x| x.checked_mul(q_blocks))
-            .ok_or(ovf("q"))?
+        (q_units, 0)
     };
     let kv_pad = skv
         .checked_add(16)
@@ -325,7 +347,7 @@ pub(crate) fn plan(inp: &AttentionInputs, ub: &UbConfig) -> Result<AttentionTili
         .checked_mul(4)
         .and_then(|x| x.checked_next_multiple_of(WORKSPACE_ALIGN))
         .ok_or(ovf("workspace"))?;
-    let blocks = units.clamp(1, ub.blocks.max(1) as usize);
+    let blocks = units.max(dq_units).clamp(1, ub.blocks.max(1) as usize);
     let ws = if units == 0 {
         0
     } else {
@@ -347,6 +369,9 @@ pub(crate) fn plan(inp: &AttentionInputs, ub: &UbConfig) -> Result<AttentionTili
         rows: ATTENTION_ROWS,
         q_blocks: u32::try_from(q_blocks).map_err(|_| ovf("q"))?,
         units: units as u64,
+        dq_units: dq_units as u64,
+        kv_blocks: u32::try_from(kv_blocks).map_err(|_| ovf("k"))?,
+        split: split as u32,
         blocks: blocks as u32,
         flags: if macs <= SERIAL_MAX_MACS {
             NORM_FLAG_SERIAL
