@@ -9,9 +9,12 @@ use crate::ops::matmul::ukernel::{Micro, Tile};
 
 /// B panels of `x^T` for `n` rows of `d` (`x` row `j` at `row(j)`): panel
 /// `c` (columns `c NR ..`) holds `d` steps of NR, rows past `n` zero.
+/// Sixteen rows by sixteen columns at a time through a 16 x 16 transpose
+/// (NR is a multiple of 16: no spill).
 ///
 /// # Safety
-/// The rows hold `d` elements; `dst` holds `d * round_up(n, NR)`.
+/// Inside `L::enter`; the rows hold `d` elements; `dst` holds
+/// `d * round_up(n, NR)`.
 #[inline(always)]
 pub(super) unsafe fn pack_bt<L: Tile, T: Float>(
     row: impl Fn(usize) -> *const T,
@@ -20,31 +23,53 @@ pub(super) unsafe fn pack_bt<L: Tile, T: Float>(
     dst: *mut f32,
 ) {
     let nr = L::NR;
+    let full = d / GROUP * GROUP;
     for c0 in (0..n).step_by(nr) {
         // SAFETY: panel c0 / nr of dst.
         let p = unsafe { dst.add(c0 * d) };
-        for cc in 0..nr {
-            let j = c0 + cc;
-            for dd in 0..d {
-                // SAFETY: row j < n holds d elements; the panel d x nr.
-                unsafe {
-                    *p.add(dd * nr + cc) = if j < n {
-                        (*row(j).add(dd)).to_f32()
+        for k0 in (c0..c0 + nr).step_by(GROUP) {
+            let live = n.saturating_sub(k0).min(GROUP);
+            // Rows past n read row 0 (never stored): no pointer leaves x.
+            let src: [*const T; GROUP] =
+                core::array::from_fn(|r| row(if r < live { k0 + r } else { 0 }));
+            let cc = k0 - c0;
+            for d0 in (0..full).step_by(GROUP) {
+                let m: [L; GROUP] = core::array::from_fn(|r| {
+                    if r < live {
+                        // SAFETY: row k0 + r < n, elements d0..d0 + 16 < d.
+                        T::load::<L>(unsafe { &*(src[r].add(d0) as *const [T; GROUP]) })
                     } else {
-                        0.0
+                        L::splat(0.0)
                     }
-                };
+                });
+                for (t, v) in L::transpose16(&m).iter().enumerate() {
+                    // SAFETY: step d0 + t, columns cc..cc + 16 of the panel.
+                    v.store(unsafe { &mut *(p.add((d0 + t) * nr + cc) as *mut [f32; GROUP]) });
+                }
+            }
+            for dd in full..d {
+                for (r, sp) in src.iter().enumerate() {
+                    // SAFETY: as the contract.
+                    unsafe {
+                        *p.add(dd * nr + cc + r) = if r < live {
+                            (*sp.add(dd)).to_f32()
+                        } else {
+                            0.0
+                        }
+                    };
+                }
             }
         }
     }
 }
 
 /// B panels of `x` (steps: its `n` rows; columns: its `d`): panel `c`
-/// (columns `c NR ..`, zero past `d`) at `c * pstride`.
+/// (columns `c NR ..`, zero past `d`) at `c * pstride`. A step's columns
+/// are a row's: copied (widened) 16 at a time.
 ///
 /// # Safety
-/// The rows hold `d` elements; `dst` holds `round_up(d, NR) / NR` panels of
-/// `pstride >= n NR`.
+/// Inside `L::enter`; the rows hold `d` elements; `dst` holds
+/// `round_up(d, NR) / NR` panels of `pstride >= n NR`.
 #[inline(always)]
 pub(super) unsafe fn pack_b<L: Tile, T: Float>(
     row: impl Fn(usize) -> *const T,
@@ -54,25 +79,39 @@ pub(super) unsafe fn pack_b<L: Tile, T: Float>(
     dst: *mut f32,
 ) {
     let nr = L::NR;
+    let width = d.div_ceil(nr) * nr;
     for j in 0..n {
         let r = row(j);
-        for c0 in (0..d).step_by(nr) {
-            // SAFETY: step j of panel c0 / nr.
-            let p = unsafe { dst.add((c0 / nr) * pstride + j * nr) };
-            for cc in 0..nr {
-                let dd = c0 + cc;
-                // SAFETY: dd < d inside the row; p holds nr.
-                unsafe { *p.add(cc) = if dd < d { (*r.add(dd)).to_f32() } else { 0.0 } };
+        for c0 in (0..width).step_by(GROUP) {
+            // SAFETY: step j of panel c0 / nr, its 16 columns from c0 % nr.
+            let p = unsafe {
+                &mut *(dst.add((c0 / nr) * pstride + j * nr + c0 % nr) as *mut [f32; GROUP])
+            };
+            if c0 + GROUP <= d {
+                // SAFETY: columns c0..c0 + 16 of the row.
+                T::load::<L>(unsafe { &*(r.add(c0) as *const [T; GROUP]) }).store(p);
+                continue;
+            }
+            for (cc, o) in p.iter_mut().enumerate() {
+                *o = if c0 + cc < d {
+                    // SAFETY: c0 + cc < d inside the row.
+                    unsafe { *r.add(c0 + cc) }.to_f32()
+                } else {
+                    0.0
+                };
             }
         }
     }
 }
 
 /// A panels of `rows` rows of `d` (steps: d): group `g` (rows `g MR ..`,
-/// zero past `rows`) at `g * d * MR`.
+/// zero past `rows`) at `g * d * MR`. Sixteen steps at a time through a
+/// 16 x 16 transpose, stored whole with the lanes past MR spilling (as
+/// `pack_a_f32`'s).
 ///
 /// # Safety
-/// The rows hold `d` elements; `dst` holds `round_up(rows, MR) * d`.
+/// Inside `L::enter`; the rows hold `d` elements; `dst` holds
+/// `round_up(rows, MR) * d + 16`.
 #[inline(always)]
 pub(super) unsafe fn pack_a<L: Tile, T: Float>(
     row: impl Fn(usize) -> *const T,
@@ -81,20 +120,31 @@ pub(super) unsafe fn pack_a<L: Tile, T: Float>(
     dst: *mut f32,
 ) {
     let mr = L::MR;
+    let full = d / GROUP * GROUP;
     for g0 in (0..rows).step_by(mr) {
         // SAFETY: group g0 / mr.
         let p = unsafe { dst.add(g0 * d) };
-        for r in 0..mr {
-            let i = g0 + r;
-            for dd in 0..d {
+        let n = mr.min(rows - g0);
+        let src: [*const T; GROUP] = core::array::from_fn(|r| row(g0 + r.min(n - 1)));
+        for d0 in (0..full).step_by(GROUP) {
+            let m: [L; GROUP] = core::array::from_fn(|r| {
+                if r < n {
+                    // SAFETY: row g0 + r < rows, elements d0..d0 + 16 < d.
+                    T::load::<L>(unsafe { &*(src[r].add(d0) as *const [T; GROUP]) })
+                } else {
+                    L::splat(0.0)
+                }
+            });
+            for (t, v) in L::transpose16(&m).iter().enumerate() {
+                // SAFETY: step d0 + t of the group, spilling at most 16 - MR
+                // f32 into what is written next (or the slack).
+                v.store(unsafe { &mut *(p.add((d0 + t) * mr) as *mut [f32; GROUP]) });
+            }
+        }
+        for dd in full..d {
+            for (r, s) in src.iter().enumerate().take(mr) {
                 // SAFETY: as the contract.
-                unsafe {
-                    *p.add(dd * mr + r) = if i < rows {
-                        (*row(i).add(dd)).to_f32()
-                    } else {
-                        0.0
-                    }
-                };
+                unsafe { *p.add(dd * mr + r) = if r < n { (*s.add(dd)).to_f32() } else { 0.0 } };
             }
         }
     }

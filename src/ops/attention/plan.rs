@@ -148,9 +148,9 @@ fn arena(r: usize, kp: usize, dp: usize, d: usize, backward: bool) -> Option<Are
     let mut a = Arena {
         kt: take(dkp)?,
         vp: take(kpd)?,
-        qa: take(d.checked_mul(r))?,
+        // 16 f32 of slack after each vector-packed buffer: the last spill.
+        qa: take(d.checked_mul(r).and_then(|x| x.checked_add(16)))?,
         s: take(r.checked_mul(kp))?,
-        // 16 f32 of slack: the vector packs' last spill.
         pa: take(kp.checked_mul(r).and_then(|x| x.checked_add(16)))?,
         acc: take(r.checked_mul(dp))?,
         ..Arena::default()
@@ -158,7 +158,7 @@ fn arena(r: usize, kp: usize, dp: usize, d: usize, backward: bool) -> Option<Are
     if backward {
         a.vt = take(dkp)?;
         a.kp = take(kpd)?;
-        a.doa = take(d.checked_mul(r))?;
+        a.doa = take(d.checked_mul(r).and_then(|x| x.checked_add(16)))?;
         a.qb = take(r.checked_mul(dp))?;
         a.dob = take(r.checked_mul(dp))?;
         a.dp = take(r.checked_mul(kp))?;
