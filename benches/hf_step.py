@@ -34,6 +34,15 @@ max_grad_norm=1.0)`` (no masters: the params are float32). ``--linear`` is
 ``hf.patch``'s (``auto``: the route's rule). Per
 variant the step and its parts (forward + backward, clip, optimizer step):
     taskset -c 0 python benches/hf_step.py --recipe trainer --threads 1
+
+The allocator moves the ratio: stock's step frees and re-allocates buffers
+above glibc's largest heap size (32 MiB: float32 grads of the embedding and
+LM head, the logits, autocast's weight copies) every step, and each comes
+back from the kernel as fresh zeroed pages. ``--malloc retain`` runs every
+child with glibc keeping freed memory (``MALLOC_MMAP_MAX_=0``,
+``MALLOC_TRIM_THRESHOLD_`` unbounded), which is what jemalloc or tcmalloc
+(preloaded by IPEX's and torch's CPU launchers) also do; ``--malloc
+PATH`` preloads the allocator at PATH (``LD_PRELOAD``).
 """
 
 import argparse
@@ -140,17 +149,22 @@ def child(args):
 def driver(args):
     passthrough = []
     for k, v in vars(args).items():
-        if k in ("runs", "child") or v is False:
+        if k in ("runs", "child", "malloc") or v is False:
             continue
         flag = "--" + k.replace("_", "-")
         passthrough += [flag] if v is True else [flag, str(v)]
     variants = ("stock", "patched", "patched_autocast", "stock_f32", "patched_f32") if args.recipe == "trainer" \
         else ("stock", "patched")
     results = {v: [] for v in variants}
+    env = dict(os.environ)
+    if args.malloc == "retain":
+        env.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(1 << 62))
+    elif args.malloc != "glibc":
+        env["LD_PRELOAD"] = args.malloc
     for _ in range(args.runs):
         for variant in variants:
             out = subprocess.run([sys.executable, __file__, *passthrough, "--child", variant], check=True,
-                                 capture_output=True, text=True)
+                                 capture_output=True, text=True, env=env)
             results[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
     ms = {v: statistics.median(r["ms"] for r in rs) for v, rs in results.items()}
     mem = {v: statistics.median(r["extra_mib"] for r in rs) for v, rs in results.items()}
@@ -158,7 +172,7 @@ def driver(args):
     first = results["patched"][0]
     print(f"hidden {args.hidden}, {args.layers} layers, seq {args.seq} x batch {args.batch}, vocab {args.vocab}, "
           f"bf16, sdpa, {first['threads']} thread(s), torch {first['torch']}; patched counts {first['counts']}")
-    print(f"recipe {args.recipe}")
+    print(f"recipe {args.recipe}, malloc {args.malloc}")
     print(f"{'variant':16} {'step ms (median of ' + str(args.runs) + ' processes)':>38} {'all runs':>24} "
           f"{'fwd+bwd':>8} {'clip':>6} {'opt':>6} {'peak extra MiB':>16} {'peak total MiB':>15}")
     for v in variants:
@@ -193,6 +207,9 @@ def main():
     p.add_argument("--clock", choices=("wall", "process"), default="wall",
                    help="process: the process's CPU time (with --threads 1 the step's own time even on a machine "
                         "busy with other work; page faults count, waiting does not)")
+    p.add_argument("--malloc", default="glibc",
+                   help="the children's allocator: glibc (its defaults), retain (glibc keeping freed memory), "
+                        "or the path of an allocator to preload (libjemalloc.so.2, libtcmalloc.so.4)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args()
