@@ -4,7 +4,7 @@
 //! sums `dk += dS^T q`, `dv += P^T dout` carried in the arena, rounded at
 //! the end.
 
-use super::cpu::{block_keys, put, scaled, scores, seen, Block, Heads, Kern, Keys};
+use super::cpu::{block_keys, put, scaled, scores, seen, Block, Dims, Heads, Kern, Keys};
 use super::panels::{axpy_step, gemm, group_steps, pack_a, pack_a_f32, pack_at_f32, pack_b, Diag};
 use super::*;
 use crate::lanes::math::exp_nonpos;
@@ -26,7 +26,7 @@ pub(super) unsafe fn row_dots<L: Lanes, T: Float>(
     rows: usize,
 ) -> [f32; ROWS_PAD] {
     let mut dots = [0f32; ROWS_PAD];
-    let d = k.t.head_dim as usize;
+    let d = k.dims().d;
     for g0 in (0..rows).step_by(GROUP) {
         let w = (rows - g0).min(GROUP);
         // SAFETY: rows i0 + g0 + r < seq_q of head h.
@@ -78,11 +78,7 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
     keys: Keys,
     wants: Wants,
 ) {
-    let (d, kp, dp) = (
-        k.t.head_dim as usize,
-        k.t.kv_pad as usize,
-        k.t.dim_pad as usize,
-    );
+    let Dims { d, kp, dp } = k.dims();
     let a = &k.a;
     // None: no row of the block sees these keys.
     let Some(bk) = block_keys(k, blk, L::MR, keys) else {
@@ -196,11 +192,7 @@ unsafe fn dq_rows<L: Tile, T: Float>(
     bk: &Block,
     keys: Keys,
 ) {
-    let (d, kp, dp) = (
-        k.t.head_dim as usize,
-        k.t.kv_pad as usize,
-        k.t.dim_pad as usize,
-    );
+    let Dims { d, kp, dp } = k.dims();
     let (a, rows, q0) = (&k.a, bk.rows, bk.q0);
     let groups = d.div_ceil(GROUP);
     let scale = L::splat(k.scale);
@@ -251,7 +243,7 @@ pub(super) unsafe fn backward_finish<L: Tile, T: Float>(
     hkv: usize,
     keys: Keys,
 ) {
-    let (d, dp, n) = (k.t.head_dim as usize, k.t.dim_pad as usize, keys.n);
+    let (Dims { d, dp, .. }, n) = (k.dims(), keys.n);
     let groups = d.div_ceil(GROUP);
     let scale = L::splat(k.scale);
     // SAFETY: the sums' rows j < seq_kv; dk, dv rows of head hkv.

@@ -95,6 +95,29 @@ pub(super) struct Kern<T> {
 // disjoint outputs and each worker its own arena.
 unsafe impl<T> Sync for Kern<T> {}
 
+/// A head's sizes as the blocks index with them.
+#[derive(Clone, Copy)]
+pub(super) struct Dims {
+    /// The head dim.
+    pub(super) d: usize,
+    /// Keys rounded for the packed panels (`AttentionTiling::kv_pad`).
+    pub(super) kp: usize,
+    /// The head dim rounded up to 32 (`AttentionTiling::dim_pad`).
+    pub(super) dp: usize,
+}
+
+impl<T> Kern<T> {
+    /// The tiling's head sizes.
+    #[inline(always)]
+    pub(super) fn dims(&self) -> Dims {
+        Dims {
+            d: self.t.head_dim as usize,
+            kp: self.t.kv_pad as usize,
+            dp: self.t.dim_pad as usize,
+        }
+    }
+}
+
 unsafe fn run<L: Tile, T: Float>(call: &AttentionCall, runner: &dyn Runner) {
     let t = call.tiling;
     let backward = call.backward != 0;
@@ -336,7 +359,7 @@ unsafe fn pack_kv<L: Tile, T: Float>(
     keys: Keys,
     wants: Option<Wants>,
 ) {
-    let (n, d, kp) = (keys.n, k.t.head_dim as usize, k.t.kv_pad as usize);
+    let (n, Dims { d, kp, dp }) = (keys.n, k.dims());
     let a = &k.a;
     // SAFETY: rows keys.j0 + j < seq_kv of head hkv; the arena's buffers
     // (plan.rs).
@@ -353,7 +376,6 @@ unsafe fn pack_kv<L: Tile, T: Float>(
             pack_b::<L, T>(krow, n, d, kp * L::NR, ar.add(a.kp));
         }
         if wants.dkv {
-            let dp = k.t.dim_pad as usize;
             for x in core::slice::from_raw_parts_mut(ar.add(a.dk), n * dp) {
                 *x = 0.0;
             }
@@ -519,7 +541,7 @@ pub(super) unsafe fn scores<L: Tile, T>(
     panels: usize,
     diag: Diag,
 ) {
-    let (d, kp) = (k.t.head_dim as usize, k.t.kv_pad as usize);
+    let Dims { d, kp, .. } = k.dims();
     // SAFETY: the arena's buffers.
     unsafe {
         gemm::<L>(
@@ -549,11 +571,7 @@ unsafe fn forward_block<L: Tile, T: Float>(
     h: usize,
     blk: usize,
 ) {
-    let (d, kp, dp) = (
-        k.t.head_dim as usize,
-        k.t.kv_pad as usize,
-        k.t.dim_pad as usize,
-    );
+    let Dims { d, kp, dp } = k.dims();
     let a = &k.a;
     let keys = Keys::all(k);
     // Some: every block of rows sees the first key.

@@ -7,10 +7,48 @@ use super::*;
 use crate::lanes::GROUP;
 use crate::ops::matmul::ukernel::{Micro, Tile};
 
+/// Sixteen rows (the first `live` real, the rest zero) by `steps` steps,
+/// transposed into a panel: step `k`'s lanes (one per row) at `out(k)`.
+/// Sixteen steps at a time through a 16 x 16 transpose, each step's 16
+/// lanes stored whole (past a `width` < 16 they spill into the step
+/// written next, or into the buffer's slack); the steps past the last 16
+/// element by element, `width` lanes each. `load(r, k0)`: row `r`'s 16
+/// steps from `k0`, widened; `elem(r, k)`: one.
+///
+/// # Safety
+/// Inside `L::enter`; `out(k)` is writable for 16 f32 (steps in sets of
+/// 16) or `width` (the rest); `load` and `elem` are called for live rows
+/// and steps inside `0..steps` only.
+#[inline(always)]
+unsafe fn transposed<L: Tile>(
+    live: usize,
+    steps: usize,
+    width: usize,
+    load: impl Fn(usize, usize) -> L,
+    elem: impl Fn(usize, usize) -> f32,
+    out: impl Fn(usize) -> *mut f32,
+) {
+    let full = steps / GROUP * GROUP;
+    for k0 in (0..full).step_by(GROUP) {
+        let m: [L; GROUP] =
+            core::array::from_fn(|r| if r < live { load(r, k0) } else { L::splat(0.0) });
+        for (t, v) in L::transpose16(&m).iter().enumerate() {
+            // SAFETY: step k0 + t's 16 lanes (the contract).
+            v.store(unsafe { &mut *(out(k0 + t) as *mut [f32; GROUP]) });
+        }
+    }
+    for k in full..steps {
+        let o = out(k);
+        for r in 0..width {
+            // SAFETY: step k's `width` lanes (the contract).
+            unsafe { *o.add(r) = if r < live { elem(r, k) } else { 0.0 } };
+        }
+    }
+}
+
 /// B panels of `x^T` for `n` rows of `d` (`x` row `j` at `row(j)`): panel
-/// `c` (columns `c NR ..`) holds `d` steps of NR, rows past `n` zero.
-/// Sixteen rows by sixteen columns at a time through a 16 x 16 transpose
-/// (NR is a multiple of 16: no spill).
+/// `c` (columns `c NR ..`) holds `d` steps of NR, rows past `n` zero;
+/// `transposed` sixteen rows at a time (NR is a multiple of 16: no spill).
 ///
 /// # Safety
 /// Inside `L::enter`; the rows hold `d` elements; `dst` holds
@@ -23,42 +61,27 @@ pub(super) unsafe fn pack_bt<L: Tile, T: Float>(
     dst: *mut f32,
 ) {
     let nr = L::NR;
-    let full = d / GROUP * GROUP;
     for c0 in (0..n).step_by(nr) {
-        // SAFETY: panel c0 / nr of dst.
-        let p = unsafe { dst.add(c0 * d) };
         for k0 in (c0..c0 + nr).step_by(GROUP) {
             let live = n.saturating_sub(k0).min(GROUP);
-            // Rows past n read row 0 (never stored): no pointer leaves x.
+            // Rows past n read row 0 (never loaded): no pointer leaves x.
             let src: [*const T; GROUP] =
                 core::array::from_fn(|r| row(if r < live { k0 + r } else { 0 }));
-            let cc = k0 - c0;
-            for d0 in (0..full).step_by(GROUP) {
-                let m: [L; GROUP] = core::array::from_fn(|r| {
-                    if r < live {
-                        // SAFETY: row k0 + r < n, elements d0..d0 + 16 < d.
-                        T::load::<L>(unsafe { &*(src[r].add(d0) as *const [T; GROUP]) })
-                    } else {
-                        L::splat(0.0)
-                    }
-                });
-                for (t, v) in L::transpose16(&m).iter().enumerate() {
-                    // SAFETY: step d0 + t, columns cc..cc + 16 of the panel.
-                    v.store(unsafe { &mut *(p.add((d0 + t) * nr + cc) as *mut [f32; GROUP]) });
-                }
-            }
-            for dd in full..d {
-                for (r, sp) in src.iter().enumerate() {
-                    // SAFETY: as the contract.
-                    unsafe {
-                        *p.add(dd * nr + cc + r) = if r < live {
-                            (*sp.add(dd)).to_f32()
-                        } else {
-                            0.0
-                        }
-                    };
-                }
-            }
+            // SAFETY: rows k0 + r < n, steps < d; step t's 16 columns from
+            // k0 of panel c0 / nr.
+            unsafe {
+                transposed::<L>(
+                    live,
+                    d,
+                    GROUP,
+                    #[inline(always)]
+                    |r, d0| T::load::<L>(&*(src[r].add(d0) as *const [T; GROUP])),
+                    #[inline(always)]
+                    |r, t| (*src[r].add(t)).to_f32(),
+                    #[inline(always)]
+                    |t| dst.add(c0 * d + t * nr + k0 - c0),
+                )
+            };
         }
     }
 }
@@ -105,9 +128,7 @@ pub(super) unsafe fn pack_b<L: Tile, T: Float>(
 }
 
 /// A panels of `rows` rows of `d` (steps: d): group `g` (rows `g MR ..`,
-/// zero past `rows`) at `g * d * MR`. Sixteen steps at a time through a
-/// 16 x 16 transpose, stored whole with the lanes past MR spilling (as
-/// `pack_a_f32`'s).
+/// zero past `rows`) at `g * d * MR`, `transposed` (spilling past MR).
 ///
 /// # Safety
 /// Inside `L::enter`; the rows hold `d` elements; `dst` holds
@@ -120,42 +141,31 @@ pub(super) unsafe fn pack_a<L: Tile, T: Float>(
     dst: *mut f32,
 ) {
     let mr = L::MR;
-    let full = d / GROUP * GROUP;
     for g0 in (0..rows).step_by(mr) {
-        // SAFETY: group g0 / mr.
-        let p = unsafe { dst.add(g0 * d) };
         let n = mr.min(rows - g0);
         let src: [*const T; GROUP] = core::array::from_fn(|r| row(g0 + r.min(n - 1)));
-        for d0 in (0..full).step_by(GROUP) {
-            let m: [L; GROUP] = core::array::from_fn(|r| {
-                if r < n {
-                    // SAFETY: row g0 + r < rows, elements d0..d0 + 16 < d.
-                    T::load::<L>(unsafe { &*(src[r].add(d0) as *const [T; GROUP]) })
-                } else {
-                    L::splat(0.0)
-                }
-            });
-            for (t, v) in L::transpose16(&m).iter().enumerate() {
-                // SAFETY: step d0 + t of the group, spilling at most 16 - MR
-                // f32 into what is written next (or the slack).
-                v.store(unsafe { &mut *(p.add((d0 + t) * mr) as *mut [f32; GROUP]) });
-            }
-        }
-        for dd in full..d {
-            for (r, s) in src.iter().enumerate().take(mr) {
-                // SAFETY: as the contract.
-                unsafe { *p.add(dd * mr + r) = if r < n { (*s.add(dd)).to_f32() } else { 0.0 } };
-            }
-        }
+        // SAFETY: rows g0 + r < rows, steps < d; group g0 / mr's steps.
+        unsafe {
+            transposed::<L>(
+                n,
+                d,
+                mr,
+                #[inline(always)]
+                |r, d0| T::load::<L>(&*(src[r].add(d0) as *const [T; GROUP])),
+                #[inline(always)]
+                |r, t| (*src[r].add(t)).to_f32(),
+                #[inline(always)]
+                |t| dst.add(g0 * d + t * mr),
+            )
+        };
     }
 }
 
 /// A panels (rows: the block's `rows`, steps: columns `0..steps`) of the f32
 /// block `s` (row stride `ld`): group `g` at `g * steps * MR`, holding its
-/// `group_steps` (`diag`). Sixteen steps
-/// at a time through a 16 x 16 transpose, each step's 16 lanes stored whole
-/// (the lanes past MR spill into the next step, written next, or past the
-/// group: into the next group or the buffer's 16 f32 of slack).
+/// `group_steps` (`diag`), `transposed` (spilling past MR: into the next
+/// step, or past the group into the next group or the buffer's 16 f32 of
+/// slack).
 ///
 /// # Safety
 /// Inside `L::enter`; `s` holds the rows' steps (rows readable 16 past
@@ -171,38 +181,24 @@ pub(super) unsafe fn pack_a_f32<L: Tile>(
 ) {
     let mr = L::MR;
     for g0 in (0..rows).step_by(mr) {
-        // SAFETY: group g0 / mr (its stride: `steps`, whatever it holds).
-        let p = unsafe { dst.add(g0 * steps) };
-        let steps = group_steps(diag, steps, g0);
-        let full = steps / GROUP * GROUP;
-        let n = mr.min(rows - g0);
-        for j0 in (0..full).step_by(GROUP) {
-            let m: [L; GROUP] = core::array::from_fn(|r| {
-                if r < n {
-                    // SAFETY: row g0 + r < rows, columns j0..j0 + 16 < steps.
-                    L::load(unsafe { &*(s.add((g0 + r) * ld + j0) as *const [f32; GROUP]) })
-                } else {
-                    L::splat(0.0)
-                }
-            });
-            for (t, v) in L::transpose16(&m).iter().enumerate() {
-                // SAFETY: step j0 + t of the group, spilling at most 16 - MR
-                // f32 into what is written next (or the slack).
-                v.store(unsafe { &mut *(p.add((j0 + t) * mr) as *mut [f32; GROUP]) });
-            }
-        }
-        for j in full..steps {
-            for r in 0..mr {
-                // SAFETY: as the contract.
-                unsafe {
-                    *p.add(j * mr + r) = if r < n {
-                        *s.add((g0 + r) * ld + j)
-                    } else {
-                        0.0
-                    }
-                };
-            }
-        }
+        // The group's stride is `steps`, whatever it holds.
+        let p = dst.wrapping_add(g0 * steps);
+        let row = |r: usize| s.wrapping_add((g0 + r) * ld);
+        // SAFETY: rows g0 + r < rows, columns < the group's steps; the
+        // group's panel.
+        unsafe {
+            transposed::<L>(
+                mr.min(rows - g0),
+                group_steps(diag, steps, g0),
+                mr,
+                #[inline(always)]
+                |r, j0| L::load(&*(row(r).add(j0) as *const [f32; GROUP])),
+                #[inline(always)]
+                |r, j| *row(r).add(j),
+                #[inline(always)]
+                |j| p.add(j * mr),
+            )
+        };
     }
 }
 
