@@ -122,24 +122,32 @@ bool any_requires_grad(std::initializer_list<const Tensor *> ts) {
   return false;
 }
 
-// Whether a forward must record a graph node (what register_autograd's
-// kernel asked: grad mode on and any input requiring grad).
-bool recording(std::initializer_list<const Tensor *> ts) {
-  return c10::GradMode::is_enabled() && any_requires_grad(ts);
-}
-
 // Forward-mode AD: the ops have no jvp formula (register_autograd's Function
 // raised NotImplementedError on a dual input that requires grad; a C++
-// Function would raise a RuntimeError from deep inside apply).
+// Function would raise a RuntimeError from deep inside apply). Checked on
+// every call, not only when recording: a dual input that does not require
+// grad (torch.func.jvp's, or make_dual of a plain tensor) would otherwise
+// run below autograd and return outputs without tangents, which jvp reads
+// as zeros.
 void no_forward_ad(const char *op, std::initializer_list<const Tensor *> ts) {
   for (const Tensor *t : ts)
     TORCH_CHECK_NOT_IMPLEMENTED(!t->defined() || !t->_fw_grad(/*level=*/0).defined(), "npukern::", op,
                                 " has no forward-mode AD formula (jvp)");
 }
 
+// Whether op's forward must record a graph node (what register_autograd's
+// kernel asked: grad mode on and any input requiring grad), after refusing
+// a forward-mode tangent.
+bool recording(const char *op, std::initializer_list<const Tensor *> ts) {
+  no_forward_ad(op, ts);
+  return c10::GradMode::is_enabled() && any_requires_grad(ts);
+}
+
 // True inside a create_graph=True backward that must record how the
 // gradients depend on their inputs.
-bool building_graph(std::initializer_list<const Tensor *> ts) { return recording(ts); }
+bool building_graph(std::initializer_list<const Tensor *> ts) {
+  return c10::GradMode::is_enabled() && any_requires_grad(ts);
+}
 
 // The kernel's dgamma is f32 (the main-grad dtype); autograd needs gamma's.
 Tensor cast_dgamma(const Tensor &dgamma, const Tensor &gamma) {
@@ -187,11 +195,10 @@ struct RmsNorm : Function<RmsNorm> {
 
 T2 rms_norm(c10::DispatchKeySet ks, const Tensor &x, const Tensor &gamma, double eps, double offset,
             bool cast_before_gamma) {
-  if (!recording({&x, &gamma})) {
+  if (!recording("rms_norm", {&x, &gamma})) {
     Below guard;
     return rms_norm_op().redispatch(ks & kBelow, x, gamma, eps, offset, cast_before_gamma);
   }
-  no_forward_ad("rms_norm", {&x, &gamma});
   Tensor rstd;
   variable_list out = RmsNorm::apply(x, gamma, eps, offset, cast_before_gamma, &rstd);
   return {out[0], rstd};
@@ -225,11 +232,10 @@ struct AddRmsNorm : Function<AddRmsNorm> {
 
 T3 add_rms_norm(c10::DispatchKeySet ks, const Tensor &x1, const Tensor &x2, const Tensor &gamma, double eps,
                 double offset, bool cast_before_gamma) {
-  if (!recording({&x1, &x2, &gamma})) {
+  if (!recording("add_rms_norm", {&x1, &x2, &gamma})) {
     Below guard;
     return add_rms_norm_op().redispatch(ks & kBelow, x1, x2, gamma, eps, offset, cast_before_gamma);
   }
-  no_forward_ad("add_rms_norm", {&x1, &x2, &gamma});
   Tensor rstd;
   variable_list out = AddRmsNorm::apply(x1, x2, gamma, eps, offset, cast_before_gamma, &rstd);
   return {out[0], rstd, out[1]};
@@ -263,7 +269,7 @@ struct AddRmsNormInPlace : Function<AddRmsNormInPlace> {
 
 T2 add_rms_norm_(c10::DispatchKeySet ks, Tensor &x1, const Tensor &x2, const Tensor &gamma, double eps,
                  double offset, bool cast_before_gamma) {
-  const bool rec = recording({&x1, &x2, &gamma});
+  const bool rec = recording("add_rms_norm_", {&x1, &x2, &gamma});
   // torch's in-place rules (no leaf requiring grad, no view autograd cannot
   // rebase), checked before anything is written.
   torch::autograd::check_inplace(x1, rec);
@@ -276,7 +282,6 @@ T2 add_rms_norm_(c10::DispatchKeySet ks, Tensor &x1, const Tensor &x2, const Ten
     return add_rms_norm_inplace_op().redispatch(ks & c10::after_autograd_keyset, x1, x2, gamma, eps, offset,
                                                 cast_before_gamma);
   }
-  no_forward_ad("add_rms_norm_", {&x1, &x2, &gamma});
   Tensor rstd;
   variable_list out = AddRmsNormInPlace::apply(x1, x2, gamma, eps, offset, cast_before_gamma, &rstd);
   // apply has rebased x1's history; compiled autograd refuses a node whose
@@ -325,11 +330,10 @@ struct Embedding : Function<Embedding> {
 
 Tensor embedding(c10::DispatchKeySet ks, const Tensor &weight, const Tensor &indices, SymInt padding_idx,
                  bool scale_grad_by_freq) {
-  if (!recording({&weight, &indices})) {
+  if (!recording("embedding", {&weight, &indices})) {
     Below guard;
     return embedding_op().redispatch(ks & kBelow, weight, indices, std::move(padding_idx), scale_grad_by_freq);
   }
-  no_forward_ad("embedding", {&weight, &indices});
   return Embedding::apply(weight, indices, std::move(padding_idx), scale_grad_by_freq)[0];
 }
 
@@ -363,12 +367,11 @@ struct EmbeddingShard : Function<EmbeddingShard> {
 
 Tensor embedding_shard(c10::DispatchKeySet ks, const Tensor &weight, const Tensor &indices, SymInt num_embeddings,
                        SymInt vocab_start, SymInt padding_idx, bool scale_grad_by_freq) {
-  if (!recording({&weight, &indices})) {
+  if (!recording("embedding_shard", {&weight, &indices})) {
     Below guard;
     return embedding_shard_op().redispatch(ks & kBelow, weight, indices, std::move(num_embeddings),
                                            std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
   }
-  no_forward_ad("embedding_shard", {&weight, &indices});
   return EmbeddingShard::apply(weight, indices, std::move(num_embeddings), std::move(vocab_start),
                                std::move(padding_idx), scale_grad_by_freq)[0];
 }
@@ -411,12 +414,11 @@ struct DenseGrad : Function<DenseGrad> {
 
 Tensor embedding_dense_backward(c10::DispatchKeySet ks, const Tensor &grad, const Tensor &indices,
                                 SymInt num_weights, SymInt padding_idx, bool scale_grad_by_freq) {
-  if (!recording({&grad, &indices})) {
+  if (!recording("embedding_dense_backward", {&grad, &indices})) {
     Below guard;
     return dense_grad_op().redispatch(ks & kBelow, grad, indices, std::move(num_weights), std::move(padding_idx),
                                       scale_grad_by_freq);
   }
-  no_forward_ad("embedding_dense_backward", {&grad, &indices});
   return DenseGrad::apply(grad, indices, std::move(num_weights), std::move(padding_idx), scale_grad_by_freq)[0];
 }
 
@@ -441,12 +443,11 @@ struct DenseGradShard : Function<DenseGradShard> {
 Tensor embedding_dense_backward_shard(c10::DispatchKeySet ks, const Tensor &grad, const Tensor &indices,
                                       SymInt num_weights, SymInt vocab_start, SymInt padding_idx,
                                       bool scale_grad_by_freq) {
-  if (!recording({&grad, &indices})) {
+  if (!recording("embedding_dense_backward_shard", {&grad, &indices})) {
     Below guard;
     return dense_grad_shard_op().redispatch(ks & kBelow, grad, indices, std::move(num_weights),
                                             std::move(vocab_start), std::move(padding_idx), scale_grad_by_freq);
   }
-  no_forward_ad("embedding_dense_backward_shard", {&grad, &indices});
   return DenseGradShard::apply(grad, indices, std::move(num_weights), std::move(vocab_start), std::move(padding_idx),
                                scale_grad_by_freq)[0];
 }
@@ -477,11 +478,10 @@ struct RmsNormBackward : Function<RmsNormBackward> {
 
 T2 rms_norm_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, const Tensor &gamma,
                      const Tensor &rstd, double offset) {
-  if (!recording({&dy, &x, &gamma, &rstd})) {
+  if (!recording("rms_norm_backward", {&dy, &x, &gamma, &rstd})) {
     Below guard;
     return rms_norm_backward_op().redispatch(ks & kBelow, dy, x, gamma, rstd, offset);
   }
-  no_forward_ad("rms_norm_backward", {&dy, &x, &gamma, &rstd});
   variable_list out = RmsNormBackward::apply(dy, x, gamma, rstd, offset);
   return {out[0], out[1]};
 }
@@ -498,11 +498,10 @@ struct AddRmsNormBackward : Function<AddRmsNormBackward> {
 
 T2 add_rms_norm_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x_sum, const Tensor &gamma,
                          const Tensor &rstd, const Tensor &dx_sum, double offset) {
-  if (!recording({&dy, &x_sum, &gamma, &rstd, &dx_sum})) {
+  if (!recording("add_rms_norm_backward", {&dy, &x_sum, &gamma, &rstd, &dx_sum})) {
     Below guard;
     return add_rms_norm_backward_op().redispatch(ks & kBelow, dy, x_sum, gamma, rstd, dx_sum, offset);
   }
-  no_forward_ad("add_rms_norm_backward", {&dy, &x_sum, &gamma, &rstd, &dx_sum});
   variable_list out = AddRmsNormBackward::apply(dy, x_sum, gamma, rstd, dx_sum, offset);
   return {out[0], out[1]};
 }
@@ -516,11 +515,10 @@ struct SwigluBackward : Function<SwigluBackward> {
 };
 
 Tensor swiglu_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, int64_t dim, bool eager) {
-  if (!recording({&dy, &x})) {
+  if (!recording("swiglu_backward", {&dy, &x})) {
     Below guard;
     return swiglu_backward_op().redispatch(ks & kBelow, dy, x, dim, eager);
   }
-  no_forward_ad("swiglu_backward", {&dy, &x});
   return SwigluBackward::apply(dy, x, dim, eager)[0];
 }
 
@@ -535,11 +533,10 @@ struct SiluMulBackward : Function<SiluMulBackward> {
 };
 
 T2 silu_mul_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &gate, const Tensor &up, bool eager) {
-  if (!recording({&dy, &gate, &up})) {
+  if (!recording("silu_mul_backward", {&dy, &gate, &up})) {
     Below guard;
     return silu_mul_backward_op().redispatch(ks & kBelow, dy, gate, up, eager);
   }
-  no_forward_ad("silu_mul_backward", {&dy, &gate, &up});
   variable_list out = SiluMulBackward::apply(dy, gate, up, eager);
   return {out[0], out[1]};
 }
@@ -567,11 +564,10 @@ struct Swiglu : Function<Swiglu> {
 };
 
 Tensor swiglu(c10::DispatchKeySet ks, const Tensor &x, int64_t dim, bool eager) {
-  if (!recording({&x})) {
+  if (!recording("swiglu", {&x})) {
     Below guard;
     return swiglu_op().redispatch(ks & kBelow, x, dim, eager);
   }
-  no_forward_ad("swiglu", {&x});
   return Swiglu::apply(x, dim, eager)[0];
 }
 
@@ -597,11 +593,10 @@ struct SiluMul : Function<SiluMul> {
 };
 
 Tensor silu_mul(c10::DispatchKeySet ks, const Tensor &gate, const Tensor &up, bool eager) {
-  if (!recording({&gate, &up})) {
+  if (!recording("silu_mul", {&gate, &up})) {
     Below guard;
     return silu_mul_op().redispatch(ks & kBelow, gate, up, eager);
   }
-  no_forward_ad("silu_mul", {&gate, &up});
   return SiluMul::apply(gate, up, eager)[0];
 }
 
@@ -621,11 +616,10 @@ struct GegluBackward : Function<GegluBackward> {
 
 Tensor geglu_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &x, int64_t dim, int64_t approximate,
                       bool activate_left, bool eager) {
-  if (!recording({&dy, &x})) {
+  if (!recording("geglu_backward", {&dy, &x})) {
     Below guard;
     return geglu_backward_op().redispatch(ks & kBelow, dy, x, dim, approximate, activate_left, eager);
   }
-  no_forward_ad("geglu_backward", {&dy, &x});
   return GegluBackward::apply(dy, x, dim, approximate, activate_left, eager)[0];
 }
 
@@ -641,11 +635,10 @@ struct GeluMulBackward : Function<GeluMulBackward> {
 
 T2 gelu_mul_backward(c10::DispatchKeySet ks, const Tensor &dy, const Tensor &gate, const Tensor &up,
                      int64_t approximate, bool eager) {
-  if (!recording({&dy, &gate, &up})) {
+  if (!recording("gelu_mul_backward", {&dy, &gate, &up})) {
     Below guard;
     return gelu_mul_backward_op().redispatch(ks & kBelow, dy, gate, up, approximate, eager);
   }
-  no_forward_ad("gelu_mul_backward", {&dy, &gate, &up});
   variable_list out = GeluMulBackward::apply(dy, gate, up, approximate, eager);
   return {out[0], out[1]};
 }
@@ -690,11 +683,10 @@ struct Geglu : Function<Geglu> {
 
 T2 geglu(c10::DispatchKeySet ks, const Tensor &x, int64_t dim, int64_t approximate, bool activate_left,
          bool eager) {
-  if (!recording({&x})) {
+  if (!recording("geglu", {&x})) {
     Below guard;
     return geglu_op().redispatch(ks & kBelow, x, dim, approximate, activate_left, eager);
   }
-  no_forward_ad("geglu", {&x});
   variable_list out = Geglu::apply(x, dim, approximate, activate_left, eager);
   return {out[0], out[1]};
 }
@@ -724,11 +716,10 @@ struct GeluMul : Function<GeluMul> {
 };
 
 Tensor gelu_mul(c10::DispatchKeySet ks, const Tensor &gate, const Tensor &up, int64_t approximate, bool eager) {
-  if (!recording({&gate, &up})) {
+  if (!recording("gelu_mul", {&gate, &up})) {
     Below guard;
     return gelu_mul_op().redispatch(ks & kBelow, gate, up, approximate, eager);
   }
-  no_forward_ad("gelu_mul", {&gate, &up});
   return GeluMul::apply(gate, up, approximate, eager)[0];
 }
 
@@ -783,11 +774,10 @@ struct RotaryMul : Function<RotaryMul> {
 
 Tensor rotary_mul(c10::DispatchKeySet ks, const Tensor &x, const Tensor &cos, const Tensor &sin, bool eager,
                   bool backward) {
-  if (!recording({&x, &cos, &sin})) {
+  if (!recording("rotary_mul", {&x, &cos, &sin})) {
     Below guard;
     return rotary_mul_op().redispatch(ks & kBelow, x, cos, sin, eager, backward);
   }
-  no_forward_ad("rotary_mul", {&x, &cos, &sin});
   return RotaryMul::apply(x, cos, sin, eager, backward)[0];
 }
 
@@ -815,11 +805,10 @@ struct RopeQk : Function<RopeQk> {
 
 T2 rope_qk(c10::DispatchKeySet ks, const Tensor &q, const Tensor &k, const Tensor &cos, const Tensor &sin, bool eager,
            bool backward) {
-  if (!recording({&q, &k, &cos, &sin})) {
+  if (!recording("rope_qk", {&q, &k, &cos, &sin})) {
     Below guard;
     return rope_qk_op().redispatch(ks & kBelow, q, k, cos, sin, eager, backward);
   }
-  no_forward_ad("rope_qk", {&q, &k, &cos, &sin});
   variable_list out = RopeQk::apply(q, k, cos, sin, eager, backward);
   return {out[0], out[1]};
 }
@@ -912,12 +901,11 @@ T2 cross_entropy(c10::DispatchKeySet ks, const Tensor &logits, const Tensor &tar
                  double softcap) {
   const Tensor none;
   const Tensor *w = weight.has_value() ? &*weight : &none;
-  if (!recording({&logits, &target, w})) {
+  if (!recording("cross_entropy", {&logits, &target, w})) {
     Below guard;
     return cross_entropy_op().redispatch(ks & kBelow, logits, target, weight, reduction, ignore_index,
                                          label_smoothing, lse_square_scale, softcap);
   }
-  no_forward_ad("cross_entropy", {&logits, &target, w});
   Tensor lse;
   variable_list out = CrossEntropy::apply(logits, target, weight, reduction, ignore_index, label_smoothing,
                                           lse_square_scale, softcap, &lse);
@@ -974,11 +962,10 @@ struct Matmul : Function<Matmul> {
 
 Tensor matmul(c10::DispatchKeySet ks, const Tensor &a, const Tensor &b, bool ta, bool tb,
               std::optional<at::ScalarType> out_dtype, int64_t math) {
-  if (!recording({&a, &b})) {
+  if (!recording("matmul", {&a, &b})) {
     Below guard;
     return matmul_op().redispatch(ks & kBelow, a, b, ta, tb, out_dtype, math);
   }
-  no_forward_ad("matmul", {&a, &b});
   return Matmul::apply(a, b, ta, tb, out_dtype, math)[0];
 }
 
@@ -1020,11 +1007,10 @@ struct Linear : Function<Linear> {
 Tensor linear(c10::DispatchKeySet ks, const Tensor &input, const Tensor &weight, const Opt &bias, int64_t math) {
   const Tensor none;
   const Tensor *bp = bias.has_value() ? &*bias : &none;
-  if (!recording({&input, &weight, bp})) {
+  if (!recording("linear", {&input, &weight, bp})) {
     Below guard;
     return linear_op().redispatch(ks & kBelow, input, weight, bias, math);
   }
-  no_forward_ad("linear", {&input, &weight, bp});
   return Linear::apply(input, weight, bias, math)[0];
 }
 
@@ -1061,11 +1047,10 @@ struct Attention : Function<Attention> {
 
 T3 attention(c10::DispatchKeySet ks, const Tensor &q, const Tensor &k, const Tensor &v, bool causal,
              std::optional<double> scale) {
-  if (!recording({&q, &k, &v})) {
+  if (!recording("attention", {&q, &k, &v})) {
     Below guard;
     return attention_op().redispatch(ks & kBelow, q, k, v, causal, scale);
   }
-  no_forward_ad("attention", {&q, &k, &v});
   variable_list out = Attention::apply(q, k, v, causal, scale);
   return {out[0], out[1], out[2]};
 }
@@ -1087,11 +1072,10 @@ struct AttentionBackward : Function<AttentionBackward> {
 T3 attention_backward(c10::DispatchKeySet ks, const Tensor &dout, const Tensor &q, const Tensor &k, const Tensor &v,
                       const Tensor &out, const Tensor &mx, const Tensor &sm, bool causal,
                       std::optional<double> scale) {
-  if (!recording({&dout, &q, &k, &v, &out, &mx, &sm})) {
+  if (!recording("attention_backward", {&dout, &q, &k, &v, &out, &mx, &sm})) {
     Below guard;
     return attention_backward_op().redispatch(ks & kBelow, dout, q, k, v, out, mx, sm, causal, scale);
   }
-  no_forward_ad("attention_backward", {&dout, &q, &k, &v, &out, &mx, &sm});
   variable_list r = AttentionBackward::apply(dout, q, k, v, out, mx, sm, causal, scale);
   return {r[0], r[1], r[2]};
 }
