@@ -151,6 +151,29 @@ def main():
             "torch": lambda: (q * c4 + rotate_half(q) * s4, k * c4 + rotate_half(k) * s4),
         }
 
+    def attention_case(tokens, hq, hk, d, dtype):
+        # Causal self-attention's forward, Llama's [batch, seq, heads, head_dim]
+        # activations: npukern and torch read their per-head views in place
+        # (grouped-query heads: torch with enable_gqa); IPEX's only attention,
+        # varlen_attention (inference: no backward), takes [tokens, heads,
+        # head_dim] and a caller's output, allocated per call as the others'.
+        q, k, v = rand(tokens, hq, d, dtype=dtype), rand(tokens, hk, d, dtype=dtype), rand(tokens, hk, d, dtype=dtype)
+        q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+        cu = torch.tensor([0, tokens], dtype=torch.int32)
+        scale = d ** -0.5
+
+        def ipex_attention():
+            out = torch.empty_like(q)
+            F.varlen_attention(q, k, v, out, cu, cu, None, tokens, tokens, 0.0, scale, False, True, False, None)
+            return out
+        return {
+            "copy": lambda: q.clone(),
+            "npukern": lambda: nk.attention(q4, k4, v4, True),
+            "ipex": ipex_attention,
+            "torch": lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True,
+                                                                              enable_gqa=hq != hk),
+        }
+
     cases = [
         ("rms_norm 4096x4096 f32", rms_case(4096, 4096, torch.float32)),
         ("rms_norm 2048x5120 f32", rms_case(2048, 5120, torch.float32)),
@@ -169,6 +192,10 @@ def main():
         ("rope q32/k8 x128, 4096 tokens bf16", rope_case(4096, 32, 8, 128, torch.bfloat16)),
         ("rope q32/k8 x128, 4096 tokens f32", rope_case(4096, 32, 8, 128, torch.float32)),
         ("rope q32/k8 x128, 1 token bf16 (decode)", rope_case(1, 32, 8, 128, torch.bfloat16)),
+        ("attention forward q16/k4 x64, 512 tokens causal bf16", attention_case(512, 16, 4, 64, torch.bfloat16)),
+        ("attention forward q32/k8 x128, 2048 tokens causal bf16",
+         attention_case(2048, 32, 8, 128, torch.bfloat16)),
+        ("attention forward q32/k8 x128, 2048 tokens causal f32", attention_case(2048, 32, 8, 128, torch.float32)),
     ]
     print(f"torch {torch.__version__}, IPEX {ipex.__version__}, npukern {npukern_torch.library_version} "
           f"({npukern_torch.detected_isa}), {args.threads} thread(s), outputs {mode}, medians of {args.reps} (ms)"
