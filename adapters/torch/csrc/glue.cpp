@@ -99,6 +99,11 @@ namespace {
 // The store policy's inputs (docs/performance.md "Store policy").
 constexpr size_t kStreamMinBytes = size_t{8} << 20;  // STREAM_MIN_BYTES, src/tiling.rs
 constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
+constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#elif defined(__linux__)
+constexpr int kPopulateWrite = 23;  // Linux's value; an older kernel refuses it (EINVAL)
+#endif
 constexpr int64_t kGrainSize = 32768;  // at::internal::GRAIN_SIZE (ATen/TensorIterator.h)
 
 enum class Pages { Resident, FreshHuge, Fresh };
@@ -372,6 +377,14 @@ Mapping map_aligned(size_t bytes) {
   void *data = reinterpret_cast<void *>((lo + kHugePage - 1) & ~(kHugePage - 1));
   const bool huge = use_huge_pages(bytes, static_cast<uintptr_t>(ps));
   (void)madvise(data, bytes, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  // Huge pages first touched by several threads at once were 15-20x slower
+  // than by one in a Firecracker guest (64 MiB, 2 threads: 65-72 ms against
+  // 4 ms faulted from one thread first; benches/hf_step.py's step on two
+  // threads spent 68 ms of ~300 in the embedding gradient's fresh table):
+  // a kernel that will run on several threads gets its huge pages faulted
+  // here, from this thread, in one call (Linux 5.14+; elsewhere the kernel's
+  // threads fault them as before).
+  if (huge && at::get_num_threads() > 1) (void)madvise(data, bytes, kPopulateWrite);
   return Mapping{base, mapped, data, huge};
 }
 
@@ -388,7 +401,9 @@ at::Tensor sparse_zeros(c10::IntArrayRef sizes, at::ScalarType dtype, size_t wri
   // decay of the grad) pays its page faults: 2 MiB pages make that about a
   // memset's cost (4 KiB pages: 3-4x one), and the kernel's hit rows fault
   // at most the whole table once, what torch's zeros cost anyway. Read-only
-  // consumers (a norm, npukern's AdamW) see the zero page either way.
+  // consumers (a norm, npukern's AdamW) see the zero page either way. (With
+  // more than one intra-op thread, map_aligned populates huge pages here:
+  // their zeroing is then this call's, on this thread.)
   const Mapping m = map_aligned(bytes);
   if (m.base == nullptr) return at::Tensor();
   return at::from_blob(
