@@ -488,6 +488,27 @@ def test_patched_model_runs_npukern_attention(monkeypatch, family, dtype):
     assert ran == set() and torch.equal(loss, ls)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_the_same_bits(monkeypatch, reentrant):
+    # Checkpointed layers run the attention again in the backward (the
+    # forward's outputs and statistics recomputed, saved tensors hooked):
+    # the loss and every gradient are the bits of the model without it.
+    from hf_models import tokens, twin
+    from npukern_torch import hf
+
+    monkeypatch.setenv("NPK_TORCH_ATTENTION", "npukern")
+    plain = _sdpa_model("llama", torch.bfloat16)
+    ckpt = twin(plain)
+    assert hf.patch(plain)["attention"] == hf.patch(ckpt)["attention"] == 2
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    plain.train()
+    ckpt.train()
+    x = tokens(seed=6)
+    (lp, gp, rp), (lc, gc, rc) = (_step(m, x) for m in (plain, ckpt))
+    assert rp == rc == ATTENTION_OPS
+    assert torch.equal(lp, lc) and all(torch.equal(a, b) for a, b in zip(gp, gc))
+
+
 def test_patch_follows_the_route_and_eager_models_keep_their_attention(monkeypatch):
     from hf_models import build, tokens, twin
     from npukern_torch import hf
