@@ -5,7 +5,7 @@
 //! the end.
 
 use super::cpu::{block_keys, put, scaled, scores, seen, Block, Dims, Heads, Kern, Keys};
-use super::panels::{axpy_step, gemm, group_steps, pack_a, pack_a_f32, pack_at_f32, pack_b, Diag};
+use super::panels::{axpy_step, causal_rows_times, gemm, pack_a, pack_at_f32, pack_b, Diag};
 use super::*;
 use crate::lanes::math::exp_nonpos;
 use crate::lanes::{Lanes, GROUP};
@@ -198,29 +198,23 @@ unsafe fn dq_rows<L: Tile, T: Float>(
     let scale = L::splat(k.scale);
     // SAFETY: the arena's buffers (plan.rs); dq's rows of the block.
     unsafe {
-        let dps = ar.add(a.dp);
         let acc = ar.add(a.acc);
-        let kpan = ar.add(a.kp);
-        let kstride = kp * L::NR;
-        pack_a_f32::<L>(dps, kp, rows, bk.kmax, bk.steps, ar.add(a.pa));
-        gemm::<L>(
-            ar.add(a.pa),
+        causal_rows_times::<L>(
+            ar.add(a.dp),
+            kp,
             rows,
             bk.kmax,
-            kpan,
-            kstride,
+            bk.steps,
+            |r| seen(k, q0 + r, keys),
+            ar.add(a.kp),
+            kp * L::NR,
             d,
+            ar.add(a.pa),
             acc,
             dp,
-            false,
-            bk.steps,
         );
         for r in 0..rows {
             let orow = acc.add(r * dp);
-            let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
-            for j in kf..seen(k, q0 + r, keys) {
-                axpy_step::<L>(orow, *dps.add(r * kp + j), kpan, kstride, j, groups);
-            }
             let dst = k.dq.row(b, h, q0 + r);
             for g in 0..groups {
                 let o = L::load(&*(orow.add(g * GROUP) as *const [f32; GROUP])).mul(scale);

@@ -13,7 +13,7 @@
 //! ascending order — so a row's chain never reads a key it does not see.
 
 use super::backward::{backward_block, backward_finish, Wants};
-use super::panels::{axpy_step, gemm, group_steps, pack_a, pack_a_f32, pack_b, pack_bt, Diag};
+use super::panels::{causal_rows_times, gemm, pack_a, pack_b, pack_bt, Diag};
 use super::plan::Arena;
 use super::*;
 use crate::lanes::detect::Available;
@@ -611,28 +611,23 @@ unsafe fn forward_block<L: Tile, T: Float>(
         }
         // p v over the keys every row of a group sees, then each row's
         // diagonal.
-        pack_a_f32::<L>(s, kp, rows, bk.kmax, bk.steps, ar.add(a.pa));
         let acc = ar.add(a.acc);
-        let vp = ar.add(a.vp);
-        let vstride = kp * L::NR;
-        gemm::<L>(
-            ar.add(a.pa),
+        causal_rows_times::<L>(
+            s,
+            kp,
             rows,
             bk.kmax,
-            vp,
-            vstride,
+            bk.steps,
+            |r| seen(k, i0 + r, keys),
+            ar.add(a.vp),
+            kp * L::NR,
             d,
+            ar.add(a.pa),
             acc,
             dp,
-            false,
-            bk.steps,
         );
         for r in 0..rows {
             let orow = acc.add(r * dp);
-            let kf = group_steps(bk.steps, bk.kmax, r / L::MR * L::MR);
-            for j in kf..seen(k, i0 + r, keys) {
-                axpy_step::<L>(orow, *s.add(r * kp + j), vp, vstride, j, groups);
-            }
             let l = L::splat(*k.sm.add(stat + r));
             let dst = k.out.row(b, h, i0 + r);
             for g in 0..groups {

@@ -319,6 +319,46 @@ pub(super) unsafe fn gemm<L: Tile>(
     }
 }
 
+/// `acc = S B` over a causal block's rows: S the f32 block `s` (row stride
+/// `ld`; row `r` holds its keys `..seen(r)`, at most `kmax`), B panels of
+/// `cols` columns (stride `pstride`), `acc` f32 with row stride `ldc`. The
+/// keys every row of a group sees (`diag`) run on the microkernel through
+/// `pa` (`pack_a_f32`'s buffer), then each row's own diagonal one step at a
+/// time, in key order: the sums of the forward's `P V` and dq's `dS K`.
+///
+/// # Safety
+/// Inside `L::enter`; the buffers hold what `pack_a_f32` and `gemm` say;
+/// `seen(r) <= kmax`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn causal_rows_times<L: Tile>(
+    s: *const f32,
+    ld: usize,
+    rows: usize,
+    kmax: usize,
+    diag: Diag,
+    seen: impl Fn(usize) -> usize,
+    b: *const f32,
+    pstride: usize,
+    cols: usize,
+    pa: *mut f32,
+    acc: *mut f32,
+    ldc: usize,
+) {
+    let groups = cols.div_ceil(GROUP);
+    // SAFETY: the contract.
+    unsafe {
+        pack_a_f32::<L>(s, ld, rows, kmax, diag, pa);
+        gemm::<L>(pa, rows, kmax, b, pstride, cols, acc, ldc, false, diag);
+        for r in 0..rows {
+            let orow = acc.add(r * ldc);
+            for j in group_steps(diag, kmax, r / L::MR * L::MR)..seen(r) {
+                axpy_step::<L>(orow, *s.add(r * ld + j), b, pstride, j, groups);
+            }
+        }
+    }
+}
+
 /// Group `g` (columns `16 g ..`) of step `j` of B panels of stride `pstride`.
 ///
 /// # Safety
