@@ -523,6 +523,44 @@ static npk_status q_step(qstate *s, npk_exec *e, const npk_adamw_options *o) {
   return st;
 }
 
+/* Row lengths (ABI 2.12): tensor 0's 300 elements in rows of 150 have two
+ * scales, as on the flat grid, in other blocks (150 + 150, not 256 + 44);
+ * the same bytes on 1 and 7 blocks, the reference's codes; refusals:
+ * a row that does not divide, a count other than the params', NULL. */
+static void q_rows(const qstate *flat, const qstate *s0, npk_exec *e1, npk_exec *er, const npk_adamw_options *o) {
+  static const uint64_t rows[QN] = {150, 0}, bad[QN] = {120, 0};
+  npk_exec e7 = exec_of(NPK_BACKEND_CPU, 7);
+  qstate a, b, c;
+  size_t i, differ = 0;
+  q_make(&a, s0);
+  q_make(&b, s0);
+  q_make(&c, s0);
+  a.f.q8_rows = b.f.q8_rows = c.f.q8_rows = rows;
+  a.f.q8_rows_count = b.f.q8_rows_count = c.f.q8_rows_count = QN;
+  CHECK(q_step(&a, e1, o) == NPK_OK && !q_same(&a, flat), "q8 rows: a step in other blocks (%s)", g_detail.message);
+  CHECK(q_step(&b, &e7, o) == NPK_OK && q_same(&a, &b), "q8 rows: the same bytes on 1 and 7 blocks");
+  CHECK(q_step(&c, er, o) == NPK_OK, "q8 rows reference: %s", g_detail.message);
+  for (i = 0; i < q_len[0]; i++) differ += ((uint8_t *)a.b[2][0])[i] != ((uint8_t *)c.b[2][0])[i];
+  CHECK(differ <= 2, "q8 rows: %zu of 300 codes differ from the reference", differ);
+  q_free(&b);
+  q_make(&b, s0);
+  b.f.q8_rows = bad;
+  b.f.q8_rows_count = QN;
+  CHECK(q_step(&b, e1, o) == NPK_ERR_PARAM_INVALID && !strcmp(g_detail.argument, "q8_rows") && q_same(&b, s0),
+        "q8 rows: 120 does not divide 300 (%s)", g_detail.message);
+  b.f.q8_rows = rows;
+  b.f.q8_rows_count = 1;
+  CHECK(q_step(&b, e1, o) == NPK_ERR_PARAM_INVALID && !strcmp(g_detail.argument, "q8_rows") && q_same(&b, s0),
+        "q8 rows: one length for two params (%s)", g_detail.message);
+  b.f.q8_rows = NULL;
+  b.f.q8_rows_count = QN;
+  CHECK(q_step(&b, e1, o) == NPK_ERR_NULLPTR && q_same(&b, s0), "q8 rows: NULL refused (%s)",
+        g_detail.message);
+  q_free(&a);
+  q_free(&b);
+  q_free(&c);
+}
+
 static void test_q8(void) {
   qstate s0, a, b, c;
   npk_adamw_options o = options(NPK_ADAMW_AMSGRAD);
@@ -585,10 +623,16 @@ static void test_q8(void) {
   b.f.struct_size = sizeof b.f - 8;
   CHECK(q_step(&b, &e1, &o) == NPK_ERR_PARAM_INVALID && !strcmp(g_detail.argument, "formats"),
         "q8: another struct_size refused (%s)", g_detail.message);
-  b.f.struct_size = sizeof b.f;
-  CHECK(q_step(&b, &e1, &o) == NPK_OK && q_same(&a, &b), "q8: valid again, as before");
-  q_free(&a);
+  /* A caller built for ABI 2.9-2.11: its struct ends before q8_rows (one
+   * row a tensor, whatever the fields past it hold). */
+  b.f.struct_size = offsetof(npk_adamw_formats, q8_rows);
+  b.f.q8_rows = (const uint64_t *)&o;
+  b.f.q8_rows_count = 99;
+  CHECK(q_step(&b, &e1, &o) == NPK_OK && q_same(&a, &b), "q8: the 2.9 struct runs as before (%s)",
+        g_detail.message);
   q_free(&b);
+  q_rows(&a, &s0, &e1, &er, &o);
+  q_free(&a);
   q_free(&s0);
 }
 

@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 11
+#define NPK_ABI_VERSION_MINOR 12
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -1431,11 +1431,13 @@ typedef struct npk_adamw_result {
  * scale lists'); then the host's overlap scratch (16 bytes per tensor,
  * plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
  * partial per block for the norm; then, with stochastic rounding or 8-bit
- * moments, one `u64` key per row (`AdamWState::keys_offset`).
+ * moments, one `u64` key per row (`AdamWState::keys_offset`) and, with
+ * 8-bit moments, after them one `u64` per row: its quantization row length
+ * (`Q8Grid::row`, resolved: never 0).
  *
  * With 8-bit moments block `b` steps the quantization blocks (256
- * elements from each tensor's element 0) whose first element lies in its
- * flat range `block_range(b)`, so no block cuts one.
+ * elements from each row's first element, `Q8Grid`) whose first element
+ * lies in its flat range `block_range(b)`, so no block cuts one.
  */
 typedef struct npk_adamw_tiling {
   /**
@@ -2288,6 +2290,21 @@ typedef struct npk_adamw_formats {
    * empty).
    */
   struct npk_tensor_array max_exp_avg_sq_scales;
+  /**
+   * NULL, or `q8_rows_count` (= the params' count) row lengths (ABI
+   * 2.12; 8-bit moments only): tensor `t` is cut into rows of
+   * `q8_rows[t]` elements (0: one row), which must divide its elements,
+   * and each row into blocks of 256 from its first element, scales row
+   * by row (`(numel / row) * ceil(row / 256)` of them). No block crosses
+   * a row: shards of whole rows (FSDP2's dim-0 shards, the row a dim-0
+   * slice) quantize as one process wherever the cut falls. A struct
+   * ending before this field reads as NULL.
+   */
+  const uint64_t *q8_rows;
+  /**
+   * How many row lengths.
+   */
+  size_t q8_rows_count;
 } npk_adamw_formats;
 
 /**

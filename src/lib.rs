@@ -66,9 +66,9 @@ pub use ops::adamw::{
     adamw, adamw_with_formats, adamw_with_formats_workspace_size, adamw_with_scales,
     adamw_with_scales_workspace_size, adamw_workspace_size, q8_decode, q8_encode, q8_magnitude,
     q8_scale, q8_scales_len, AdamWCall, AdamWConsts, AdamWFormats, AdamWOptions, AdamWReport,
-    AdamWScales, AdamWState, AdamWTensors, AdamWTiling, ADAMW_AMSGRAD, ADAMW_CLIP, ADAMW_CLIP_COEF,
-    ADAMW_FOUND_INF, ADAMW_GRAD_SCALE, ADAMW_L2, ADAMW_MAXIMIZE, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS,
-    Q8_BLOCK,
+    AdamWScales, AdamWState, AdamWTensors, AdamWTiling, Q8Blocks, Q8Grid, ADAMW_AMSGRAD,
+    ADAMW_CLIP, ADAMW_CLIP_COEF, ADAMW_FOUND_INF, ADAMW_GRAD_SCALE, ADAMW_L2, ADAMW_MAXIMIZE,
+    ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, Q8_BLOCK,
 };
 pub use ops::add_rms_norm::{
     add_rms_norm, add_rms_norm_in_place, add_rms_norm_workspace_size, AddRmsNormCall,

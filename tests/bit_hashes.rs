@@ -690,8 +690,30 @@ fn run_all(isa: Isa) -> Run {
     let scaled = ADAMW_GRAD_SCALE | ADAMW_CLIP_COEF | ADAMW_AMSGRAD;
     adamw_case::<bf16, f32, bf16>(&mut run, &cpu, 23, "bf16.moments.scale.coef", scaled, false);
     use adamw_cases::adamw_q8_case;
-    adamw_q8_case(&mut run, &cpu, 27, "q8.split.clip.amsgrad", clip_ams, true);
-    adamw_q8_case(&mut run, &cpu, 28, "q8.sr_params.l2.maximize", l2, false);
+    adamw_q8_case(
+        &mut run,
+        &cpu,
+        27,
+        "q8.split.clip.amsgrad",
+        clip_ams,
+        (true, false),
+    );
+    adamw_q8_case(
+        &mut run,
+        &cpu,
+        28,
+        "q8.sr_params.l2.maximize",
+        l2,
+        (false, false),
+    );
+    adamw_q8_case(
+        &mut run,
+        &cpu,
+        29,
+        "q8.rows.split.clip.amsgrad",
+        clip_ams,
+        (true, true),
+    );
     run
 }
 

@@ -363,6 +363,7 @@ fn run_mode(c: &mut Criterion<ThreadCpu>, mode: &Mode) {
         quantized_moments: q8,
         seed: 1,
         keys: &[],
+        q8_rows: &[],
     };
     let exec = Exec::cpu();
     // lr 0: the params stay put over any number of iterations (same work).

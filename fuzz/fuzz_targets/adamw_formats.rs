@@ -1,7 +1,8 @@
 //! `adamw_with_scales` with the compact state formats: split masters,
 //! stochastically rounded bf16 moments or params, 8-bit moments (codes and
 //! block scales, amsgrad's maxima too), with arbitrary tensor lengths
-//! (partial quantization blocks, empty tensors), any values (NaN, Inf,
+//! (partial quantization blocks, empty tensors, row lengths that cut
+//! short blocks, now and then one that does not divide), any values (NaN, Inf,
 //! subnormals), any option flags (clip, grad scale, maximize, L2) and
 //! formats the validation refuses.
 //!
@@ -42,6 +43,8 @@ struct State {
     sc: Vec<[Vec<f32>; 3]>,
     low: Vec<Vec<i16>>,
     w: Vec<Vec<f32>>,
+    /// 8-bit moments' row lengths (`q8_rows`; empty: none given).
+    rows: Vec<u64>,
 }
 
 /// The call's choices.
@@ -84,7 +87,11 @@ fn state(b: &mut Bytes<'_>, moments: Moments, ams: bool, split: bool, master: bo
         sc: vec![],
         low: vec![],
         w: vec![],
+        rows: vec![],
     };
+    // Row lengths for 8-bit moments now and then (a divisor of each
+    // tensor, or its length; rarely one that does not divide, refused).
+    let with_rows = moments == Moments::Q8 && b.bool();
     let xn = |n: usize| if ams { n } else { 0 };
     for _ in 0..count {
         let n = dims(b, 1, CAP)[0];
@@ -109,7 +116,20 @@ fn state(b: &mut Bytes<'_>, moments: Moments, ams: bool, split: bool, master: bo
                 vec![bf16::ZERO; xn(n)],
             ]),
             Moments::Q8 => {
-                let q = q8_scales_len(n);
+                let mut row = 0;
+                if with_rows {
+                    let d = b.pick(&[0usize, 1, 2, 3, 7, 16, 100, 256, 300, n]);
+                    row = if d != 0 && n % d == 0 { d } else { 0 };
+                    if b.one_in(16) {
+                        row = n + 1;
+                    }
+                    s.rows.push(row as u64);
+                }
+                let q = if Q8Grid::valid(n, row) {
+                    Q8Grid::new(n, row).scales_len(n)
+                } else {
+                    q8_scales_len(n)
+                };
                 s.mq.push([vec![0; n], vec![0; n], vec![0; xn(n)]]);
                 s.sc.push([vec![0.0; q], vec![0.0; q], vec![0.0; xn(q)]]);
             }
@@ -173,6 +193,7 @@ fn run(s: &mut State, c: &Case, exec: &Exec<'_>) -> Result<AdamWReport> {
         quantized_moments: c.moments == Moments::Q8,
         seed: c.formats.2,
         keys: &[],
+        q8_rows: &s.rows,
     };
     let n = adamw_with_scales_workspace_size(exec, &mut t, &mut sc, &c.o, &f)?;
     let mut ws = vec![0u8; n];

@@ -106,13 +106,31 @@ fn hash<T: Float>(list: &[Vec<T>]) -> u64 {
 /// lists (a tensor of several quantization blocks and a partial one, an
 /// empty one, a partial lane group, a single element), from nonzero codes
 /// and scales, bf16 params with split masters or none: params, codes,
-/// scales and the masters' low halves hashed.
-pub fn adamw_q8_case(run: &mut Run, cpu: &Cpu, seed: u64, case: &str, flags: u32, split: bool) {
+/// scales and the masters' low halves hashed. `rows`: tensors cut into
+/// rows (`q8_rows`: rows of 32, of 7 and of 300, short last blocks).
+pub fn adamw_q8_case(
+    run: &mut Run,
+    cpu: &Cpu,
+    seed: u64,
+    case: &str,
+    flags: u32,
+    (split, rows): (bool, bool),
+) {
     let mut rng = Rng(seed);
     let ams = flags & ADAMW_AMSGRAD != 0;
     let (mut p, mut g, mut low) = (vec![], vec![], vec![]);
     let (mut c, mut s) = ([vec![], vec![], vec![]], [vec![], vec![], vec![]]);
-    for n in [3001usize, 0, 77, 1] {
+    let shapes: [(usize, u64); 4] = if rows {
+        [(129 * 32, 32), (0, 0), (77, 7), (600, 300)]
+    } else {
+        [(3001, 0), (0, 0), (77, 0), (1, 0)]
+    };
+    let q8_rows: Vec<u64> = if rows {
+        shapes.iter().map(|s| s.1).collect()
+    } else {
+        vec![]
+    };
+    for (n, row) in shapes {
         p.push(vec_of::<bf16>(n, || rng.uniform(-1.0, 1.0)));
         g.push(vec_of::<bf16>(n, || rng.mag() * 1e-5));
         low.push((0..n).map(|_| rng.next_u64() as i16).collect::<Vec<i16>>());
@@ -122,7 +140,8 @@ pub fn adamw_q8_case(run: &mut Run, cpu: &Cpu, seed: u64, case: &str, flags: u32
                     .map(|_| rng.next_u64() as u8 & if k == 0 { 0xff } else { 0xf7 })
                     .collect::<Vec<u8>>(),
             );
-            s[k].push(vec_of::<f32>(q8_scales_len(n), || rng.mag().abs() * 1e-6));
+            let nq = Q8Grid::new(n, row as usize).scales_len(n);
+            s[k].push(vec_of::<f32>(nq, || rng.mag().abs() * 1e-6));
         }
     }
     let report = {
@@ -167,6 +186,7 @@ pub fn adamw_q8_case(run: &mut Run, cpu: &Cpu, seed: u64, case: &str, flags: u32
             quantized_moments: true,
             seed: 0x5eed,
             keys: &[],
+            q8_rows: &q8_rows,
         };
         let exec = Exec::new(cpu);
         let o = options(flags);

@@ -242,6 +242,7 @@ impl Q8 {
             quantized_moments: true,
             seed: 5,
             keys: &[],
+            q8_rows: &[],
         };
         api::adamw_with_scales(reference, &mut t, &mut s, o, &f)
     }

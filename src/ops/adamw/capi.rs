@@ -81,6 +81,17 @@ pub struct npk_adamw_formats {
     /// max_exp_avg_sqs' block scales (8-bit moments with amsgrad; else
     /// empty).
     pub max_exp_avg_sq_scales: npk_tensor_array,
+    /// NULL, or `q8_rows_count` (= the params' count) row lengths (ABI
+    /// 2.12; 8-bit moments only): tensor `t` is cut into rows of
+    /// `q8_rows[t]` elements (0: one row), which must divide its elements,
+    /// and each row into blocks of 256 from its first element, scales row
+    /// by row (`(numel / row) * ceil(row / 256)` of them). No block crosses
+    /// a row: shards of whole rows (FSDP2's dim-0 shards, the row a dim-0
+    /// slice) quantize as one process wherever the cut falls. A struct
+    /// ending before this field reads as NULL.
+    pub q8_rows: *const u64,
+    /// How many row lengths.
+    pub q8_rows_count: usize,
 }
 
 /// An empty list.
@@ -102,7 +113,9 @@ unsafe fn read_formats<'a>(
     // The struct before 8-bit moments (its fields up to `keys_count`) is
     // read as it was, the rest zero: no 8-bit moments.
     let before_q8 = core::mem::offset_of!(npk_adamw_formats, quantized_moments);
-    if size != size_of::<npk_adamw_formats>() && size != before_q8 {
+    // ABI 2.9-2.11's struct: no row lengths.
+    let before_rows = core::mem::offset_of!(npk_adamw_formats, q8_rows);
+    if size != size_of::<npk_adamw_formats>() && size != before_q8 && size != before_rows {
         return Err(crate::error::invalid_fmt!(
             "formats",
             "struct_size {size}: want sizeof(npk_adamw_formats) = {}",
@@ -120,6 +133,8 @@ unsafe fn read_formats<'a>(
         exp_avg_scales: EMPTY,
         exp_avg_sq_scales: EMPTY,
         max_exp_avg_sq_scales: EMPTY,
+        q8_rows: core::ptr::null(),
+        q8_rows_count: 0,
     };
     // SAFETY: as above, the caller's `size` bytes (at most the struct's);
     // plain numbers and pointers, any bytes valid.
@@ -131,15 +146,12 @@ unsafe fn read_formats<'a>(
         )
     };
     let f = out;
-    let keys = if f.keys_count == 0 {
-        &[][..]
-    } else if f.keys.is_null() {
-        return Err(Error::NullPointer { arg: "keys" });
-    } else if f.keys_count > isize::MAX as usize / 8 || !(f.keys as usize).is_multiple_of(8) {
-        return Err(crate::error::invalid("keys", "misaligned or too many"));
-    } else {
-        // SAFETY: readable for its count (caller), aligned (checked).
-        unsafe { core::slice::from_raw_parts(f.keys, f.keys_count) }
+    // SAFETY: the caller's pointers, readable for their counts.
+    let (keys, q8_rows) = unsafe {
+        (
+            u64s(f.keys, f.keys_count, "keys")?,
+            u64s(f.q8_rows, f.q8_rows_count, "q8_rows")?,
+        )
     };
     if f.split_masters > 1 {
         return Err(crate::error::invalid_fmt!(
@@ -162,6 +174,7 @@ unsafe fn read_formats<'a>(
             quantized_moments: f.quantized_moments == 1,
             seed: f.seed,
             keys,
+            q8_rows,
         },
         [
             f.exp_avg_scales,
@@ -169,6 +182,24 @@ unsafe fn read_formats<'a>(
             f.max_exp_avg_sq_scales,
         ],
     ))
+}
+
+/// A caller's `u64` array of `count` (none when 0), checked for NULL and
+/// alignment.
+///
+/// # Safety
+/// `p` is NULL or readable for `count` values.
+unsafe fn u64s<'a>(p: *const u64, count: usize, arg: &'static str) -> Result<&'a [u64]> {
+    if count == 0 {
+        Ok(&[])
+    } else if p.is_null() {
+        Err(Error::NullPointer { arg })
+    } else if count > isize::MAX as usize / 8 || !(p as usize).is_multiple_of(8) {
+        Err(crate::error::invalid(arg, "misaligned or too many"))
+    } else {
+        // SAFETY: readable for its count (caller), aligned (checked).
+        Ok(unsafe { core::slice::from_raw_parts(p, count) })
+    }
 }
 
 /// The nine lists (the six of `npk_adamw_tensors`, then the formats' three

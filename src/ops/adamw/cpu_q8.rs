@@ -21,7 +21,7 @@
 
 use super::cpu::{consts, masters, piece_step_with, randoms, Piece, K};
 use super::formats::salt;
-use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8_BLOCK, STREAM_Q8};
+use super::q8::{q8_code, q8_decode, q8_inverse, q8_scale, Q8Grid, Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, AdamWConsts};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
@@ -37,7 +37,8 @@ const GROUPS: usize = Q8_BLOCK / GROUP;
 type Bufs = [[f32; Q8_BLOCK]; 3];
 
 /// The step with 8-bit moments: block `b` steps the quantization blocks
-/// whose first element lies in its flat range (so none is cut).
+/// (each row's, `Q8Grid`) whose first element lies in its flat range (so
+/// none is cut).
 ///
 /// # Safety
 /// As `cpu::run`'s.
@@ -50,7 +51,14 @@ pub(super) unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
     let t = call.tiling;
     let nb = t.blocks as usize;
     // SAFETY: the front end wrote each present list's table (and the keys).
-    let (tables, scales, keys) = unsafe { (call.tables(), call.scale_tables(), call.keys()) };
+    let (tables, scales, keys, grids) = unsafe {
+        (
+            call.tables(),
+            call.scale_tables(),
+            call.keys(),
+            call.q8_rows(),
+        )
+    };
     let ps = tables[0];
     let (state, step) = (call.state, call.options.step);
     let q8_salt = salt(state.seed, step, STREAM_Q8);
@@ -79,10 +87,9 @@ pub(super) unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
                         }
                         let lo = s.max(row.start) - row.start;
                         let hi = e.min(row.end()) - row.start;
-                        let mut q = lo.div_ceil(Q8_BLOCK);
-                        while q * Q8_BLOCK < hi {
-                            let at = q * Q8_BLOCK;
-                            let n = (row.numel - at).min(Q8_BLOCK);
+                        let len = grids.get(r).map_or(0, |&l| l as usize);
+                        let grid = Q8Grid::new(row.numel, len);
+                        for (at, n, q) in grid.blocks(lo, hi) {
                             let key = keys.get(r).map_or(0, |k| k.wrapping_add(at as u64));
                             let blk = Block {
                                 tables: &tables,
@@ -90,10 +97,10 @@ pub(super) unsafe fn run_q8<L: Lanes, P: Float, G: Float>(
                                 r,
                                 at,
                                 n,
+                                q,
                                 key,
                             };
                             q8_block::<L, P, G>(&blk, &c, &state, ams, q8_salt, &mut bufs, &mut rs);
-                            q += 1;
                         }
                     }
                 },
@@ -109,6 +116,8 @@ struct Block<'a> {
     r: usize,
     at: usize,
     n: usize,
+    /// Its scale's index (`Q8Grid::scale_of`).
+    q: usize,
     key: u64,
 }
 
@@ -129,8 +138,7 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
     rs: &mut [[u32; GROUP]; GROUPS],
 ) {
     let [ps, gs, ms, vs, xs, ws] = *b.tables;
-    let (r, at, n) = (b.r, b.at, b.n);
-    let q = at / Q8_BLOCK;
+    let (r, at, n, q) = (b.r, b.at, b.n, b.q);
     let code = |l: &[ListSeg]| (l[r].data as *mut u8).wrapping_add(at);
     let scale = |l: &[ListSeg]| (l[r].data as *mut f32).wrapping_add(q);
     let (cm, cv) = (code(ms), code(vs));
@@ -142,7 +150,7 @@ unsafe fn q8_block<L: Lanes, P: Float, G: Float>(
         L::prefetch(cv.wrapping_add(Q8_BLOCK + l));
     }
     // SAFETY: the codes' `n` elements from `at` and the block's scale are
-    // this block's (validated lengths: one scale per 256 elements).
+    // this block's (validated lengths: one scale per block of the grid).
     unsafe {
         decode::<true>(m, cm, *scale(b.scales[0]), n);
         decode::<false>(v, cv, *scale(b.scales[1]), n);

@@ -34,6 +34,13 @@ pub struct AdamWFormats<'k> {
     /// (FSDP) passes each shard's offset in the whole, so every cut rounds
     /// alike.
     pub keys: &'k [u64],
+    /// 8-bit moments' rows: the row length of each tensor (one per param,
+    /// empty tensors included; 0: the whole tensor), which must divide its
+    /// elements; no quantization block crosses a row (`Q8Grid`). Empty:
+    /// every tensor one row. A caller whose shards are whole rows (FSDP2's
+    /// dim-0 shards: the row a dim-0 slice) gets one process's blocks
+    /// wherever the cut falls.
+    pub q8_rows: &'k [u64],
 }
 
 /// The formats as the call carries them (`npk_adamw_call`'s tail).

@@ -87,7 +87,9 @@ pub(crate) mod reference;
 pub use formats::{AdamWFormats, AdamWState, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS};
 pub(crate) use plan::{plan_lists, Lists};
 pub use plan::{AdamWConsts, AdamWTiling};
-pub use q8::{q8_decode, q8_encode, q8_magnitude, q8_scale, q8_scales_len, Q8_BLOCK};
+pub use q8::{
+    q8_decode, q8_encode, q8_magnitude, q8_scale, q8_scales_len, Q8Blocks, Q8Grid, Q8_BLOCK,
+};
 
 use core::ffi::c_void;
 
@@ -290,8 +292,9 @@ pub struct AdamWTensors<'l, 'a> {
 }
 
 /// The scales of 8-bit moments (`AdamWFormats::quantized_moments`): one
-/// f32 tensor per param in each list, of `q8_scales_len(numel)` elements
-/// (one per block of 256; see `q8`). Empty lists without 8-bit moments;
+/// f32 tensor per param in each list, of `Q8Grid::scales_len` elements
+/// (one per block of 256 of each row, `q8_scales_len(numel)` for one row;
+/// see `q8`). Empty lists without 8-bit moments;
 /// `max_exp_avg_sqs` is empty without `ADAMW_AMSGRAD`.
 #[derive(Debug)]
 pub struct AdamWScales<'l, 'a> {
@@ -374,6 +377,23 @@ impl AdamWCall {
                     .cast::<u64>(),
                 self.tiling.tensors as usize,
             )
+        }
+    }
+
+    /// The rows' quantization grids (8-bit moments; else empty), from the
+    /// row lengths the front end wrote after the keys.
+    ///
+    /// # Safety
+    /// As for `keys`.
+    pub(crate) unsafe fn q8_rows<'a>(&self) -> &'a [u64] {
+        if self.state.quantized_moments == 0 || self.tiling.tensors == 0 {
+            return &[];
+        }
+        // SAFETY: with 8-bit moments the front end wrote one length per row
+        // after the keys (the caller's contract).
+        unsafe {
+            let keys = self.keys();
+            core::slice::from_raw_parts(keys.as_ptr().add(keys.len()), keys.len())
         }
     }
 

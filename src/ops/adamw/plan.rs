@@ -64,11 +64,13 @@ impl Lists<'_> {
 /// scale lists'); then the host's overlap scratch (16 bytes per tensor,
 /// plus one for the workspace); then, with `ADAMW_CLIP`, one 64-byte
 /// partial per block for the norm; then, with stochastic rounding or 8-bit
-/// moments, one `u64` key per row (`AdamWState::keys_offset`).
+/// moments, one `u64` key per row (`AdamWState::keys_offset`) and, with
+/// 8-bit moments, after them one `u64` per row: its quantization row length
+/// (`Q8Grid::row`, resolved: never 0).
 ///
 /// With 8-bit moments block `b` steps the quantization blocks (256
-/// elements from each tensor's element 0) whose first element lies in its
-/// flat range `block_range(b)`, so no block cuts one.
+/// elements from each row's first element, `Q8Grid`) whose first element
+/// lies in its flat range `block_range(b)`, so no block cuts one.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AdamWTiling {
@@ -247,6 +249,17 @@ fn check_formats(f: &AdamWFormats<'_>, n: usize, masters: usize) -> Result<()> {
             f.keys.len()
         ));
     }
+    if !f.q8_rows.is_empty() && (!f.quantized_moments || f.q8_rows.len() != n) {
+        return Err(if f.quantized_moments {
+            invalid_fmt!(
+                "q8_rows",
+                "{} row lengths for {n} params (want 0 or {n})",
+                f.q8_rows.len()
+            )
+        } else {
+            invalid("q8_rows", "row lengths without 8-bit moments (want none)")
+        });
+    }
     Ok(())
 }
 
@@ -308,6 +321,12 @@ fn check(
     let mut refused = None;
     'tensors: for i in 0..n {
         let mut numel = 0;
+        // 8-bit moments' row length (0: the whole tensor); a length past
+        // the address space cannot divide a real tensor.
+        let row = f
+            .q8_rows
+            .get(i)
+            .map_or(0, |&r| usize::try_from(r).unwrap_or(usize::MAX));
         for (k, s) in l.all().into_iter().enumerate() {
             if want[k] == 0 {
                 continue;
@@ -331,21 +350,32 @@ fn check(
                     ));
                     break 'tensors;
                 }
-                let want = super::q8::q8_scales_len(numel);
+                let want = super::q8::Q8Grid::new(numel, row).scales_len(numel);
                 if e != want {
                     refused = Some((
                         i,
                         invalid_fmt!(
                             s.name(),
                             "tensor {i} has {e} elements, want {want} (one per {} of \
-                             params[{i}]'s {numel})",
-                            super::q8::Q8_BLOCK
+                             each row of {} of params[{i}]'s {numel})",
+                            super::q8::Q8_BLOCK,
+                            if row == 0 { numel } else { row }
                         ),
                     ));
                     break 'tensors;
                 }
             } else if k == 0 {
                 numel = e;
+                if !super::q8::Q8Grid::valid(numel, row) {
+                    refused = Some((
+                        i,
+                        invalid_fmt!(
+                            "q8_rows",
+                            "row length {row} of tensor {i} does not divide its {numel} elements"
+                        ),
+                    ));
+                    break 'tensors;
+                }
             } else if e != numel {
                 refused = Some((
                     i,
@@ -470,8 +500,9 @@ fn check(
     if state.stochastic() && t.workspace_bytes != 0 {
         // The keys after the partials: the layout without them is unchanged.
         let at = t.workspace_bytes as usize - WORKSPACE_ALIGN;
+        // With 8-bit moments the rows' lengths follow the keys.
         let end = rows
-            .checked_mul(size_of::<u64>())
+            .checked_mul(size_of::<u64>() * (1 + q as usize))
             .and_then(|b| b.checked_add(at))
             .and_then(|b| round_up(b, WORKSPACE_ALIGN))
             .and_then(|b| b.checked_add(WORKSPACE_ALIGN))
@@ -636,7 +667,8 @@ pub(crate) fn launch(
         }
         if k == 0 && state.stochastic() {
             // The rows' keys (the params' rows: every list has the same).
-            let keys = unsafe_region(&w, state.keys_offset as usize, rows * size_of::<u64>())
+            let words = rows * (1 + state.quantized_moments as usize);
+            let keys = unsafe_region(&w, state.keys_offset as usize, words * size_of::<u64>())
                 .cast::<u64>();
             let (mut row, mut start) = (0usize, 0u64);
             for i in 0..s.count() {
@@ -647,6 +679,12 @@ pub(crate) fn launch(
                 let key = f.keys.get(i).copied().unwrap_or(start);
                 // SAFETY: row < rows u64s fit in the keys region (aligned).
                 unsafe { keys.add(row).write(key) };
+                if state.quantized_moments != 0 {
+                    // The row length, resolved (0: the whole tensor).
+                    let len = f.q8_rows.get(i).copied().filter(|&r| r != 0);
+                    // SAFETY: with 8-bit moments the region holds 2 rows u64s.
+                    unsafe { keys.add(rows + row).write(len.unwrap_or(numel as u64)) };
+                }
                 row += 1;
                 start += numel as u64;
             }

@@ -3,10 +3,14 @@
 //! [`Q8_BLOCK`] = 256 elements of each moment tensor.
 //!
 //! # Blocks
-//! Blocks start at each tensor's element 0 (the last one of a tensor may be
-//! shorter). A shard of a tensor (FSDP) whose offset in the whole is a
-//! multiple of 256, passing that offset as its key, quantizes exactly as
-//! one process holding the whole tensor does.
+//! A tensor is cut into rows of `row` elements (`AdamWFormats::q8_rows`;
+//! by default one row, the whole tensor), and each row into blocks of 256
+//! from its first element, its last block shorter when 256 does not divide
+//! the row ([`Q8Grid`]); the scales run row by row. A block never crosses a
+//! row, so a shard made of whole rows (FSDP2's dim-0 shards, with the row
+//! a dim-0 slice) passing its offset in the whole as its key quantizes
+//! exactly as one process holding the whole tensor does, wherever the cut
+//! falls. Rows of a multiple of 256 give the flat grid of one row.
 //!
 //! # Scale and codes
 //! After the step's f32 update, a block's scale is its largest |value| of
@@ -66,9 +70,132 @@ pub const Q8_BLOCK: usize = 256;
 /// element's 32, exp_avg_sq and its maximum the high 16).
 pub(crate) const STREAM_Q8: u32 = 0x7138_7232;
 
-/// The scale tensor length of a moment tensor of `numel` elements.
+/// The scale tensor length of a moment tensor of `numel` elements in one
+/// row (the default grid).
 pub const fn q8_scales_len(numel: usize) -> usize {
     numel.div_ceil(Q8_BLOCK)
+}
+
+/// The quantization blocks of one tensor: rows of `row` elements, each cut
+/// into blocks of [`Q8_BLOCK`] from its first element (see the module
+/// docs), scales row by row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Q8Grid {
+    /// Elements per row (the tensor's `numel` for one row; 0 when empty).
+    pub row: usize,
+    /// Blocks (scales) per row: `ceil(row / 256)`.
+    pub per_row: usize,
+}
+
+impl Q8Grid {
+    /// The grid of a tensor of `numel` elements in rows of `row` (0: one
+    /// row). `row` must divide `numel` (`valid`).
+    pub const fn new(numel: usize, row: usize) -> Self {
+        let row = if row == 0 { numel } else { row };
+        Q8Grid {
+            row,
+            per_row: row.div_ceil(Q8_BLOCK),
+        }
+    }
+
+    /// Whether rows of `row` (0: one row) cut a tensor of `numel` elements
+    /// evenly.
+    pub const fn valid(numel: usize, row: usize) -> bool {
+        row == 0 || numel.is_multiple_of(row)
+    }
+
+    /// Scales of a tensor of `numel` elements on this grid.
+    pub const fn scales_len(&self, numel: usize) -> usize {
+        match numel.checked_div(self.row) {
+            Some(rows) => rows * self.per_row,
+            None => 0,
+        }
+    }
+
+    /// `i`'s row and its offset in it (an empty tensor's grid: 0, 0).
+    const fn place(&self, i: usize) -> (usize, usize) {
+        match (i.checked_div(self.row), i.checked_rem(self.row)) {
+            (Some(r), Some(o)) => (r, o),
+            _ => (0, 0),
+        }
+    }
+
+    /// The scale (block index) of element `i`.
+    pub const fn scale_of(&self, i: usize) -> usize {
+        let (r, o) = self.place(i);
+        r * self.per_row + o / Q8_BLOCK
+    }
+
+    /// The first element of the first block that starts at or after `i`.
+    pub const fn next_block(&self, i: usize) -> usize {
+        let (r, o) = self.place(i);
+        let k = o.div_ceil(Q8_BLOCK) * Q8_BLOCK;
+        if k >= self.row {
+            (r + 1) * self.row
+        } else {
+            r * self.row + k
+        }
+    }
+
+    /// The length of the block that starts at element `at` (a block
+    /// start).
+    pub const fn block_len(&self, at: usize) -> usize {
+        let left = self.row - self.place(at).1;
+        if left < Q8_BLOCK {
+            left
+        } else {
+            Q8_BLOCK
+        }
+    }
+
+    /// The blocks whose first element lies in `[lo, hi)`, in order, as
+    /// `(first element, length, scale index)`: one division for all of them.
+    pub fn blocks(&self, lo: usize, hi: usize) -> Q8Blocks {
+        let at = if self.row == 0 {
+            hi
+        } else {
+            self.next_block(lo)
+        };
+        let (r, o) = self.place(at);
+        Q8Blocks {
+            grid: *self,
+            at,
+            hi,
+            r,
+            o,
+        }
+    }
+}
+
+/// [`Q8Grid::blocks`]' iterator: the position carried from block to block.
+#[derive(Clone, Debug)]
+pub struct Q8Blocks {
+    grid: Q8Grid,
+    at: usize,
+    hi: usize,
+    /// `at`'s row and its offset in it.
+    r: usize,
+    o: usize,
+}
+
+impl Iterator for Q8Blocks {
+    type Item = (usize, usize, usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<(usize, usize, usize)> {
+        if self.at >= self.hi {
+            return None;
+        }
+        let g = self.grid;
+        let n = (g.row - self.o).min(Q8_BLOCK);
+        let item = (self.at, n, self.r * g.per_row + self.o / Q8_BLOCK);
+        self.at += n;
+        self.o += n;
+        if self.o == g.row {
+            (self.r, self.o) = (self.r + 1, 0);
+        }
+        Some(item)
+    }
 }
 
 /// The code's f32 exponent offset: code exponent `e` is f32 exponent
@@ -298,6 +425,46 @@ mod tests {
         assert_eq!(q8_scale(&[]), 0.0);
         assert_eq!(q8_scales_len(0), 0);
         assert_eq!(q8_scales_len(257), 2);
+    }
+
+    #[test]
+    fn grids_cut_rows_into_blocks_of_256() {
+        // Every element in exactly one block, blocks inside rows, scales
+        // counted row by row; `blocks` from any cut point.
+        for (numel, row) in [
+            (0, 0),
+            (1000, 0),
+            (4128, 32),
+            (3000, 300),
+            (1026, 513),
+            (7, 1),
+            (1024, 256),
+        ] {
+            let g = Q8Grid::new(numel, row);
+            assert!(Q8Grid::valid(numel, row));
+            let all: Vec<_> = g.blocks(0, numel).collect();
+            assert_eq!(all.len(), g.scales_len(numel), "{numel} {row}");
+            let mut next = 0;
+            for (k, &(at, n, q)) in all.iter().enumerate() {
+                assert_eq!((at, q), (next, k));
+                assert!((1..=Q8_BLOCK).contains(&n) && at / g.row == (at + n - 1) / g.row);
+                assert_eq!(n, g.block_len(at));
+                assert!((at..at + n).all(|i| g.scale_of(i) == q));
+                next += n;
+            }
+            assert_eq!(next, numel);
+            for lo in (0..numel).step_by(97) {
+                let hi = (lo + 500).min(numel);
+                let want: Vec<_> = all
+                    .iter()
+                    .copied()
+                    .filter(|b| b.0 >= lo && b.0 < hi)
+                    .collect();
+                assert_eq!(g.blocks(lo, hi).collect::<Vec<_>>(), want);
+            }
+        }
+        assert!(!Q8Grid::valid(300, 120));
+        assert_eq!(Q8Grid::new(300, 150).scales_len(300), 2);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::formats::{
     join, random, salt, split, ADAMW_SR_MOMENTS, ADAMW_SR_PARAMS, STREAM_MOMENTS, STREAM_PARAMS,
 };
 use super::plan::powi;
-use super::q8::{Q8_BLOCK, STREAM_Q8};
+use super::q8::{Q8Grid, Q8_BLOCK, STREAM_Q8};
 use super::{AdamWCall, ADAMW_AMSGRAD, ADAMW_L2, ADAMW_MAXIMIZE};
 use crate::dtype::{DType, Float};
 use crate::ops::grad_stats::reference::stats;
@@ -101,7 +101,7 @@ fn put<M: Float>(x: f64, r: Option<u32>) -> M {
 /// scales.
 enum Moment<'a, M> {
     Plain(&'a mut [M]),
-    Q8(&'a mut [u8], &'a mut [f32]),
+    Q8(&'a mut [u8], &'a mut [f32], Q8Grid),
 }
 
 impl<M: Float> Moment<'_, M> {
@@ -109,7 +109,7 @@ impl<M: Float> Moment<'_, M> {
     fn get(&self, i: usize, signed: bool) -> f64 {
         match self {
             Moment::Plain(m) => m[i].to_f64(),
-            Moment::Q8(c, s) => q8_decode_f64(s[i / Q8_BLOCK], c[i], signed) as f64,
+            Moment::Q8(c, s, grid) => q8_decode_f64(s[grid.scale_of(i)], c[i], signed) as f64,
         }
     }
 }
@@ -153,13 +153,15 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
     let sr_p = (st.rounding & ADAMW_SR_PARAMS != 0).then(|| salt(st.seed, o.step, STREAM_PARAMS));
     let q8_salt = salt(st.seed, o.step, STREAM_Q8);
     // SAFETY: the front end lowered the lists (and the keys).
-    let ([ps, gs, ms, vs, xs, ws], keys) = unsafe { (call.tables(), call.keys()) };
+    let ([ps, gs, ms, vs, xs, ws], keys, rows) =
+        unsafe { (call.tables(), call.keys(), call.q8_rows()) };
     // SAFETY: as above.
     let [sms, svs, sxs] = unsafe { call.scale_tables() };
     let dst = |l: &[ListSeg], r: usize| l.get(r).map(|s| s.data);
     for r in 0..ps.len() {
         let n = ps[r].numel;
-        let nq = n.div_ceil(Q8_BLOCK);
+        let grid = Q8Grid::new(n, rows.get(r).map_or(0, |&l| l as usize));
+        let nq = grid.scales_len(n);
         // SAFETY: validated, pairwise disjoint tensors of `n` elements (u8
         // codes and `nq` f32 scales with 8-bit moments); the reference runs
         // alone on one thread.
@@ -168,6 +170,7 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
                 Moment::Q8(
                     Dst(l[r].data as *mut u8).get(0, n),
                     Dst(sl[r].data as *mut f32).get(0, nq),
+                    grid,
                 )
             } else {
                 Moment::Plain(Dst(l[r].data as *mut M).get(0, n))
@@ -193,8 +196,15 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
         let key = keys.get(r).copied().unwrap_or(0);
         // Quantization blocks (one block of everything without 8-bit
         // moments would do as well: elements are independent then).
-        for at in (0..n).step_by(Q8_BLOCK) {
-            let len = (n - at).min(Q8_BLOCK);
+        let mut next = 0;
+        while next < n {
+            let at = next;
+            let len = if q8 {
+                grid.block_len(at)
+            } else {
+                (n - at).min(Q8_BLOCK)
+            };
+            next += len;
             // The block's new moments rounded once to f32 (8-bit moments).
             let (mut nm, mut nv, mut nx) = ([0f32; Q8_BLOCK], [0f32; Q8_BLOCK], [0f32; Q8_BLOCK]);
             for j in 0..len {
@@ -252,7 +262,7 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
                 }
             }
             let k0 = key.wrapping_add(at as u64);
-            let q = at / Q8_BLOCK;
+            let q = if q8 { grid.scale_of(at) } else { 0 };
             // exp_avg takes the hash's low 16 bits, exp_avg_sq and its
             // maximum the high 16.
             for (mm, new, shift, signed) in [
@@ -260,7 +270,7 @@ unsafe fn step<P: Float, G: Float, M: Float>(call: &AdamWCall, coef: f64) {
                 (Some(&mut v), &nv, 16, false),
                 (x.as_mut(), &nx, 16, false),
             ] {
-                if let Some(Moment::Q8(c, s)) = mm {
+                if let Some(Moment::Q8(c, s, _)) = mm {
                     q8_store(
                         &mut c[at..at + len],
                         &mut s[q],
