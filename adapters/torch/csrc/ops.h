@@ -40,7 +40,7 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   double max_grad_norm, double grad_scale, double found_inf, double clip_coef,
                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
                   at::TensorList max_exp_avg_sq_scales, int64_t split_masters, int64_t rounding, int64_t seed,
-                  at::IntArrayRef keys, int64_t quantized_moments);
+                  at::IntArrayRef keys, int64_t quantized_moments, at::IntArrayRef q8_rows);
 
 at::Tensor swiglu(const at::Tensor &x, int64_t dim, bool eager);
 at::Tensor swiglu_backward(const at::Tensor &dy, const at::Tensor &x, int64_t dim, bool eager);

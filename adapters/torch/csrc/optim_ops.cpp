@@ -99,7 +99,7 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   double max_grad_norm, double grad_scale, double found_inf, double clip_coef,
                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_scales,
                   at::TensorList max_exp_avg_sq_scales, int64_t split_masters, int64_t rounding, int64_t seed,
-                  at::IntArrayRef keys, int64_t quantized_moments) {
+                  at::IntArrayRef keys, int64_t quantized_moments, at::IntArrayRef q8_rows) {
   const char *op = "npukern::adamw_";
   TORCH_CHECK_VALUE(split_masters == 0 || split_masters == 1, op, ": split_masters ", split_masters,
                     " is not 0 or 1");
@@ -110,6 +110,7 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                     quantized_moments, " out of range");
   TORCH_CHECK_VALUE(rounding >= 0 && rounding <= 0xffffffffLL, op, ": rounding ", rounding, " out of range");
   for (int64_t k : keys) TORCH_CHECK_VALUE(k >= 0, op, ": key ", k, " is negative");
+  for (int64_t r : q8_rows) TORCH_CHECK_VALUE(r >= 0, op, ": row length ", r, " is negative");
   TORCH_CHECK(step >= 1, op, ": step ", step, " is not >= 1");
   TORCH_CHECK(flags >= 0 && flags <= 0xffffffffLL, op, ": flags ", flags, " out of range");
   check_overlaps(op,
@@ -148,7 +149,7 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   o.clip_coef = static_cast<float>(clip_coef);
   Call call(op);
   npk_adamw_result r{};
-  // The state's formats (ABI 2.9): split masters, stochastic rounding,
+  // The state's formats (ABI 2.9, 2.12): split masters, stochastic rounding,
   // 8-bit moments (u8 codes in the moment lists, f32 block scales).
   npk_adamw_formats f{};
   f.struct_size = sizeof(npk_adamw_formats);
@@ -159,6 +160,9 @@ at::Tensor adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
   f.keys = keys.empty() ? nullptr : reinterpret_cast<const uint64_t *>(keys.data());
   f.keys_count = keys.size();
   f.quantized_moments = static_cast<uint32_t>(quantized_moments);
+  // 8-bit moments' row lengths (ABI 2.12): blocks never cross a row.
+  f.q8_rows = q8_rows.empty() ? nullptr : reinterpret_cast<const uint64_t *>(q8_rows.data());
+  f.q8_rows_count = q8_rows.size();
   f.exp_avg_scales = ms.array();
   f.exp_avg_sq_scales = vs.array();
   f.max_exp_avg_sq_scales = xs.array();

@@ -109,7 +109,7 @@ TORCH_LIBRARY(npukern, m) {
         "float weight_decay, int step, int flags, float max_grad_norm, float grad_scale, float found_inf, "
         "float clip_coef, Tensor(f!)[] exp_avg_scales, Tensor(g!)[] exp_avg_sq_scales, "
         "Tensor(h!)[] max_exp_avg_sq_scales, int split_masters=0, int rounding=0, int seed=0, int[] keys=[], "
-        "int quantized_moments=0) -> Tensor");
+        "int quantized_moments=0, int[] q8_rows=[]) -> Tensor");
   // aclnnMatmul: c = op(a) op(b) (f32 FMA chains, k ascending, one rounding;
   // c in a's dtype or float32); the accumulating form adds into a float32 c
   // (a weight gradient's sums across micro-batches). linear is F.linear on

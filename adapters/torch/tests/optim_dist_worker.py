@@ -144,10 +144,12 @@ def _bits(t):
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def fsdp2_int8(rank, world, dtype, feed=False):
-    """8-bit moments under ``fully_shard`` (shards of 2048 elements of each
-    4096-element weight, offsets multiples of the 256-element block), the
-    clip inside the step; bf16 params with split masters, or float32 params.
+def fsdp2_int8(rank, world, dtype, feed=False, hidden=128):
+    """8-bit moments under ``fully_shard`` (hidden 128: shards of 2048
+    elements of each 4096-element weight; hidden 129: the 129 x 32 weight cut
+    at row 65, offset 2080, off the flat 256 grid, whole rows of the row
+    grid), the clip inside the step; bf16 params with split masters, or
+    float32 params.
     Against ``ref``, one process doing the ranks' arithmetic: each rank's
     chunk of the batch backward on its own, the gradients summed in rank
     order and divided by the world size (what FSDP2's reduce-scatter
@@ -160,7 +162,9 @@ def fsdp2_int8(rank, world, dtype, feed=False):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    model, ref, full = mlp(dtype, 128), mlp(dtype, 128), mlp(dtype, 128)
+    from npukern_torch.optim import _local_scales
+
+    model, ref, full = mlp(dtype, hidden), mlp(dtype, hidden), mlp(dtype, hidden)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
@@ -201,12 +205,13 @@ def fsdp2_int8(rank, world, dtype, feed=False):
         if st.keys() != rst.keys():
             differ[name + " keys"] = sorted(st.keys() ^ rst.keys())
         for k in rst:
-            got = _gather_scales(st[k]) if k.endswith("_scale") else _whole(st[k])
+            # The ranks' own scales (a smaller shard's padding dropped).
+            got = _gather_scales(_local_scales(p, st[k])) if k.endswith("_scale") else _whole(st[k])
             if got.shape != rst[k].shape or not torch.equal(_bits(got), _bits(rst[k])):
                 differ[f"{name} {k}"] = int((got != rst[k]).sum()) if got.shape == rst[k].shape else "shape"
             compared += 1
         q8 += st["exp_avg"].dtype == torch.uint8
-    assert q8 == 2, q8  # the two 4096-element weights
+    assert q8 == 2, q8  # the two hidden x 32 weights
     res = {"differ": differ, "compared": compared, "norms_equal": norms_equal}
     if not feed:
         res["full_max_param_diff"] = max((_whole(a.detach()).float() - b.detach().float()).abs().max().item()
@@ -214,7 +219,7 @@ def fsdp2_int8(rank, world, dtype, feed=False):
         res["full_codes_differ"] = sum(int((_whole(opt.state[a]["exp_avg"]) != full_opt.state[b]["exp_avg"]).sum())
                                        for a, b in zip(model.parameters(), full.parameters())
                                        if opt.state[a]["exp_avg"].dtype == torch.uint8)
-        res["codes"] = 2 * 4096
+        res["codes"] = 2 * 32 * hidden
     return res
 
 
@@ -226,9 +231,8 @@ def fsdp2_int8_dcp(rank, world):
     optimizer loaded (``dcp.load``, ``set_*_state_dict``) and 5 more steps:
     every param and state tensor bit for bit, after the load and at the end.
     Hidden 128: even shards of 2048 (the scales' whole is the unsharded
-    param's 16); hidden 129: 65 + 64 rows of the first weight (2080 and 2048
-    elements: 9 and 8 blocks, the second rank's scales padded to 9) and
-    offsets off the 256 grid. Also ``to_float32_state`` of the sharded
+    param's 128, a block a row of 32); hidden 129: 65 + 64 rows of the first
+    weight (65 and 64 blocks, the second rank's scales padded to 65). Also ``to_float32_state`` of the sharded
     state dict (DTensor codes decoded shard by shard) and that state loaded
     back into ``state_dtype="int8"`` (quantized on each rank)."""
     import torch.distributed.checkpoint as dcp
@@ -237,7 +241,7 @@ def fsdp2_int8_dcp(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from npukern_torch.optim import dequantize_moment, to_float32_state
+    from npukern_torch.optim import dequantize_moment, q8_scales_len, to_float32_state
 
     dtype = torch.bfloat16
     res = {}
@@ -285,14 +289,14 @@ def fsdp2_int8_dcp(rank, world):
         scale = osd["state"]["0.weight"]["exp_avg_scale"]
         assert isinstance(scale, DTensor), type(scale)
         res[f"{hidden} scales"] = [tuple(scale.shape), scale.to_local().numel()]
-        if hidden == 128:  # even, aligned shards: the whole scales are the unsharded layout
-            assert scale.shape == (16,), scale.shape
+        if hidden == 128:  # even shards: the whole scales are the unsharded layout
+            assert scale.shape == (128,), scale.shape
         # to torch's float32 moments, shard by shard.
         f32 = to_float32_state(osd)["state"]["0.weight"]
         ea = f32["exp_avg"]
         assert isinstance(ea, DTensor) and ea.dtype == torch.float32 and "exp_avg_scale" not in f32
         codes = osd["state"]["0.weight"]["exp_avg"]
-        blocks = -(-codes.to_local().numel() // 256)  # the rank's own, its padding dropped
+        blocks = q8_scales_len(codes.to_local().shape)  # the rank's own, its padding dropped
         assert torch.equal(ea.to_local(), dequantize_moment(codes.to_local(), scale.to_local()[:blocks], True))
 
         resumed, resumed_opt = build()
@@ -326,6 +330,8 @@ def main():
                  "fsdp2_int8_bf16": lambda r, w: fsdp2_int8(r, w, torch.bfloat16),
                  "fsdp2_int8_float32": lambda r, w: fsdp2_int8(r, w, torch.float32),
                  "fsdp2_int8_same_grads": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True),
+                 "fsdp2_int8_same_grads_129": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True, hidden=129),
+                 "fsdp2_int8_bf16_129": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, hidden=129),
                  "fsdp2_int8_dcp": fsdp2_int8_dcp}
         res = modes[mode](rank, world)
         res["ok"] = True

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import bytes_per_param, copied
-from npukern_torch.optim import Adam, AdamW, dequantize_moment, quantize_moments, to_float32_state
+from npukern_torch.optim import Adam, AdamW, dequantize_moment, q8_scales_len, quantize_moments, to_float32_state
 
 BF16 = torch.bfloat16
 
@@ -44,6 +44,12 @@ def _bits(t):
         t.view(torch.int32)
 
 
+def _element_scales(scales, shape):
+    """Each element's block scale (its rows' blocks, q8_row): the decoding of
+    code 0xf8, exp_avg_sq's magnitude 1.0, everywhere."""
+    return dequantize_moment(torch.full(shape, 0xF8, dtype=torch.uint8), scales, False)
+
+
 def _same_state(a, b):
     for (pa, sa), (pb, sb) in zip(a.state.items(), b.state.items()):
         assert torch.equal(_bits(pa.detach()), _bits(pb.detach()))
@@ -64,7 +70,8 @@ def test_state_layout(kw):
     names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if kw.get("amsgrad") else [])
     for n in names:
         assert st[n].dtype == torch.uint8 and st[n].shape == w.shape
-        assert st[n + "_scale"].dtype == torch.float32 and st[n + "_scale"].shape == (-(-w.numel() // 256),)
+        # One scale per 256 of each row (q8_row): a row of w is a dim-0 slice.
+        assert st[n + "_scale"].dtype == torch.float32 and st[n + "_scale"].shape == (q8_scales_len(w.shape),)
         assert (st[n + "_scale"] > 0).all()
     assert st["exp_avg"].any() and st["exp_avg_sq"].any()
     # 37 elements: float32 moments (params under 4096 elements), no scales.
@@ -211,7 +218,7 @@ def test_state_dict_through_torch_adamw_and_back():
         want = tsd["state"][0][n]
         got = dequantize_moment(sb[n], sb[n + "_scale"], signed)
         # One code step (1/8 relative) of each value, or the smallest code of its block.
-        scale = sb[n + "_scale"].repeat_interleave(256)[:want.numel()].view(want.shape)
+        scale = _element_scales(sb[n + "_scale"], want.shape)
         assert ((got - want).abs() <= 0.125 * want.abs() + scale * 2.0 ** -14).all(), n
     # Deterministic: the same load gives the same codes.
     again = AdamW([{"params": [w2]}, {"params": [b2]}], state_dtype="int8", master_weights=True)
@@ -261,7 +268,7 @@ def test_adam_and_param_groups_with_different_amsgrad():
     for _ in range(3):
         w.grad, v.grad = torch.randn_like(w), torch.randn_like(v)
         opt.step()
-    assert "max_exp_avg_sq" not in opt.state[w] and opt.state[v]["max_exp_avg_sq_scale"].shape == (20,)
+    assert "max_exp_avg_sq" not in opt.state[w] and opt.state[v]["max_exp_avg_sq_scale"].shape == (70,)
 
 
 def test_bad_options_raise_before_any_state_changes():
@@ -346,8 +353,63 @@ def test_torchs_bf16_state_loads_into_int8():
     assert st["exp_avg"].dtype == torch.uint8 and st["master_low"].dtype == torch.int16
     got = dequantize_moment(st["exp_avg_sq"], st["exp_avg_sq_scale"], False)
     want = sd["state"][0]["exp_avg_sq"].float()
-    smallest = st["exp_avg_sq_scale"].repeat_interleave(256)[:want.numel()].view(want.shape) * 2.0 ** -30
+    smallest = _element_scales(st["exp_avg_sq_scale"], want.shape) * 2.0 ** -30
     assert ((got - want).abs() <= 0.125 * want + smallest).all()
     w.grad = torch.randn_like(w)
     ours.step()
     assert float(ours.state[w]["step"]) == 4
+
+
+@pytest.mark.parametrize("shape", [(300, 37), (20, 600), (5000,)])
+def test_each_row_block_holds_its_scale(shape):
+    # Blocks of 256 from each row's first element (a row: a dim-0 slice;
+    # a 1-D param one row): each block's largest decoded |value| is its
+    # scale exactly (the largest codes as 1.0), on the grid
+    # dequantize_moment decodes.
+    torch.manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(*shape).to(BF16))
+    opt = AdamW([w], state_dtype="int8", master_weights="split")
+    for _ in range(3):
+        w.grad = (torch.randn_like(w, dtype=torch.float32) * torch.logspace(-3, 0, w.shape[-1])).to(BF16)
+        opt.step()
+    st = opt.state[w]
+    rows = shape[0] if len(shape) > 1 else 1
+    row = w.numel() // rows
+    per_row = -(-row // 256)
+    assert st["exp_avg_scale"].shape == (rows * per_row,) == (q8_scales_len(shape),)
+    for n, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        d = dequantize_moment(st[n], st[n + "_scale"], signed).reshape(rows, row).abs()
+        pad = torch.nn.functional.pad(d, (0, per_row * 256 - row))
+        block_max = pad.reshape(rows, per_row, 256).amax(-1).reshape(-1)
+        assert torch.equal(block_max, st[n + "_scale"]), n
+
+
+def test_a_state_on_the_flat_grid_loads_requantized_on_the_rows():
+    # Codes saved before row lengths (one row: blocks of 256 across rows,
+    # ceil(numel / 256) scales) load decoded there and quantized again on
+    # the rows' blocks: within a code step (1/8) of what they held.
+    torch.manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(300, 37).to(BF16))
+    opt = AdamW([w], state_dtype="int8")
+    for _ in range(3):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    st = sd["state"][0]
+    held = {}
+    for n, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        held[n] = dequantize_moment(st[n], st[n + "_scale"], signed)
+    flat = quantize_moments(held["exp_avg"].reshape(-1), held["exp_avg_sq"].reshape(-1), seed=1)
+    for n in held:
+        st[n], st[n + "_scale"] = flat[n][0].view(300, 37), flat[n][1]
+    assert st["exp_avg_scale"].shape == (-(-300 * 37 // 256),)
+    back = AdamW([w], state_dtype="int8")
+    back.load_state_dict(sd)
+    nst = back.state[w]
+    assert nst["exp_avg_scale"].shape == (300,) and nst["exp_avg"].dtype == torch.uint8
+    for n, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+        got = dequantize_moment(nst[n], nst[n + "_scale"], signed)
+        bound = 0.26 * held[n].abs() + _element_scales(nst[n + "_scale"], (300, 37)) * 2.0 ** -13
+        assert ((got - held[n]).abs() <= bound).all(), n
+    w.grad = torch.randn_like(w)
+    back.step()

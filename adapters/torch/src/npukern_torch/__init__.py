@@ -18,7 +18,7 @@ implementations (torch.compile) and autograd formulas:
 - ``adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, lr, beta1, beta2,
   eps, weight_decay, step, flags, max_grad_norm, grad_scale, found_inf, clip_coef, exp_avg_scales,
   exp_avg_sq_scales, max_exp_avg_sq_scales, split_masters=0, rounding=0, seed=0, keys=[],
-  quantized_moments=0) -> [grad_norm, stepped]``
+  quantized_moments=0, q8_rows=[]) -> [grad_norm, stepped]``
   (one AdamW / Adam step in place; grad_norm is 0 without CLIP; :mod:`npukern_torch.optim` wraps it)
 - ``cross_entropy(logits, target, weight, reduction, ignore_index, label_smoothing,
   lse_square_scale, softcap) -> (loss, lse)``, its backward, and ``cross_entropy_fused_``

@@ -20,10 +20,14 @@ additions torch's optimizer does not have:
   ``max_exp_avg_sq``) are ``torch.uint8`` codes, one per element, in the
   param's shape, beside float32 scales ``exp_avg_scale`` /
   ``exp_avg_sq_scale`` (/ ``max_exp_avg_sq_scale``), one per block of 256
-  elements from the param's element 0 (``ceil(numel / 256)``; a DTensor
-  shard's (FSDP2) from the shard's element 0, the scales a DTensor too, see
+  elements of each row (``q8_row``: a param of two or more dims is cut
+  into its dim-0 slices, each into blocks of 256 from its first element,
+  the last one shorter; ``q8_scales_len(shape)`` scales, ``ceil(numel /
+  256)`` for a 1-D param or rows of a multiple of 256). No block crosses a
+  row, so a DTensor shard (FSDP2, dim 0) holds whole blocks wherever it is
+  cut and quantizes as one process does; its scales are a DTensor too, see
   ``_scale_layout``: torch.distributed.checkpoint saves and loads them
-  exactly). A code is a
+  exactly. A code is a
   small float relative to its block's largest |value| (exp_avg: sign, 4
   exponent, 3 mantissa bits; exp_avg_sq: 5 + 3), rounded stochastically
   from the hash of (``seed``, step, the element's key): the same bits on
@@ -55,6 +59,7 @@ float32 ulp of float64 AdamW per step (``tests/adamw.rs``). Not bitwise equal
 to torch's (whose vector code may fuse multiply-adds).
 """
 
+import math
 import warnings
 
 import torch
@@ -102,22 +107,54 @@ def _q8_magnitudes(signed):
     return bits.to(torch.int32).view(torch.float32)
 
 
+def q8_row(t):
+    """The row length of ``t``'s 8-bit moment blocks (the kernel's
+    ``q8_rows``): a dim-0 slice of a tensor of two or more dims, so that no
+    block crosses a row and a dim-0 shard (FSDP2) holds whole blocks
+    wherever it is cut; 0 (the whole tensor one row) otherwise. Blocks are
+    256 elements from each row's first, a row's last one shorter."""
+    t = _local(t)
+    return t.numel() // t.shape[0] if t.dim() >= 2 and t.shape[0] > 0 else 0
+
+
+def q8_scales_len(shape):
+    """How many block scales a moment of this shape has: ``rows *
+    ceil(row / 256)`` (``q8_row``), ``ceil(numel / 256)`` for one row."""
+    n = math.prod(shape)
+    row = n // shape[0] if len(shape) >= 2 and shape[0] > 0 else 0
+    return n // row * -(-row // Q8_BLOCK) if row else -(-n // Q8_BLOCK)
+
+
+def _block_index(shape, scales):
+    """Each element's block (its scale's index) for a moment of ``shape``
+    with ``scales`` scales: the row grid (``q8_row``), or one row when only
+    that count fits (a state saved before row lengths, ABI 2.12)."""
+    n = math.prod(shape)
+    i = torch.arange(n, dtype=torch.int64)
+    row = n // shape[0] if len(shape) >= 2 and shape[0] > 0 else 0
+    if not row or scales != q8_scales_len(shape) and scales == -(-n // Q8_BLOCK):
+        return i // Q8_BLOCK
+    return i // row * -(-row // Q8_BLOCK) + i % row // Q8_BLOCK
+
+
 def dequantize_moment(codes, scales, signed):
     """The float32 values of 8-bit moment codes (``signed``: exp_avg's code
     map; else exp_avg_sq's), as the step decodes them: ``scale * magnitude``,
-    one float32 multiply (a non-finite block decodes to NaN). In ``codes``'
-    shape."""
+    one float32 multiply (a non-finite block decodes to NaN), the blocks
+    on ``codes``' row grid (``q8_row``). In ``codes``' shape."""
     if _DTENSOR is not None and isinstance(codes, _DTENSOR):  # FSDP2: each rank decodes its shard
         local = codes.to_local()
-        return _like(codes, dequantize_moment(local, _local(scales)[:-(-local.numel() // Q8_BLOCK)], signed))
-    n = codes.numel()
+        return _like(codes, dequantize_moment(local, _local(scales)[:q8_scales_len(local.shape)], signed))
+    n, want = codes.numel(), q8_scales_len(codes.shape)
     if _DTENSOR is None or not isinstance(scales, _DTENSOR):
-        if scales.numel() != -(-n // Q8_BLOCK):
+        if scales.numel() not in (want, -(-n // Q8_BLOCK)):
             # e.g. a full_state_dict of uneven FSDP2 shards: each rank's
             # blocks padded to the largest shard's, not the whole param's.
-            raise ValueError(f"dequantize_moment: {scales.numel()} scales for {n} codes, want one per 256 "
-                             f"({-(-n // Q8_BLOCK)}); decode each rank's shard with its own scales")
-    s = scales.float().reshape(-1)[:-(-n // Q8_BLOCK)].repeat_interleave(Q8_BLOCK)[:n]
+            raise ValueError(f"dequantize_moment: {scales.numel()} scales for {n} codes of shape "
+                             f"{tuple(codes.shape)}, want {want} (one per 256 of each row); decode each "
+                             f"rank's shard with its own scales")
+    flat = scales.float().reshape(-1)
+    s = flat[_block_index(codes.shape, min(flat.numel(), want))] if n else flat[:0]
     return (s * _q8_magnitudes(signed)[codes.reshape(-1).long()]).view(codes.shape)
 
 
@@ -134,7 +171,7 @@ def quantize_moments(exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, seed=0, step=1
     if max_exp_avg_sq is not None:
         given["max_exp_avg_sq"] = max_exp_avg_sq
     n = exp_avg.numel()
-    nb = -(-n // Q8_BLOCK)
+    nb = q8_scales_len(exp_avg.shape)
     grads = [exp_avg.detach().float().reshape(-1)]
     grads += [t.detach().float().reshape(-1).sqrt() for k, t in given.items() if k != "exp_avg"]
     k = len(grads)  # tensor 0's exp_avg, then tensor i's exp_avg_sq (i >= 1)
@@ -144,7 +181,7 @@ def quantize_moments(exp_avg, exp_avg_sq, max_exp_avg_sq=None, *, seed=0, step=1
     ms = [torch.zeros(nb) for _ in range(k)]
     vs = [torch.zeros(nb) for _ in range(k)]
     torch.ops.npukern.adamw_(params, grads, m, v, [], [], 0.0, 0.0, 0.0, 1e-8, 0.0, max(1, int(step)), 0, 0.0, 1.0,
-                             0.0, 1.0, ms, vs, [], 0, 0, int(seed), [int(key)] * k, 1)
+                             0.0, 1.0, ms, vs, [], 0, 0, int(seed), [int(key)] * k, 1, [q8_row(exp_avg)] * k)
     out = {"exp_avg": (m[0], ms[0])}
     for i, name in enumerate(n for n in given if n != "exp_avg"):
         out[name] = (v[i + 1], vs[i + 1])
@@ -434,7 +471,13 @@ class AdamW(torch.optim.Optimizer):
         want = self._moment_dtype(p)
         have = [n for n in _MOMENTS if isinstance(st.get(n), torch.Tensor)]
         for n in have:
-            t = st[n]
+            t, scale = st[n], st.get(_SCALE[n])
+            if t.dtype == torch.uint8 and isinstance(scale, torch.Tensor) and not _sharded(p) and \
+                    scale.numel() != q8_scales_len(t.shape) and want == torch.uint8:
+                # Codes on the flat grid (saved before row lengths): decoded
+                # there, quantized again on the rows' blocks below.
+                st[n] = dequantize_moment(t, st.pop(_SCALE[n]), n == "exp_avg")
+                continue
             if t.dtype == torch.uint8 and want != torch.uint8:
                 scale = st.pop(_SCALE[n], None)
                 st[n] = (torch.zeros_like(t, dtype=want) if scale is None else
@@ -448,8 +491,11 @@ class AdamW(torch.optim.Optimizer):
                 m = z(floats.get("exp_avg", torch.zeros_like(p, dtype=torch.float32)))
                 v = z(floats.get("exp_avg_sq", torch.zeros_like(p, dtype=torch.float32)))
                 x = z(floats["max_exp_avg_sq"]) if "max_exp_avg_sq" in floats else None
-                x = None if x is None else _local(x)
-                q = quantize_moments(_local(m), _local(v), x, seed=seed, step=float(st.get("step", 0)) or 1, key=key)
+                # In the param's shape: its rows are the blocks' (q8_row).
+                shape = _local(p).shape
+                x = None if x is None else _local(x).reshape(shape)
+                m, v = _local(m).reshape(shape), _local(v).reshape(shape)
+                q = quantize_moments(m, v, x, seed=seed, step=float(st.get("step", 0)) or 1, key=key)
                 for n in floats:
                     codes = q[n][0].view(_local(p).shape).to(_local(p).device)
                     st[n], st[_SCALE[n]] = _like(p, codes), _scales_like(p, q[n][1])
@@ -632,6 +678,7 @@ class AdamW(torch.optim.Optimizer):
                 int(group.get("seed", 0)),
                 [self._key_of[id(p)] for p, _ in items] if rounding or q8 else [],
                 1 if q8 else 0,
+                [q8_row(p) for p, _ in items] if q8 else [],
             )
             for _, st in items:
                 st["step"] += 1
@@ -744,8 +791,8 @@ def _scale_layout(p):
     unused ones stay 0) and the scales are ``Shard(0)`` over the mesh dim the
     param is sharded on, ``shards * padded`` in all. Rank r's scales are
     then ``[r * padded, (r + 1) * padded)`` whatever the param's shape and
-    cut; with even, block-aligned shards (no padding) exactly the unsharded
-    param's ``ceil(numel / 256)`` scales. None for a plain or replicated
+    cut; with even shards (no padding) exactly the unsharded param's
+    ``q8_scales_len(shape)`` scales. None for a plain or replicated
     param (plain scales) and for a param sharded over two mesh dims (plain
     scales: torch.distributed.checkpoint would keep one rank's)."""
     if not _sharded(p):
@@ -758,19 +805,20 @@ def _scale_layout(p):
 
     dim = pl.dim % p.dim()
     shards, size = p.device_mesh.size(i), p.shape[dim]
-    largest = min(-(-size // shards), size) * (p.numel() // size if size else 0)
+    largest = list(p.shape)
+    largest[dim] = min(-(-size // shards), size)
     placements = tuple(Shard(0) if pl.is_shard() else pl for pl in p.placements)
-    return placements, shards, -(-largest // Q8_BLOCK)
+    return placements, shards, q8_scales_len(largest)
 
 
 def _scales_like(p, local):
     """The rank's block scales ``local`` (at least its blocks; more are
     dropped, fewer padded with 0) as the state keeps them: a DTensor laid out
     by ``_scale_layout`` for a sharded param, else a plain tensor of
-    ``ceil(numel / 256)``."""
+    ``q8_scales_len(shape)``."""
     local = _local(local).float().reshape(-1).to(_local(p).device)
     layout = _scale_layout(p)
-    n = layout[2] if layout else -(-_local(p).numel() // Q8_BLOCK)
+    n = layout[2] if layout else q8_scales_len(_local(p).shape)
     if local.numel() != n:
         local = torch.cat([local[:n], local.new_zeros(max(0, n - local.numel()))])
     if layout is None:
@@ -785,7 +833,7 @@ def _local_scales(p, scales):
     DTensor's local scales, its padding dropped)."""
     if _DTENSOR is None or not isinstance(scales, _DTENSOR):
         return scales
-    return scales.to_local()[:-(-_local(p).numel() // Q8_BLOCK)]
+    return scales.to_local()[:q8_scales_len(_local(p).shape)]
 
 
 def _flat(t):
