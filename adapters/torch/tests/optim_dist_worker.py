@@ -10,6 +10,7 @@ test states; the clip's norm is all-reduced across the shards. Modes
 ``fsdp2_int8_*``: 8-bit moments under ``fully_shard``, bit for bit (see
 ``fsdp2_int8``). Writes JSON to argv[2]."""
 
+import copy
 import datetime
 import json
 import sys
@@ -232,7 +233,8 @@ def fsdp2_int8_dcp(rank, world):
     every param and state tensor bit for bit, after the load and at the end.
     Hidden 128: even shards of 2048 (the scales' whole is the unsharded
     param's 128, a block a row of 32); hidden 129: 65 + 64 rows of the first
-    weight (65 and 64 blocks, the second rank's scales padded to 65). Also ``to_float32_state`` of the sharded
+    weight (65 and 64 blocks: the scales' whole is the unsharded param's
+    129, each rank's its rows'). Also ``to_float32_state`` of the sharded
     state dict (DTensor codes decoded shard by shard) and that state loaded
     back into ``state_dtype="int8"`` (quantized on each rank)."""
     import torch.distributed.checkpoint as dcp
@@ -289,15 +291,17 @@ def fsdp2_int8_dcp(rank, world):
         scale = osd["state"]["0.weight"]["exp_avg_scale"]
         assert isinstance(scale, DTensor), type(scale)
         res[f"{hidden} scales"] = [tuple(scale.shape), scale.to_local().numel()]
-        if hidden == 128:  # even shards: the whole scales are the unsharded layout
-            assert scale.shape == (128,), scale.shape
+        # A row of scales per row of the weight, cut as the weight: the whole
+        # scales are the unsharded param's, even and uneven shards alike.
+        assert scale.shape == (hidden, 1), scale.shape
         # to torch's float32 moments, shard by shard.
         f32 = to_float32_state(osd)["state"]["0.weight"]
         ea = f32["exp_avg"]
         assert isinstance(ea, DTensor) and ea.dtype == torch.float32 and "exp_avg_scale" not in f32
         codes = osd["state"]["0.weight"]["exp_avg"]
         blocks = q8_scales_len(codes.to_local().shape)  # the rank's own, its padding dropped
-        assert torch.equal(ea.to_local(), dequantize_moment(codes.to_local(), scale.to_local()[:blocks], True))
+        assert torch.equal(ea.to_local(), dequantize_moment(codes.to_local(), scale.to_local().reshape(-1)[:blocks],
+                                                            True))
 
         resumed, resumed_opt = build()
         sd = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_opt)}
@@ -320,6 +324,64 @@ def fsdp2_int8_dcp(rank, world):
     return res
 
 
+def fsdp2_int8_full_state_dict(rank, world):
+    """A full state dict (``StateDictOptions(full_state_dict=True)``) of
+    float32 params with 8-bit moments under ``fully_shard`` after 5 steps,
+    loaded into one process's model and optimizer; then 5 more steps, each
+    fed the FSDP2 run's gathered gradients. Hidden 128 (even shards) and 129
+    (65 + 64 rows): the full scales are the unsharded param's (``[rows,
+    1]``), and the one process continues with the FSDP2 run's bits (params,
+    codes, scales, moments)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    from torch.distributed.fsdp import fully_shard
+
+    full = StateDictOptions(full_state_dict=True)
+    kw = dict(lr=1e-2, weight_decay=0.1, state_dtype="int8", seed=5)
+    res = {}
+    for hidden in (128, 129):
+        model = mlp(torch.float32, hidden)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        opt = AdamW(model.parameters(), **kw)
+
+        def step(s, one=None, one_opt=None):
+            x, y = batch(s, world)
+            opt.zero_grad()
+            loss_of(model, x.chunk(world)[rank], y.chunk(world)[rank], torch.float32).backward()
+            if one is not None:
+                for p, q in zip(model.parameters(), one.parameters()):
+                    q.grad = p.grad.full_tensor()
+                one_opt.step()
+            opt.step()
+
+        for s in range(STEPS // 2):
+            step(s)
+        osd = get_optimizer_state_dict(model, opt, options=full)
+        res[f"{hidden} full scales"] = list(osd["state"]["0.weight"]["exp_avg_scale"].shape)
+        one = mlp(torch.float32, hidden)
+        one.load_state_dict(get_model_state_dict(model, options=full))
+        one_opt = AdamW(one.parameters(), **kw)
+        # A copy: the full dict's step counts are the live optimizer's own
+        # tensors (torch's loaders keep them as given), stepped twice else.
+        set_optimizer_state_dict(one, one_opt, copy.deepcopy(osd), options=full)
+        for s in range(STEPS // 2, STEPS):
+            step(s, one, one_opt)
+        differ = {}
+        for (name, p), q in zip(model.named_parameters(), one.parameters()):
+            if not torch.equal(_bits(_whole(p.detach())), _bits(q.detach())):
+                differ[name] = "param"
+            for k, t in opt.state[p].items():
+                got = _whole(t).reshape(-1) if k.endswith("_scale") else _whole(t)
+                want = one_opt.state[q][k]
+                if got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
+                    differ[f"{name} {k}"] = "shape" if got.shape != want.shape else int((got != want).sum())
+        res[f"{hidden} differ"] = differ
+    return res
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -332,7 +394,7 @@ def main():
                  "fsdp2_int8_same_grads": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True),
                  "fsdp2_int8_same_grads_129": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True, hidden=129),
                  "fsdp2_int8_bf16_129": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, hidden=129),
-                 "fsdp2_int8_dcp": fsdp2_int8_dcp}
+                 "fsdp2_int8_dcp": fsdp2_int8_dcp, "fsdp2_int8_full_state_dict": fsdp2_int8_full_state_dict}
         res = modes[mode](rank, world)
         res["ok"] = True
     except Exception as e:  # reported to the test, which shows it

@@ -123,14 +123,27 @@ def test_int8_moments_through_distributed_checkpoint_under_fsdp2(tmp_path):
     # get_optimizer_state_dict + dcp.save, a fresh model and optimizer,
     # dcp.load + set_optimizer_state_dict, 5 more steps: the uninterrupted
     # run's bits (params, low halves, codes, scales, moments, steps), with
-    # even shards (the scales' whole is the unsharded param's 16) and uneven
-    # ones (65 + 64 rows of 32: 65 and 64 blocks, a block a row, the second
-    # rank's padded to 65).
-    # The scales are DTensors (Shard(0), each rank's padded to the largest
-    # shard's blocks): as plain tensors dcp kept one rank's (measured: rank
-    # 1's 8 of 16 scales of each weight were rank 0's after the load).
+    # even shards and uneven ones (65 + 64 rows of 32: 65 and 64 blocks, a
+    # block a row). The scales are DTensors ([rows, blocks a row], placed as
+    # the weight): as plain tensors dcp kept one rank's (measured: rank 1's
+    # 8 of 16 scales of each weight were rank 0's after the load).
     pytest.importorskip("torch.distributed.checkpoint.state_dict")
     for r in run("fsdp2_int8_dcp", tmp_path):
         for hidden in (128, 129):
             assert r[f"{hidden} after load"] == {} and r[f"{hidden} resumed"] == {}, r
-        assert r["128 scales"] == [[128], 64] and r["129 scales"] == [[130], 65], r
+        # Each rank's own rows' scales: 64 and 64, then 65 and 64.
+        assert r["128 scales"] == [[128, 1], 64] and r["129 scales"][0] == [129, 1], r
+        assert r["129 scales"][1] in (64, 65), r
+
+
+def test_int8_full_state_dict_of_uneven_shards_loads_into_one_process(tmp_path):
+    # StateDictOptions(full_state_dict=True) of float32 params with 8-bit
+    # moments under FSDP2, loaded into one process's model and optimizer,
+    # then 5 steps fed the FSDP2 run's gathered gradients: the same bits.
+    # The scales are the weight's rows' ([rows, 1] for rows of 32), so the
+    # full dict of 65 + 64 rows holds the unsharded param's 129 (each rank's
+    # padded to 65 made 130, which one process refused).
+    pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    for r in run("fsdp2_int8_full_state_dict", tmp_path):
+        assert r["128 full scales"] == [128, 1] and r["129 full scales"] == [129, 1], r
+        assert r["128 differ"] == {} and r["129 differ"] == {}, r

@@ -26,8 +26,9 @@ additions torch's optimizer does not have:
   256)`` for a 1-D param or rows of a multiple of 256). No block crosses a
   row, so a DTensor shard (FSDP2, dim 0) holds whole blocks wherever it is
   cut and quantizes as one process does; its scales are a DTensor too, see
-  ``_scale_layout``: torch.distributed.checkpoint saves and loads them
-  exactly. A code is a
+  ``_scale_layout``: as ``[rows, ceil(row / 256)]`` placed as the param,
+  so torch.distributed.checkpoint saves and loads them exactly and a full
+  state dict holds the unsharded param's scales. A code is a
   small float relative to its block's largest |value| (exp_avg: sign, 4
   exponent, 3 mantissa bits; exp_avg_sq: 5 + 3), rounded stochastically
   from the hash of (``seed``, step, the element's key): the same bits on
@@ -144,7 +145,7 @@ def dequantize_moment(codes, scales, signed):
     on ``codes``' row grid (``q8_row``). In ``codes``' shape."""
     if _DTENSOR is not None and isinstance(codes, _DTENSOR):  # FSDP2: each rank decodes its shard
         local = codes.to_local()
-        return _like(codes, dequantize_moment(local, _local(scales)[:q8_scales_len(local.shape)], signed))
+        return _like(codes, dequantize_moment(local, _local(scales).reshape(-1)[:q8_scales_len(local.shape)], signed))
     n, want = codes.numel(), q8_scales_len(codes.shape)
     if _DTENSOR is None or not isinstance(scales, _DTENSOR):
         if scales.numel() not in (want, -(-n // Q8_BLOCK)):
@@ -499,10 +500,16 @@ class AdamW(torch.optim.Optimizer):
                 for n in floats:
                     codes = q[n][0].view(_local(p).shape).to(_local(p).device)
                     st[n], st[_SCALE[n]] = _like(p, codes), _scales_like(p, q[n][1])
-            if _scale_layout(p) is not None:  # a sharded param's scales loaded as the rank's plain tensor
-                for n in have:
-                    if _SCALE[n] in st and not isinstance(st[_SCALE[n]], _DTENSOR):
-                        st[_SCALE[n]] = _scales_like(p, st[_SCALE[n]])
+            for n in have:
+                scale = st.get(_SCALE[n])
+                if not isinstance(scale, torch.Tensor):
+                    continue
+                if _scale_layout(p) is not None and not isinstance(scale, _DTENSOR):
+                    # A sharded param's scales loaded as the rank's plain tensor.
+                    st[_SCALE[n]] = _scales_like(p, scale)
+                elif _scale_layout(p) is None and scale.dim() != 1:
+                    # A full state dict of a sharded run: its rows' scales, flat.
+                    st[_SCALE[n]] = scale.reshape(-1)
 
     @torch.no_grad()
     def _normalize(self, p, st, seed=0, key=0):
@@ -785,16 +792,18 @@ def _like(p, local):
 
 def _scale_layout(p):
     """How a sharded param's 8-bit block scales are laid out as a DTensor
-    (torch.distributed.checkpoint saves a plain tensor once, as a replica):
-    ``(placements, shards, padded)`` -- every rank holds ``padded`` scales
-    (the blocks of the largest shard, torch.chunk's first; a smaller shard's
-    unused ones stay 0) and the scales are ``Shard(0)`` over the mesh dim the
-    param is sharded on, ``shards * padded`` in all. Rank r's scales are
-    then ``[r * padded, (r + 1) * padded)`` whatever the param's shape and
-    cut; with even shards (no padding) exactly the unsharded param's
-    ``q8_scales_len(shape)`` scales. None for a plain or replicated
-    param (plain scales) and for a param sharded over two mesh dims (plain
-    scales: torch.distributed.checkpoint would keep one rank's)."""
+    (torch.distributed.checkpoint saves a plain tensor once, as a replica).
+    A param of two or more dims sharded on dim 0 (FSDP2): its scales as
+    ``[rows, ceil(row / 256)]``, a row of scales per row of the param, placed
+    as the param is (``("rows", shape)``): each rank's scales are its rows',
+    uneven cuts included, and the whole is the unsharded param's scales
+    exactly (``q8_scales_len(shape)`` of them). Else ``("padded", placements,
+    shards, padded)``: every rank holds ``padded`` scales (the blocks of the
+    largest shard, torch.chunk's first; a smaller shard's unused ones stay
+    0), ``Shard(0)`` over the mesh dim the param is sharded on, ``shards *
+    padded`` in all. None for a plain or replicated param (plain scales) and
+    for a param sharded over two mesh dims (plain scales:
+    torch.distributed.checkpoint would keep one rank's)."""
     if not _sharded(p):
         return None
     shard = [(i, pl) for i, pl in enumerate(p.placements) if pl.is_shard()]
@@ -804,11 +813,13 @@ def _scale_layout(p):
     from torch.distributed.tensor import Shard
 
     dim = pl.dim % p.dim()
+    if dim == 0 and p.dim() >= 2 and p.shape[0] > 0:
+        return "rows", (p.shape[0], -(-(p.numel() // p.shape[0]) // Q8_BLOCK))
     shards, size = p.device_mesh.size(i), p.shape[dim]
     largest = list(p.shape)
     largest[dim] = min(-(-size // shards), size)
     placements = tuple(Shard(0) if pl.is_shard() else pl for pl in p.placements)
-    return placements, shards, q8_scales_len(largest)
+    return "padded", placements, shards, q8_scales_len(largest)
 
 
 def _scales_like(p, local):
@@ -816,24 +827,29 @@ def _scales_like(p, local):
     dropped, fewer padded with 0) as the state keeps them: a DTensor laid out
     by ``_scale_layout`` for a sharded param, else a plain tensor of
     ``q8_scales_len(shape)``."""
-    local = _local(local).float().reshape(-1).to(_local(p).device)
+    lp = _local(p)
+    local = _local(local).float().reshape(-1).to(lp.device)
     layout = _scale_layout(p)
-    n = layout[2] if layout else q8_scales_len(_local(p).shape)
+    n = q8_scales_len(lp.shape) if layout is None or layout[0] == "rows" else layout[3]
     if local.numel() != n:
         local = torch.cat([local[:n], local.new_zeros(max(0, n - local.numel()))])
     if layout is None:
         return local
-    placements, shards, padded = layout
+    if layout[0] == "rows":
+        rows, per_row = layout[1]
+        return _DTENSOR.from_local(local.view(lp.shape[0], per_row), p.device_mesh, p.placements, run_check=False,
+                                   shape=(rows, per_row), stride=(per_row, 1))
+    _, placements, shards, padded = layout
     return _DTENSOR.from_local(local, p.device_mesh, placements, run_check=False, shape=(shards * padded,),
                                stride=(1,))
 
 
 def _local_scales(p, scales):
-    """The scales of the rank's own blocks, as the kernel takes them (a
-    DTensor's local scales, its padding dropped)."""
+    """The scales of the rank's own blocks, flat, as the kernel takes them (a
+    DTensor's local scales, any padding dropped)."""
     if _DTENSOR is None or not isinstance(scales, _DTENSOR):
-        return scales
-    return scales.to_local()[:q8_scales_len(_local(p).shape)]
+        return scales.reshape(-1)
+    return scales.to_local().reshape(-1)[:q8_scales_len(_local(p).shape)]
 
 
 def _flat(t):
