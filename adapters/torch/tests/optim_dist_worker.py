@@ -331,21 +331,40 @@ def fsdp2_int8_full_state_dict(rank, world):
     fed the FSDP2 run's gathered gradients. Hidden 128 (even shards) and 129
     (65 + 64 rows): the full scales are the unsharded param's (``[rows,
     1]``), and the one process continues with the FSDP2 run's bits (params,
-    codes, scales, moments)."""
+    codes, scales, moments). Then the one process's state loaded back into
+    a fresh FSDP2 model and optimizer: the same bits, after the load and
+    after 2 more steps."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
 
     full = StateDictOptions(full_state_dict=True)
     kw = dict(lr=1e-2, weight_decay=0.1, state_dtype="int8", seed=5)
     res = {}
-    for hidden in (128, 129):
-        model = mlp(torch.float32, hidden)
-        for layer in model:
+
+    def sharded(hidden):
+        m = mlp(torch.float32, hidden)
+        for layer in m:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
-        fully_shard(model)
-        opt = AdamW(model.parameters(), **kw)
+        fully_shard(m)
+        return m, AdamW(m.parameters(), **kw)
+
+    def differ_of(model, opt, one, one_opt):
+        differ = {}
+        for (name, p), q in zip(model.named_parameters(), one.parameters()):
+            if not torch.equal(_bits(_whole(p.detach())), _bits(q.detach())):
+                differ[name] = "param"
+            for k, t in opt.state[p].items():
+                got = _whole(t).reshape(-1) if k.endswith("_scale") else _whole(t)
+                want = one_opt.state[q][k].reshape(-1) if k.endswith("_scale") else one_opt.state[q][k]
+                if got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
+                    differ[f"{name} {k}"] = "shape" if got.shape != want.shape else int((got != want).sum())
+        return differ
+
+    for hidden in (128, 129):
+        model, opt = sharded(hidden)
 
         def step(s, one=None, one_opt=None):
             x, y = batch(s, world)
@@ -369,16 +388,17 @@ def fsdp2_int8_full_state_dict(rank, world):
         set_optimizer_state_dict(one, one_opt, copy.deepcopy(osd), options=full)
         for s in range(STEPS // 2, STEPS):
             step(s, one, one_opt)
-        differ = {}
-        for (name, p), q in zip(model.named_parameters(), one.parameters()):
-            if not torch.equal(_bits(_whole(p.detach())), _bits(q.detach())):
-                differ[name] = "param"
-            for k, t in opt.state[p].items():
-                got = _whole(t).reshape(-1) if k.endswith("_scale") else _whole(t)
-                want = one_opt.state[q][k]
-                if got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
-                    differ[f"{name} {k}"] = "shape" if got.shape != want.shape else int((got != want).sum())
-        res[f"{hidden} differ"] = differ
+        res[f"{hidden} differ"] = differ_of(model, opt, one, one_opt)
+        # And back: the one process's state (flat scales) into a fresh FSDP2
+        # model and optimizer, then 2 steps of its own beside the one
+        # process fed its gradients.
+        model, opt = sharded(hidden)
+        set_model_state_dict(model, one.state_dict(), options=full)
+        set_optimizer_state_dict(model, opt, copy.deepcopy(get_optimizer_state_dict(one, one_opt)), options=full)
+        res[f"{hidden} back after load"] = differ_of(model, opt, one, one_opt)
+        for s in range(STEPS, STEPS + 2):
+            step(s, one, one_opt)
+        res[f"{hidden} back differ"] = differ_of(model, opt, one, one_opt)
     return res
 
 

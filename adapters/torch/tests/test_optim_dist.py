@@ -142,8 +142,12 @@ def test_int8_full_state_dict_of_uneven_shards_loads_into_one_process(tmp_path):
     # then 5 steps fed the FSDP2 run's gathered gradients: the same bits.
     # The scales are the weight's rows' ([rows, 1] for rows of 32), so the
     # full dict of 65 + 64 rows holds the unsharded param's 129 (each rank's
-    # padded to 65 made 130, which one process refused).
+    # padded to 65 made 130, which one process refused). And back: the one
+    # process's state (flat scales) into a fresh FSDP2 optimizer, the same
+    # bits after the load and 2 more steps.
     pytest.importorskip("torch.distributed.checkpoint.state_dict")
     for r in run("fsdp2_int8_full_state_dict", tmp_path):
         assert r["128 full scales"] == [128, 1] and r["129 full scales"] == [129, 1], r
-        assert r["128 differ"] == {} and r["129 differ"] == {}, r
+        for hidden in (128, 129):
+            for k in ("differ", "back after load", "back differ"):
+                assert r[f"{hidden} {k}"] == {}, (k, r)

@@ -504,10 +504,13 @@ class AdamW(torch.optim.Optimizer):
                 scale = st.get(_SCALE[n])
                 if not isinstance(scale, torch.Tensor):
                     continue
-                if _scale_layout(p) is not None and not isinstance(scale, _DTENSOR):
+                layout = _scale_layout(p)
+                if layout is not None and layout[0] == "rows":
+                    st[_SCALE[n]] = _rows_scales(p, scale, layout[1])
+                elif layout is not None and not isinstance(scale, _DTENSOR):
                     # A sharded param's scales loaded as the rank's plain tensor.
                     st[_SCALE[n]] = _scales_like(p, scale)
-                elif _scale_layout(p) is None and scale.dim() != 1:
+                elif layout is None and scale.dim() != 1:
                     # A full state dict of a sharded run: its rows' scales, flat.
                     st[_SCALE[n]] = scale.reshape(-1)
 
@@ -842,6 +845,25 @@ def _scales_like(p, local):
     _, placements, shards, padded = layout
     return _DTENSOR.from_local(local, p.device_mesh, placements, run_check=False, shape=(shards * padded,),
                                stride=(1,))
+
+
+def _rows_scales(p, scale, shape):
+    """A dim-0-sharded param's loaded scales in its layout (``[rows, blocks
+    a row]`` placed as the param): kept when they are; else the whole
+    param's scales (a one-process state loaded into FSDP2, which torch's
+    loader may cut as a flat tensor) gathered and the rank's rows taken, or
+    the rank's own as a plain tensor."""
+    rows, per_row = shape
+    lp = _local(p)
+    if isinstance(scale, _DTENSOR):
+        if tuple(scale.shape) == (rows, per_row) and scale.placements == p.placements:
+            return scale
+        scale = scale.full_tensor()  # every rank loads every param: a collective in step
+    flat = scale.reshape(-1)
+    if flat.numel() == rows * per_row and (lp.shape[0] != rows or flat.numel() != q8_scales_len(lp.shape)):
+        first = _shard_offset(p) // (p.numel() // rows)
+        flat = flat[first * per_row:first * per_row + q8_scales_len(lp.shape)]
+    return _scales_like(p, flat)
 
 
 def _local_scales(p, scales):
