@@ -402,6 +402,56 @@ def fsdp2_int8_full_state_dict(rank, world):
     return res
 
 
+def fsdp2_int8_hf(rank, world):
+    """A Hugging Face Llama, ``hf.patch``ed, bf16, ``fully_shard`` per
+    decoder layer and at the root, stepped with split masters, 8-bit moments
+    and the clip; beside it one process fed the FSDP2 run's gathered
+    gradients. Odd sizes (hidden 72, intermediate 100, vocab 99): the
+    embedding and LM head cut at row 50 (offset 3600), the projections at
+    rows 36 and 50, none on the flat 256 grid. Params, low halves, codes,
+    scales and moments after 4 steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from torch.distributed.fsdp import fully_shard
+
+    from npukern_torch import hf
+
+    cfg = LlamaConfig(hidden_size=72, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=99, max_position_embeddings=64)
+
+    def build():
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        hf.patch(m)
+        return m
+
+    model, ref = build(), build()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, master_weights="split", state_dtype="int8", seed=5)
+    opt, ref_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw)
+    for step in range(4):
+        ids = torch.randint(0, cfg.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        mine = ids.chunk(world)[rank]
+        model(input_ids=mine, labels=mine).loss.backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.full_tensor()
+        opt.step()
+        ref_opt.step()
+    differ, q8 = {}, 0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if not torch.equal(_bits(_whole(p.detach())), _bits(q.detach())):
+            differ[name] = "param"
+        for k, t in opt.state[p].items():
+            got = _whole(t).reshape(-1) if k.endswith("_scale") else _whole(t)
+            want = ref_opt.state[q][k]
+            if got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
+                differ[f"{name} {k}"] = "shape" if got.shape != want.shape else int((got != want).sum())
+        q8 += opt.state[p]["exp_avg"].dtype == torch.uint8
+    return {"differ": differ, "q8": q8}
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -414,7 +464,8 @@ def main():
                  "fsdp2_int8_same_grads": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True),
                  "fsdp2_int8_same_grads_129": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, feed=True, hidden=129),
                  "fsdp2_int8_bf16_129": lambda r, w: fsdp2_int8(r, w, torch.bfloat16, hidden=129),
-                 "fsdp2_int8_dcp": fsdp2_int8_dcp, "fsdp2_int8_full_state_dict": fsdp2_int8_full_state_dict}
+                 "fsdp2_int8_dcp": fsdp2_int8_dcp, "fsdp2_int8_full_state_dict": fsdp2_int8_full_state_dict,
+                 "fsdp2_int8_hf": fsdp2_int8_hf}
         res = modes[mode](rank, world)
         res["ok"] = True
     except Exception as e:  # reported to the test, which shows it
