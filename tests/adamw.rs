@@ -379,39 +379,22 @@ fn same_bits_on_every_runner_isa_and_block_count() {
             3,
         );
         let mut first: Option<(State, u64)> = None;
-        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-            for threads in [1usize, 2, 3] {
-                for blocks in [1u32, 7, 64] {
-                    let cpu = Cpu::new(Threads::new(threads)).with_isa(isa);
-                    let exec = Exec::new(&cpu).with_ub(UbConfig {
-                        blocks,
-                        ..UbConfig::default()
-                    });
-                    let mut s = base.clone();
-                    let r = s.run(&exec, &o).unwrap();
-                    match &first {
-                        None => first = Some((s, r.grad_norm.to_bits())),
-                        Some((f, nb)) => {
-                            for k in 0..f.p.len() {
-                                assert_eq!(
-                                    f.p[k].bits(),
-                                    s.p[k].bits(),
-                                    "{isa:?} {threads} {blocks}"
-                                );
-                                assert_eq!(f.m[k].bits(), s.m[k].bits());
-                                assert_eq!(f.v[k].bits(), s.v[k].bits());
-                                assert_eq!(f.x[k].bits(), s.x[k].bits());
-                            }
-                            assert_eq!(f.w, s.w);
-                            // The norm's blocks follow UbConfig (as grad_stats').
-                            if blocks == 1 {
-                                let _ = nb;
-                            }
-                        }
+        common::for_every_exec(&[1, 7, 64], |exec, what| {
+            let mut s = base.clone();
+            let r = s.run(exec, &o).unwrap();
+            match &first {
+                None => first = Some((s, r.grad_norm.to_bits())),
+                Some((f, _)) => {
+                    for k in 0..f.p.len() {
+                        assert_eq!(f.p[k].bits(), s.p[k].bits(), "{what}");
+                        assert_eq!(f.m[k].bits(), s.m[k].bits());
+                        assert_eq!(f.v[k].bits(), s.v[k].bits());
+                        assert_eq!(f.x[k].bits(), s.x[k].bits());
                     }
+                    assert_eq!(f.w, s.w);
                 }
             }
-        }
+        });
     }
 }
 

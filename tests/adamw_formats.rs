@@ -210,30 +210,21 @@ fn stochastic_rounding_is_the_same_on_every_isa_thread_count_and_block_cut() {
         base.new_grads(&mut rng);
         let flags = ADAMW_CLIP | if ams { ADAMW_AMSGRAD } else { 0 };
         let mut first: Option<St> = None;
-        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-            for threads in [1usize, 2, 3] {
-                for blocks in [1u32, 7, 64] {
-                    let cpu = Cpu::new(Threads::new(threads)).with_isa(isa);
-                    let exec = Exec::new(&cpu).with_ub(UbConfig {
-                        blocks,
-                        ..UbConfig::default()
-                    });
-                    let mut s = base.clone();
-                    for step in 1..=3 {
-                        s.run(
-                            &exec,
-                            &opts(step, flags),
-                            &split_f(masters == Masters::Split, rounding, 42),
-                        )
-                        .unwrap();
-                    }
-                    match &first {
-                        None => first = Some(s),
-                        Some(f) => assert_eq!(f, &s, "{isa:?} {threads} threads {blocks} blocks"),
-                    }
-                }
+        common::for_every_exec(&[1, 7, 64], |exec, what| {
+            let mut s = base.clone();
+            for step in 1..=3 {
+                s.run(
+                    exec,
+                    &opts(step, flags),
+                    &split_f(masters == Masters::Split, rounding, 42),
+                )
+                .unwrap();
             }
-        }
+            match &first {
+                None => first = Some(s),
+                Some(f) => assert_eq!(f, &s, "{what}"),
+            }
+        });
         // Another seed rounds otherwise.
         let mut s = base.clone();
         for step in 1..=3 {

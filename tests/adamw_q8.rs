@@ -392,25 +392,16 @@ fn the_kernel_is_the_f64_model_of_the_same_quantization() {
 /// cuts: the same bits everywhere (returned).
 fn same_bits_everywhere(base: &Q<bf16>, flags: u32, f: &AdamWFormats<'_>) -> Vec<Vec<u32>> {
     let mut first: Option<Vec<Vec<u32>>> = None;
-    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-        for threads in [1usize, 2, 3] {
-            for blocks in [1u32, 7, 64, 1000] {
-                let cpu = Cpu::new(Threads::new(threads)).with_isa(isa);
-                let exec = Exec::new(&cpu).with_ub(UbConfig {
-                    blocks,
-                    ..UbConfig::default()
-                });
-                let mut s = base.clone();
-                for step in 1..=3 {
-                    s.run(&exec, &opts(step, flags), f).unwrap();
-                }
-                match &first {
-                    None => first = Some(s.key()),
-                    Some(k) => assert!(k == &s.key(), "{isa:?} {threads} threads {blocks} blocks"),
-                }
-            }
+    common::for_every_exec(&[1, 7, 64, 1000], |exec, what| {
+        let mut s = base.clone();
+        for step in 1..=3 {
+            s.run(exec, &opts(step, flags), f).unwrap();
         }
-    }
+        match &first {
+            None => first = Some(s.key()),
+            Some(k) => assert!(k == &s.key(), "{what}"),
+        }
+    });
     first.unwrap()
 }
 

@@ -223,6 +223,24 @@ pub fn reference() -> Exec<'static> {
     Exec::reference()
 }
 
+/// Calls `f` with a CPU executor for every available ISA, 1-3 threads and
+/// each of `blocks` plan cuts, and a label naming the three (the
+/// determinism tests' sweep).
+pub fn for_every_exec(blocks: &[u32], mut f: impl FnMut(&Exec<'_>, &str)) {
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+        for threads in [1usize, 2, 3] {
+            for &b in blocks {
+                let cpu = Cpu::new(Threads::new(threads)).with_isa(isa);
+                let exec = Exec::new(&cpu).with_ub(UbConfig {
+                    blocks: b,
+                    ..UbConfig::default()
+                });
+                f(&exec, &format!("{isa:?} {threads} threads {b} blocks"));
+            }
+        }
+    }
+}
+
 /// One ulp of T at |v| (the spacing above |v| rounded to T).
 pub fn ulp_at<T: Float>(v: f64) -> f64 {
     let a = v.abs();
