@@ -160,7 +160,7 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
     # of 16-bit inputs with a float32 result; rounding each part to
     # 16 bits cost accuracy); the blocks are freed one by one as the
     # result is rounded (peak: the float32 sums, not them and the result).
-    blocks = [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
+    blocks = _vocab_blocks(vocab)
     sums = [None] * len(blocks)
     d_weight = None
     losses = torch.empty(n, dtype=torch.float32)
@@ -198,18 +198,31 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
             d_bias += logits.sum(0, dtype=acc)
         del logits
     if want_weight and d_weight is None:
-        # (No rows at all: no chunk ran, and the gradient is zeros, as torch's.)
-        d_weight = torch.empty(weight.shape, dtype=weight.dtype)
-        for b, (j0, j1) in enumerate(blocks):
-            if sums[b] is None:
-                d_weight[j0:j1].zero_()
-            else:
-                d_weight[j0:j1].copy_(sums[b])
-            sums[b] = None
+        d_weight = _rounded(sums, blocks, weight)
     total = ops.cross_entropy_reduce(losses, t, None, red, ignore_index)
     if d_bias is not None:
         d_bias = d_bias.to(bias.dtype)
     return total, d_input, d_weight, d_bias
+
+
+def _vocab_blocks(vocab):
+    """The weight gradient's float32 blocks of vocabulary rows."""
+    return [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
+
+
+def _rounded(sums, blocks, weight):
+    """The weight gradient in the weight's dtype from the float32 ``sums``
+    of each of ``blocks`` (None: no rows reached it, zeros, as torch's), each
+    block's sums freed as it is rounded (peak: the float32 sums, not them and
+    the result)."""
+    d_weight = torch.empty(weight.shape, dtype=weight.dtype)
+    for b, (j0, j1) in enumerate(blocks):
+        if sums[b] is None:
+            d_weight[j0:j1].zero_()
+        else:
+            d_weight[j0:j1].copy_(sums[b])
+        sums[b] = None
+    return d_weight
 
 
 def _npukern_head(x, weight, bias, matmul):
@@ -247,11 +260,8 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
     if math == _route.BF16_DOT and rows < n and rows % 2:
         rows = max(2, rows - 1)
     d_input = torch.empty_like(x) if want_input else None
-    vocab = weight.shape[0]
-    blocks = [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
-    d_weight, sums = None, None
-    if want_weight and n == 0:
-        d_weight = torch.zeros(weight.shape, dtype=weight.dtype)
+    blocks = _vocab_blocks(weight.shape[0])
+    d_weight, sums = None, [None] * len(blocks)
     for start in range(0, n, rows):
         xc = x[start:start + rows]
         logits = ops.matmul(xc, weight, False, True, None, math)
@@ -262,20 +272,16 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
             d_input[start:start + rows] = ops.matmul(logits, weight, False, False, None, math)
         if want_weight and start == 0 and start + rows >= n:
             d_weight = ops.matmul(logits, xc, True, False, None, math)  # one chunk: the dtype directly
-        elif want_weight and sums is None:
+        elif want_weight and start == 0:
             sums = [ops.matmul(logits[:, j0:j1], xc, True, False, torch.float32, math) for j0, j1 in blocks]
         elif want_weight:
             for b, (j0, j1) in enumerate(blocks):
                 ops.matmul_accumulate_(sums[b], logits[:, j0:j1], xc, True, False, math)
         del logits
-    if sums is not None:
-        # Rounded block by block, each block's float32 sums freed as it is
-        # (one vocab x hidden float32 buffer rounded at once held it and the
-        # result together: +0.47 GB at the 1.5B model's 151 936 x 1536).
-        d_weight = torch.empty(weight.shape, dtype=weight.dtype)
-        for b, (j0, j1) in enumerate(blocks):
-            d_weight[j0:j1].copy_(sums[b])
-            sums[b] = None
+    if want_weight and d_weight is None:
+        # Block by block (one vocab x hidden float32 buffer rounded at once
+        # held it and the result together: +0.47 GB at 151 936 x 1536).
+        d_weight = _rounded(sums, blocks, weight)
     total = ops.cross_entropy_reduce(losses, t, None, red, ignore_index)
     return total, d_input, d_weight, None
 

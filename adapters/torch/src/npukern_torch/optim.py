@@ -108,21 +108,25 @@ def _q8_magnitudes(signed):
     return bits.to(torch.int32).view(torch.float32)
 
 
+def _row_len(shape):
+    """The 8-bit blocks' row length for a tensor of ``shape``: a dim-0 slice
+    of two or more dims, else 0 (one row)."""
+    return math.prod(shape) // shape[0] if len(shape) >= 2 and shape[0] > 0 else 0
+
+
 def q8_row(t):
     """The row length of ``t``'s 8-bit moment blocks (the kernel's
     ``q8_rows``): a dim-0 slice of a tensor of two or more dims, so that no
     block crosses a row and a dim-0 shard (FSDP2) holds whole blocks
     wherever it is cut; 0 (the whole tensor one row) otherwise. Blocks are
     256 elements from each row's first, a row's last one shorter."""
-    t = _local(t)
-    return t.numel() // t.shape[0] if t.dim() >= 2 and t.shape[0] > 0 else 0
+    return _row_len(_local(t).shape)
 
 
 def q8_scales_len(shape):
     """How many block scales a moment of this shape has: ``rows *
     ceil(row / 256)`` (``q8_row``), ``ceil(numel / 256)`` for one row."""
-    n = math.prod(shape)
-    row = n // shape[0] if len(shape) >= 2 and shape[0] > 0 else 0
+    n, row = math.prod(shape), _row_len(shape)
     return n // row * -(-row // Q8_BLOCK) if row else -(-n // Q8_BLOCK)
 
 
@@ -130,9 +134,8 @@ def _block_index(shape, scales):
     """Each element's block (its scale's index) for a moment of ``shape``
     with ``scales`` scales: the row grid (``q8_row``), or one row when only
     that count fits (a state saved before row lengths, ABI 2.12)."""
-    n = math.prod(shape)
+    n, row = math.prod(shape), _row_len(shape)
     i = torch.arange(n, dtype=torch.int64)
-    row = n // shape[0] if len(shape) >= 2 and shape[0] > 0 else 0
     if not row or scales != q8_scales_len(shape) and scales == -(-n // Q8_BLOCK):
         return i // Q8_BLOCK
     return i // row * -(-row // Q8_BLOCK) + i % row // Q8_BLOCK
@@ -500,11 +503,11 @@ class AdamW(torch.optim.Optimizer):
                 for n in floats:
                     codes = q[n][0].view(_local(p).shape).to(_local(p).device)
                     st[n], st[_SCALE[n]] = _like(p, codes), _scales_like(p, q[n][1])
+            layout = _scale_layout(p)
             for n in have:
                 scale = st.get(_SCALE[n])
                 if not isinstance(scale, torch.Tensor):
                     continue
-                layout = _scale_layout(p)
                 if layout is not None and layout[0] == "rows":
                     st[_SCALE[n]] = _rows_scales(p, scale, layout[1])
                 elif layout is not None and not isinstance(scale, _DTENSOR):
@@ -817,7 +820,7 @@ def _scale_layout(p):
 
     dim = pl.dim % p.dim()
     if dim == 0 and p.dim() >= 2 and p.shape[0] > 0:
-        return "rows", (p.shape[0], -(-(p.numel() // p.shape[0]) // Q8_BLOCK))
+        return "rows", (p.shape[0], -(-_row_len(p.shape) // Q8_BLOCK))
     shards, size = p.device_mesh.size(i), p.shape[dim]
     largest = list(p.shape)
     largest[dim] = min(-(-size // shards), size)
@@ -860,8 +863,8 @@ def _rows_scales(p, scale, shape):
             return scale
         scale = scale.full_tensor()  # every rank loads every param: a collective in step
     flat = scale.reshape(-1)
-    if flat.numel() == rows * per_row and (lp.shape[0] != rows or flat.numel() != q8_scales_len(lp.shape)):
-        first = _shard_offset(p) // (p.numel() // rows)
+    if flat.numel() == rows * per_row:  # the whole param's: the rank's rows (all of them unsharded)
+        first = _shard_offset(p) // _row_len(p.shape)
         flat = flat[first * per_row:first * per_row + q8_scales_len(lp.shape)]
     return _scales_like(p, flat)
 
