@@ -42,7 +42,7 @@
 #                     checkout path, reused when present: cargo's dep-info
 #                     paths are relative, so a target directory shared by two
 #                     checkouts can pass one checkout's stale build off as
-#                     the other's)
+#                     the other's; a cache whose checkout is gone is removed)
 #   NPK_BLESS=1       rewrite embedded/expected_hashes.txt from the host consumer
 #   NPK_SWEEP_THIN=N  aarch64-lanes: the math sweeps take every N-th of their inputs
 #                     (default 17; 1 runs them whole, as x86's cargo test does)
@@ -58,8 +58,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CACHE=${NPK_CROSS_CACHE:-$HOME/.cache/npukern/cross}/$(printf %s "$ROOT" | cksum | cut -d' ' -f1)
+CACHE_ROOT=${NPK_CROSS_CACHE:-$HOME/.cache/npukern/cross}
+CACHE=$CACHE_ROOT/$(printf %s "$ROOT" | cksum | cut -d' ' -f1)
 mkdir -p "$CACHE"
+printf '%s\n' "$ROOT" >"$CACHE/checkout"
+# Each checkout path has a cache of its own (~1 GB): a machine that tests
+# many temporary clones filled its disk with them (26 GB). A cache whose
+# checkout is gone is removed; one that names no checkout (made before the
+# name was kept) once it is a week old.
+for d in "$CACHE_ROOT"/*/; do
+    d=${d%/}
+    [ "$d" = "$CACHE" ] && continue
+    if [ -f "$d/checkout" ]; then
+        [ -d "$(cat "$d/checkout")" ] && continue
+    elif [ -z "$(find "$d" -maxdepth 0 -mtime +7)" ]; then
+        continue
+    fi
+    echo "== removing the cross-build cache of a gone checkout: $d"
+    rm -rf "$d"
+done
 
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(nostd embedded aarch64 cortex-m)
