@@ -53,13 +53,14 @@ def test_chunk_rows_rule():
     assert L._chunk_rows(512, v, h, 2, None, True) == 512
     assert L._chunk_rows(512, v, h, 2, L.CHUNK_BYTES, True) == budget_rows
     assert L._chunk_rows(512, v, h, 2, None, False) == budget_rows
-    # The edge: n - rows <= 2 h tokens more (bf16) is one chunk, one more is not.
-    assert L._chunk_rows(budget_rows + 2 * h, v, h, 2, None, True) == budget_rows + 2 * h
-    assert L._chunk_rows(budget_rows + 2 * h + 1, v, h, 2, None, True) == budget_rows
-    # float32 logits: n - rows <= h.
+    # The edge: up to h tokens past the budget (16-bit) are one chunk (the
+    # logits and the bf16 gradient against a chunk and the float32 sums),
+    # one more is not.
+    assert L._chunk_rows(budget_rows + h, v, h, 2, None, True) == budget_rows + h
+    assert L._chunk_rows(budget_rows + h + 1, v, h, 2, None, True) == budget_rows
+    # float32: the sums are the gradient's own size, so never.
     rows32 = L.CHUNK_BYTES // (v * 4)
-    assert L._chunk_rows(rows32 + h, v, h, 4, None, True) == rows32 + h
-    assert L._chunk_rows(rows32 + h + 1, v, h, 4, None, True) == rows32
+    assert L._chunk_rows(rows32 + 1, v, h, 4, None, True) == rows32
     # Fewer tokens than the budget: all of them, as before.
     assert L._chunk_rows(100, v, h, 2, None, True) == 100
 
@@ -81,7 +82,7 @@ class _Counting:
 def test_default_budget_takes_one_chunk_where_it_holds_less(monkeypatch, matmul):
     """Under a default budget of 8 rows (even: the pair dot's chunks), 40
     tokens of a 64-wide head are one chunk (32 rows more than the budget <=
-    2 x 64), bitwise what an explicit one-chunk budget gives; 200 tokens
+    64), bitwise what an explicit one-chunk budget gives; 200 tokens
     are 25 chunks, as the explicit 8-row budget cuts them; a frozen weight
     (no float32 sums) keeps the budget's chunks."""
     from npukern_torch import loss as L

@@ -207,16 +207,18 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
 
 def _chunk_rows(n, vocab, hidden, itemsize, chunk_bytes, want_weight):
     """Tokens per chunk: as many as ``chunk_bytes`` of logits hold, or (the
-    default budget, ``chunk_bytes`` None) all ``n`` when one chunk's logits
-    cost no more than several chunks' logits and the weight gradient's
-    float32 sums they need: then one chunk is the smaller peak (and the
-    same bits on npukern's matmul: the same chain, rounded once). A
-    Qwen2.5-1.5B head of 151 936 x 1536 over 512 tokens: 156 MB of logits
-    against 134 + 934 MB."""
+    default budget, ``chunk_bytes`` None) all ``n`` when one chunk's peak
+    -- all the logits and the weight gradient written beside them -- is no
+    higher than several chunks' -- a chunk's logits and the weight
+    gradient's float32 sums: ``(n - rows) itemsize <= hidden (4 -
+    itemsize)``, up to ``hidden`` tokens past the budget for 16-bit logits,
+    never for float32. The same bits on npukern's matmul (the same chain,
+    rounded once). A Qwen2.5-1.5B head of 151 936 x 1536 over 512 tokens:
+    156 + 467 MB against 134 + 934 MB."""
     budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     rows = max(1, min(n, budget // max(1, vocab * itemsize)))
-    sums = vocab * hidden * 4
-    if chunk_bytes is None and want_weight and rows < n and n * vocab * itemsize <= rows * vocab * itemsize + sums:
+    one, several = (n * vocab + vocab * hidden) * itemsize, rows * vocab * itemsize + vocab * hidden * 4
+    if chunk_bytes is None and want_weight and rows < n and one <= several:
         return n
     return rows
 
