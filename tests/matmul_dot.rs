@@ -21,9 +21,28 @@ fn flush(x: f32) -> f32 {
     }
 }
 
+/// One FMA of VDPBF16PS: `a b + c` rounded to nearest even, then zero (of
+/// its sign) when tiny — and x86 detects tininess after rounding to 24
+/// bits with an unbounded exponent, so a sum that IEEE rounds up to
+/// `2^-126` from `[2^-126 - 2^-150, 2^-126 - 2^-151)` is tiny too. The
+/// decision from f64: `c + a b` there rounds to f64 exactly on the right
+/// side of `T = 2^-126 - 2^-151` (the midpoint that rounds up), since c is
+/// a multiple of `2^-149` and `a b` needs bits below `2^-164` to come
+/// within f64's half ulp of T, which puts c at least `2^-151 - 2^-163`
+/// away from it.
+fn fma_ftz(a: f32, b: f32, c: f32) -> f32 {
+    let r = a.mul_add(b, c);
+    let t = f64::from(f32::MIN_POSITIVE) * (1.0 - 2f64.powi(-25));
+    if (f64::from(c) + f64::from(a) * f64::from(b)).abs() < t {
+        0f32.copysign(r)
+    } else {
+        r
+    }
+}
+
 /// The pair dot of one element: `c` (or 0) then each pair `(2i, 2i + 1)`
-/// as `c = flush(a1 b1 + c)`, `c = flush(a0 b0 + c)`, inputs flushed; an
-/// odd K's last step after a zero one.
+/// as `c = fma_ftz(a1, b1, c)`, `c = fma_ftz(a0, b0, c)`, inputs flushed;
+/// an odd K's last step after a zero one.
 fn model(c: f32, x: &[bf16], y: &[bf16]) -> f32 {
     let mut s = flush(c);
     for p in (0..x.len()).step_by(2) {
@@ -32,8 +51,8 @@ fn model(c: f32, x: &[bf16], y: &[bf16]) -> f32 {
             (Some(a), Some(b)) => (flush(a.to_f32()), flush(b.to_f32())),
             _ => (0.0, 0.0),
         };
-        s = flush(a1.mul_add(b1, s));
-        s = flush(a0.mul_add(b0, s));
+        s = fma_ftz(a1, b1, s);
+        s = fma_ftz(a0, b0, s);
     }
     s
 }
@@ -219,6 +238,72 @@ fn subnormals_tiny_sums_nan_and_inf() {
         let case = Case::new(23, 50, 45, dot(ta, tb, false), &mut v);
         case.check::<f32>(&vec![0.0; 23 * 50]);
         case.check::<bf16>(&vec![bf16::ZERO; 23 * 50]);
+    }
+}
+
+/// Sums next to `2^-126` with bits below `2^-149`: where IEEE rounds up to
+/// `2^-126` and x86's tininess after rounding flushes (Zen 5's VDPBF16PS
+/// gives 0 for `2^-126 - 2^-150`, and keeps `2^-126` for `2^-126 - 2^-160`),
+/// in both steps of a pair, either sign.
+#[test]
+fn tininess_is_detected_after_rounding_as_x86_does() {
+    let min = f32::MIN_POSITIVE;
+    let p = |e: i32| bf16::from_f32(2f32.powi(e));
+    let n = |e: i32| bf16::from_f32(-(2f32.powi(e)));
+    let z = bf16::ZERO;
+    // (c0, a, b, expected): the pair's odd step, then its even one.
+    let cases = [
+        (min, [z, p(-75)], [z, n(-75)], 0.0),
+        (min, [p(-75), z], [n(-75), z], 0.0),
+        // -0 after the odd step; the even one's zero product makes it +0.
+        (-min, [z, p(-75)], [z, p(-75)], 0.0),
+        (-min, [p(-75), z], [p(-75), z], -0.0),
+        (min, [z, p(-80)], [z, n(-80)], min),
+        (-min, [p(-80), z], [p(-80), z], -min),
+        // 2^-126 - 2^-151, the midpoint, rounds up to 2^-126: not tiny.
+        (min, [p(-76), p(-75)], [n(-75), n(-76)], min),
+    ];
+    for (c0, a, b, want) in cases {
+        for k in [2, 3] {
+            let (mut a, mut b) = (a.to_vec(), b.to_vec());
+            a.resize(k, z);
+            b.resize(k, z);
+            let case = Case {
+                a,
+                b,
+                m: 1,
+                n: 1,
+                k,
+                o: dot(false, false, true),
+            };
+            let got = case.check(&[c0]);
+            // (K = 3 adds a zero pair after, which turns a -0 into +0.)
+            if k == 2 {
+                assert_eq!(got[0].to_bits(), f32::to_bits(want), "{c0:e} {:?}", case.a);
+            }
+        }
+    }
+    // Random sums there: starting sums within a few 2^-149 of 2^-126,
+    // products of magnitudes 2^-70 .. 2^-82.
+    let mut rng = Rng(0x7e1);
+    for _ in 0..64 {
+        let (m, n, k) = (3, 17, 6);
+        let mut v = || {
+            let s = if rng.below(2) == 0 { 0 } else { 0x8000 };
+            bf16::from_bits(s | ((45 + rng.below(13) as u16) << 7) | rng.below(128) as u16)
+        };
+        let case = Case::new(m, n, k, dot(false, true, true), &mut v);
+        let c0: Vec<f32> = (0..m * n)
+            .map(|_| {
+                let c = f32::from_bits(0x0080_0000 + rng.below(4) as u32);
+                if rng.below(2) == 0 {
+                    c
+                } else {
+                    -c
+                }
+            })
+            .collect();
+        case.check(&c0);
     }
 }
 

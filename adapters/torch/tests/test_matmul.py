@@ -122,21 +122,32 @@ def _flush(x):
     return torch.where(x.abs() < 2.0**-126, x * 0, x)
 
 
+def _fma_ftz(s, x, y):
+    """s + x y as one VDPBF16PS step: rounded once (a bf16 product is exact
+    in float32 at these magnitudes), then zero of its sign when tiny, which
+    x86 decides after rounding to 24 bits with an unbounded exponent (a sum
+    rounding up to 2^-126 from below 2^-126 - 2^-151 is tiny); the decision
+    in float64 (tests/matmul_dot.rs's ``fma_ftz`` says why that is exact)."""
+    r = s + x * y
+    exact = s.double() + x.double() * y.double()
+    return torch.where(exact.abs() < 2.0**-126 * (1 - 2.0**-25), r * 0, r)
+
+
 def _pair_dot(a, b, c=None):
     """The bf16 pair dot of a [M, K] and b [K, N] (bfloat16) as VDPBF16PS sums:
-    from c (flushed; zeros without), each pair of k steps as c = flush(c +
-    a[k+1] b[k+1]), then c = flush(c + a[k] b[k]) (a bf16 product is exact
-    in float32, so each add is the FMA's one rounding); an odd K's last step
+    from c (flushed; zeros without), each pair of k steps as c = c + a[k+1]
+    b[k+1], then c = c + a[k] b[k], each ``_fma_ftz``; an odd K's last step
     after a zero one. float32 [M, N]."""
     af, bf = _flush(a.float()), _flush(b.float())
     s = _flush(c.clone()) if c is not None else torch.zeros(a.shape[0], b.shape[1])
     k = a.shape[1]
+    zero = torch.zeros(())
     for p in range(0, k, 2):
         if p + 1 < k:
-            s = _flush(s + af[:, p + 1, None] * bf[None, p + 1, :])
+            s = _fma_ftz(s, af[:, p + 1, None], bf[None, p + 1, :])
         else:
-            s = _flush(s + 0.0)
-        s = _flush(s + af[:, p, None] * bf[None, p, :])
+            s = _fma_ftz(s, zero, zero)
+        s = _fma_ftz(s, af[:, p, None], bf[None, p, :])
     return s
 
 
@@ -169,6 +180,20 @@ def test_bf16_pair_dot_flushes_subnormals_and_differs_from_the_chain():
     tiny = torch.tensor([[2.0**-70]], dtype=torch.bfloat16)
     assert ops.matmul(tiny, tiny, False, False, torch.float32, 1).item() == 0.0
     assert ops.matmul(tiny, tiny, False, False, torch.float32).item() == 2.0**-140
+
+
+def test_bf16_pair_dot_detects_tininess_after_rounding():
+    # 2^-126 - 2^-150 rounds (IEEE) up to 2^-126, but x86's FTZ, deciding
+    # after rounding to 24 bits, flushes it (VDPBF16PS on Zen 5 gives 0);
+    # 2^-126 - 2^-160 rounds to 2^-126 either way and stays. (Every ISA:
+    # tests/matmul_dot.rs.)
+    for e, want in [(-75, 0.0), (-80, 2.0**-126)]:
+        a = torch.tensor([[0.0, 2.0**e]], dtype=torch.bfloat16)
+        b = torch.tensor([[0.0], [-(2.0**e)]], dtype=torch.bfloat16)
+        c = torch.full((1, 1), 2.0**-126)
+        ops.matmul_accumulate_(c, a, b, False, False, 1)
+        assert c.item() == want, e
+        assert torch.equal(c, _pair_dot(a, b, torch.full((1, 1), 2.0**-126)))
 
 
 def test_bf16_pair_dot_is_refused_for_other_dtypes_and_values():

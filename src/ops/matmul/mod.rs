@@ -48,8 +48,10 @@ pub enum MatmulMath {
     /// bf16 a and b only: the products summed as VDPBF16PS sums them, a
     /// pair of steps at a time (`c + a[k+1] b[k+1]`, then `+ a[k] b[k]`,
     /// each one FMA; an odd K's last step alone after a zero one), with
-    /// subnormal inputs and sums read and written as zero (its DAZ and
-    /// FTZ). VDPBF16PS runs it where the CPU has AVX512-BF16: about twice
+    /// subnormal inputs read as zero (its DAZ) and tiny sums written as
+    /// zero (its FTZ, tininess after rounding to 24 bits as x86 detects
+    /// it: a sum IEEE rounds up to `2^-126` from below `2^-126 - 2^-151` is
+    /// zero too). VDPBF16PS runs it where the CPU has AVX512-BF16: about twice
     /// the FMA chain's rate on AMD Zen 4 and 5, where that instruction runs
     /// at twice the FMA's, (about half of it on Intel's). Every other ISA
     /// gets the same bits from an FMA chain with the flushes, several times

@@ -81,6 +81,32 @@ pub(crate) fn flush_lanes<L: Lanes>(x: L) -> L {
     mag.select_lt(L::splat(f32::MIN_POSITIVE), x.mul(L::splat(0.0)), x)
 }
 
+/// `2^24`: the scale `ftz_fma` redoes a sum at.
+pub(crate) const FTZ_SCALE: f32 = 16_777_216.0;
+
+/// One FMA of VDPBF16PS, `a b + c` with its FTZ, given `a_big = a 2^24`
+/// (c flushed). x86 detects tininess after rounding to 24 bits with an
+/// unbounded exponent: a sum IEEE rounds up to `2^-126` from `[2^-126 -
+/// 2^-150, 2^-126 - 2^-151)` is flushed too (Zen 5's VDPBF16PS gives 0 for
+/// `2^-126 - 2^-150`), which `flush_lanes` of the IEEE sum would keep. So
+/// the sum is also done at `2^24` times the scale, where it is normal and
+/// rounds as if the exponent were unbounded; it is tiny exactly when that
+/// one is below `2^-102`. Where a scaled operand overflows, the sum is not
+/// tiny (a sum near `2^-126` needs `|c| < 2^-97` and `|a| < 2^27`, since c
+/// is a multiple of `ulp(c)` and `a b` of `2^-15 |a b|`, and `|b| >=
+/// 2^-126`), and the scaled sum is Inf or NaN, which compares false.
+#[inline(always)]
+pub(crate) fn ftz_fma<L: Lanes>(a: L, a_big: L, b: L, c: L) -> L {
+    let r = a.mul_add(b, c);
+    let big = a_big.mul_add(b, c.mul(L::splat(FTZ_SCALE)));
+    let mag = big.max(L::splat(0.0).sub(big));
+    mag.select_lt(
+        L::splat(f32::MIN_POSITIVE * FTZ_SCALE),
+        r.mul(L::splat(0.0)),
+        r,
+    )
+}
+
 /// A row-major matrix in memory: element `(i, j)` at `i * ld + j`.
 #[derive(Clone, Copy)]
 pub(crate) struct Mat<T> {

@@ -7,7 +7,7 @@
 //! - NEON (32 q; a value is 4 q): 6 x 16 = 24 + 4 + 1;
 //! - portable: 4 x 16 (its FMA is software; size matters little).
 
-use super::pack::{flush_lanes, KC};
+use super::pack::{flush_lanes, ftz_fma, FTZ_SCALE, KC};
 use crate::dtype::Float;
 use crate::lanes::{Lanes, GROUP};
 
@@ -259,7 +259,8 @@ unsafe fn body<
 }
 
 /// A full `MR x NR` block. Under `FLUSH` (the pair dot's emulation) the
-/// starting sums and each FMA's result are flushed (`pack::flush_lanes`).
+/// starting sums are flushed (`pack::flush_lanes`) and each FMA is
+/// VDPBF16PS's (`pack::ftz_fma`).
 ///
 /// # Safety
 /// As `Tile::micro`, with `rows == MR` and `cols == NR`.
@@ -292,10 +293,14 @@ unsafe fn block<L: Lanes, const AR: bool, const FLUSH: bool, const MR: usize, co
                 for (r, row) in acc.iter_mut().enumerate() {
                     // SAFETY: as above (row r of an AR panel at r * KC).
                     let av = L::splat(unsafe { *a.add(if AR { r * KC } else { r }) });
-                    for (v, bg) in row.iter_mut().zip(&bv) {
-                        *v = av.mul_add(*bg, *v);
-                        if FLUSH {
-                            *v = flush_lanes(*v);
+                    if FLUSH {
+                        let a_big = av.mul(L::splat(FTZ_SCALE));
+                        for (v, bg) in row.iter_mut().zip(&bv) {
+                            *v = ftz_fma(av, a_big, *bg, *v);
+                        }
+                    } else {
+                        for (v, bg) in row.iter_mut().zip(&bv) {
+                            *v = av.mul_add(*bg, *v);
                         }
                     }
                 }
