@@ -14,6 +14,7 @@ use half::{bf16, f16};
 use crate::dtype::Float;
 
 pub mod detect;
+mod fp_env;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
 pub mod neon;
 pub mod portable;
@@ -25,6 +26,7 @@ pub mod x86;
 mod x86_bf16;
 
 pub use detect::Isa;
+pub(crate) use fp_env::with_default_modes;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
 pub use neon::{Neon, NeonBf16};
 pub use portable::Portable;

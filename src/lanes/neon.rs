@@ -10,11 +10,10 @@
 //!   SIMD keeps IEEE subnormals (unlike AArch32 NEON) under the default FPCR.
 //! - The FPCR: every result assumes its default modes (round to nearest
 //!   even, no flush-to-zero, no default NaN, IEEE half-precision). `enter`
-//!   reads it and, only when a host thread has set one of those modes
-//!   (FZ, FZ16, DN, AHP, RMode, or FEAT_AFP's FIZ/AH/NEP), runs the block
-//!   with them cleared and restores the caller's FPCR afterwards: the bits
-//!   stay the library's even under a flush-to-zero host. (The portable
-//!   lanes run under whatever FPCR the caller has.)
+//!   runs the block through `fp_env::with_default_modes`, which clears a
+//!   host thread's FZ, FZ16, DN, AHP, RMode or FEAT_AFP's FIZ/AH/NEP for
+//!   the block: the bits stay the library's even under a flush-to-zero
+//!   host (so do the portable lanes').
 //! - bf16: the integer round-to-nearest-even of `dtype::bf16_bits_rne`
 //!   (six operations per four lanes); on the BF16 level `BFCVTN`/`BFCVTN2`
 //!   do it in two instructions per eight lanes. Without FEAT_EBF16 the BF16
@@ -52,49 +51,6 @@ pub struct NeonLanes<const HW_BF16: bool>([float32x4_t; 4]);
 pub type Neon = NeonLanes<false>;
 /// Advanced SIMD lanes with FEAT_BF16's `BFCVTN` for the bf16 rounding.
 pub type NeonBf16 = NeonLanes<true>;
-
-/// FPCR fields the library's bits depend on: AHP (26), DN (25), FZ (24),
-/// RMode (23:22), FZ16 (19), and FEAT_AFP's NEP (2), AH (1), FIZ (0) (RES0
-/// where the CPU lacks AFP, so clearing them is harmless).
-const FPCR_MODES: u64 = 1 << 26 | 1 << 25 | 1 << 24 | 3 << 22 | 1 << 19 | 0b111;
-
-/// Reads the FPCR.
-#[inline(always)]
-fn fpcr() -> u64 {
-    let v: u64;
-    // SAFETY: FPCR is readable at EL0.
-    unsafe { asm!("mrs {}, fpcr", out(reg) v, options(nomem, nostack, preserves_flags)) };
-    v
-}
-
-/// Writes the FPCR.
-#[inline(always)]
-fn set_fpcr(v: u64) {
-    // SAFETY: FPCR is writable at EL0; only rounding/flush/NaN modes change.
-    unsafe { asm!("msr fpcr, {}", in(reg) v, options(nostack, preserves_flags)) };
-}
-
-/// Restores the caller's FPCR when the block ends (also on unwinding).
-struct RestoreFpcr(u64);
-
-impl Drop for RestoreFpcr {
-    #[inline(always)]
-    fn drop(&mut self) {
-        set_fpcr(self.0);
-    }
-}
-
-/// Runs `f` under the default FPCR modes (see the module note).
-#[inline(always)]
-fn default_fpcr<R>(f: impl FnOnce() -> R) -> R {
-    let saved = fpcr();
-    if saved & FPCR_MODES == 0 {
-        return f();
-    }
-    let _restore = RestoreFpcr(saved);
-    set_fpcr(saved & !FPCR_MODES);
-    f()
-}
 
 #[target_feature(enable = "bf16")]
 fn in_bf16<R>(f: impl FnOnce() -> R) -> R {
@@ -271,9 +227,9 @@ impl<const HW_BF16: bool> Lanes for NeonLanes<HW_BF16> {
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
         if HW_BF16 {
             // SAFETY: the caller guarantees FEAT_BF16 (`detect` said yes).
-            unsafe { in_bf16(|| default_fpcr(f)) }
+            super::with_default_modes(|| unsafe { in_bf16(f) })
         } else {
-            default_fpcr(f)
+            super::with_default_modes(f)
         }
     }
 
@@ -472,52 +428,5 @@ mod tests {
             }
         }
         bad
-    }
-
-    /// A host thread with FPCR.FZ (flush-to-zero) set gets the library's
-    /// bits from the NEON lanes: `enter` runs the block under the default
-    /// modes, then restores the caller's FPCR. RmsNorm of subnormal inputs:
-    /// flushed, y would be all zeros; with the guard, y = x * rstd exactly
-    /// as without FZ.
-    #[test]
-    fn flush_to_zero_host_gets_the_same_bits() {
-        if !Isa::Neon.is_available() {
-            return; // NPK_MAX_CPU_ISA=portable: the run with the portable lanes
-        }
-        use crate::TensorRef;
-        use crate::{rms_norm, rms_norm_workspace_size, Cpu, Exec, RmsNormOptions, Serial};
-        let x: [f32; 40] = core::array::from_fn(|i| f32::from_bits(0x0000_1234 + i as u32 * 977));
-        let g = [1.5f32; 40];
-        let run = |isa: Isa| {
-            let cpu = Cpu::new(Serial).with_isa(isa);
-            let exec = Exec::new(&cpu);
-            let (xt, gt) = (
-                TensorRef::new(&x, &[1, 40]).ok()?,
-                TensorRef::new(&g, &[40]).ok()?,
-            );
-            let opts = RmsNormOptions::default();
-            let mut ws = [0u8; 4096];
-            let need = rms_norm_workspace_size(&exec, xt, gt, &opts).ok()?;
-            let mut y = [0f32; 40];
-            rms_norm(&exec, xt, gt, &opts, &mut y, None, &mut ws[..need]).ok()?;
-            Some(y.map(f32::to_bits))
-        };
-        let want = run(Isa::Neon).expect("runs");
-        assert!(want.iter().all(|&b| b != 0), "y of subnormal x is not zero");
-        let saved = fpcr();
-        set_fpcr(saved | 1 << 24);
-        let got = run(Isa::Neon);
-        let portable = run(Isa::Portable);
-        let after = fpcr();
-        set_fpcr(saved);
-        assert_eq!(got, Some(want), "NEON under FZ");
-        assert_eq!(after, saved | 1 << 24, "the caller's FPCR is restored");
-        // The control: the portable lanes run under the caller's FZ, so the
-        // test can tell a guarded run from an unguarded one.
-        assert_ne!(
-            portable,
-            Some(want),
-            "FZ had no effect: the test cannot fail"
-        );
     }
 }

@@ -51,7 +51,7 @@ impl Lanes for Portable {
 
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
-        f()
+        super::with_default_modes(f)
     }
 
     #[inline(always)]

@@ -308,7 +308,7 @@ impl Lanes for Avx2 {
     #[inline(always)]
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
         // SAFETY: the caller guarantees the CPU has AVX2, FMA and F16C.
-        unsafe { in_avx2(f) }
+        super::with_default_modes(|| unsafe { in_avx2(f) })
     }
     #[inline(always)]
     fn splat(x: f32) -> Self {
@@ -659,13 +659,13 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
         // SAFETY: the caller guarantees the CPU has AVX-512F/BW, AVX2, FMA,
         // F16C (and AVX512-BF16, DQ, VL for the BF16 level).
-        unsafe {
+        super::with_default_modes(|| unsafe {
             if HW_BF16 {
                 hw::in_avx512bf16(f)
             } else {
                 in_avx512(f)
             }
-        }
+        })
     }
     #[inline(always)]
     fn splat(x: f32) -> Self {

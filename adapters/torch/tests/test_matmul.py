@@ -498,3 +498,36 @@ def test_patched_model_projections_on_npukern(monkeypatch):
     assert all(torch.equal(p.grad, g) for p, g in zip(routed_to_torch.parameters(), gk))
     assert hf.unpatch(forced)["linear"] == 14
     assert all("forward" not in vars(m) for m in forced.modules())
+
+
+def test_set_flush_denormal_changes_no_bit():
+    # torch.set_flush_denormal(True) sets FTZ/DAZ on the calling thread only:
+    # npukern's blocks there flushed and the pool's did not, so 2 threads
+    # gave other bits than 1. Every block now runs under the default modes.
+    a = torch.full((1024, 64), 2.0**-70, dtype=torch.bfloat16)
+    b = torch.full((64, 1024), 2.0**-70, dtype=torch.bfloat16)
+    x = _r(64, 1000, seed=43) * 2.0**-130  # subnormal float32 rows
+    w = _r(1000, seed=44)
+    threads = torch.get_num_threads()
+    ops = torch.ops.npukern
+
+    def run():
+        return (
+            ops.matmul(a, b, False, False, torch.float32),
+            ops.matmul(a, b, False, False, torch.float32, 1),
+            ops.rms_norm(x, w, 1e-6)[0],
+        )
+
+    try:
+        torch.set_num_threads(2)
+        want = run()  # the pool's threads start under the default modes
+        assert bool((want[0] != 0).all()) and bool((want[2] != 0).any())
+        torch.set_flush_denormal(True)
+        assert torch.tensor([2.0**-70]).square().item() == 0.0, "no flush: the test cannot fail"
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for g, w_ in zip(run(), want):
+                assert torch.equal(g.view(torch.int32), w_.view(torch.int32)), t
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
