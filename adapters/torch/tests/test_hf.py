@@ -223,6 +223,26 @@ def test_compile_has_no_graph_break_in_npukern_ops():
         torch.testing.assert_close(compiled(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_patched_forwards_read_their_globals_from_a_module_of_their_own():
+    # torch.compile finds an inlined function's globals by importing their
+    # ``__name__`` (torch 2.8's dynamo): the copies with npukern's RoPE and
+    # attention table must be that module's, or it guards on transformers'
+    # own table and raises ('AttentionInterface' object has no attribute
+    # '_table'), and on transformers' apply_rotary_pos_emb.
+    import importlib
+    import sys
+
+    model = build("llama", torch.float32)
+    cls = type(model.model.layers[0].self_attn)
+    fn, parts = hf._attention_layer_forward_of(cls, True, "auto")
+    assert parts == ["rope", "attention"]
+    g = hf._innermost(fn).__globals__
+    mod = importlib.import_module(g["__name__"])
+    assert mod.__dict__ is g and mod is not sys.modules[cls.__module__]
+    assert isinstance(mod.ALL_ATTENTION_FUNCTIONS, hf._AttentionFunctions)
+    assert mod.apply_rotary_pos_emb is not sys.modules[cls.__module__].apply_rotary_pos_emb
+
+
 def test_compile_fullgraph_trains_through_the_loss_route():
     # The loss route swaps the head for a capture (a dict mutation under dynamo);
     # the decoder layers' forwards must still trace without a break.
@@ -230,7 +250,17 @@ def test_compile_fullgraph_trains_through_the_loss_route():
     model = twin(stock)
     hf.patch(model)
     x = tokens()
-    loss = torch.compile(model, fullgraph=True)(x, labels=x).loss
+    try:
+        loss = torch.compile(model, fullgraph=True)(x, labels=x).loss
+    except torch._dynamo.exc.Unsupported:
+        # torch 2.8 with transformers 5.25 breaks inside transformers
+        # (`_PerLayerConfigView.__next__`): the stock model too.
+        torch._dynamo.reset()
+        try:
+            torch.compile(twin(stock), fullgraph=True)(x, labels=x)
+        except torch._dynamo.exc.Unsupported as e:
+            pytest.skip(f"the stock model does not compile with fullgraph here either: {str(e)[:80]}")
+        raise
     want = stock(x, labels=x).loss
     assert abs(loss.item() - want.item()) <= 2e-6 * abs(want.item())
     loss.backward()

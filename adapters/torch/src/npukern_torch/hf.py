@@ -21,6 +21,7 @@ its layers take their weights from the module they replace.
 
 import importlib
 import inspect
+import itertools
 import sys
 import types
 import warnings
@@ -251,6 +252,25 @@ def _copy_wrapper(fn, old, new):
     return copy, replaced
 
 
+_GLOBALS_MADE = itertools.count()
+
+
+def _globals_module(globals_):
+    """A copy of a module's globals as the ``__dict__`` of a module of its
+    own, registered in ``sys.modules`` under a name of its own. torch.compile
+    finds a traced function's globals by importing its ``__name__`` (torch
+    2.8's dynamo does, for an inlined function whose globals are not the
+    frame's): under the original module's name it guarded on the original
+    module's ``ALL_ATTENTION_FUNCTIONS`` and raised (``'AttentionInterface'
+    object has no attribute '_table'``)."""
+    mod = types.ModuleType(f"npukern_torch._patched_globals_{next(_GLOBALS_MADE)}")
+    name = mod.__name__
+    mod.__dict__.update(globals_)
+    mod.__dict__["__name__"] = name
+    sys.modules[name] = mod
+    return mod.__dict__
+
+
 def _with_global(fn, name, value):
     """A copy of `fn` whose global `name` reads `value`, for this copy alone
     (the module's own function is untouched). A wrapper (a decorator's
@@ -259,7 +279,7 @@ def _with_global(fn, name, value):
     if not isinstance(fn, types.FunctionType):
         return None
     if name in fn.__code__.co_names and name in fn.__globals__:
-        g = dict(fn.__globals__)
+        g = _globals_module(fn.__globals__)
         g[name] = value
         new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
         new.__kwdefaults__ = fn.__kwdefaults__
@@ -602,8 +622,13 @@ def _causal_lm_forward(model, *args, labels=None, matmul="torch", **kwargs):
     logits and stock loss."""
     cls_forward = type(model).forward
     head = model.get_output_embeddings()
-    # The head is swapped for the capture where the model holds it: a direct child.
-    name = next((n for n, m in model.named_children() if m is head), None)
+    # The head is swapped for the capture where the model holds it: a direct
+    # child. (A loop: torch 2.8's dynamo cannot trace next() on a generator.)
+    name = None
+    for n, m in model.named_children():
+        if m is head:
+            name = n
+            break
     if labels is None or _evaluating(model) or name is None or not _plain_linear(head):
         return cls_forward(model, *args, labels=labels, **kwargs)
     # transformers' rule for the result's form (`can_return_tuple`): the
