@@ -39,6 +39,27 @@ def loss_of(m, x, y, dtype):
     return torch.nn.functional.mse_loss(m(x.to(dtype)).float(), y)
 
 
+def fsdp_loss_scale(world, mesh=None):
+    """1, or ``1 / world`` where this torch's FSDP2 sums the ranks'
+    gradients on gloo instead of averaging them (torch 2.8:
+    pytorch#162338; 2.15 averages): the sharded models' losses are scaled
+    by it, so the comparisons below test npukern's optimizer on every torch
+    (scaling by a power of two moves no bit). Probed on a Linear fed the
+    same batch on every rank, sharded on `mesh` as the model is (torch 2.8
+    averages on a (1, 2) HSDP mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2 * world, bias=False)
+    ref = copy.deepcopy(m)
+    fully_shard(m, mesh=mesh)
+    x = torch.ones(3, 4)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    ratio = (m.weight.grad.full_tensor() / ref.weight.grad).mean().item()
+    return 1.0 / world if abs(ratio - world) < 0.5 else 1.0
+
+
 def ddp(rank, world, int8=False):
     dtype = torch.bfloat16
     # int8: 4096-element weights (8-bit moments), split masters.
@@ -96,11 +117,12 @@ def fsdp2(rank, world, mesh_shape=None):
     kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
     opt, ref_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw)
     norms = []
+    scale = fsdp_loss_scale(world, mesh)
     for step in range(STEPS):
         x, y = batch(step, world)
         xs, ys = x.chunk(world), y.chunk(world)
         opt.zero_grad()
-        loss_of(model, xs[rank], ys[rank], torch.float32).backward()
+        (loss_of(model, xs[rank], ys[rank], torch.float32) * scale).backward()
         opt.step()
         ref_opt.zero_grad()
         loss_of(ref, x, y, torch.float32).backward()
@@ -175,6 +197,7 @@ def fsdp2_int8(rank, world, dtype, feed=False, hidden=128):
         kw["master_weights"] = "split"
     opt, ref_opt, full_opt = AdamW(model.parameters(), **kw), AdamW(ref.parameters(), **kw), \
         AdamW(full.parameters(), **kw)
+    scale = fsdp_loss_scale(world)
     norms_equal = True
     for step in range(STEPS):
         x, y = batch(step, world)
@@ -191,7 +214,7 @@ def fsdp2_int8(rank, world, dtype, feed=False, hidden=128):
             for p, r in zip(model.parameters(), ref.parameters()):
                 p.grad = distribute_tensor(r.grad.detach().clone(), p.device_mesh, p.placements)
         else:
-            loss_of(model, xs[rank], ys[rank], dtype).backward()
+            (loss_of(model, xs[rank], ys[rank], dtype) * scale).backward()
             full_opt.zero_grad()
             loss_of(full, x, y, dtype).backward()
             full_opt.step()
