@@ -241,6 +241,12 @@ def test_patched_forwards_read_their_globals_from_a_module_of_their_own():
     assert mod.__dict__ is g and mod is not sys.modules[cls.__module__]
     assert isinstance(mod.ALL_ATTENTION_FUNCTIONS, hf._AttentionFunctions)
     assert mod.apply_rotary_pos_emb is not sys.modules[cls.__module__].apply_rotary_pos_emb
+    # One copy for every layer and every patch of the class: the modules
+    # kept in sys.modules do not pile up.
+    assert hf._attention_layer_forward_of(cls, True, "auto")[0] is fn
+    before = len(sys.modules)
+    hf.patch(build("llama", torch.float32))
+    assert len(sys.modules) == before
 
 
 def test_compile_fullgraph_trains_through_the_loss_route():

@@ -363,12 +363,32 @@ class _AttentionFunctions:
         return getattr(self._table, name)
 
 
+# (cls, rope, attention and the ids of what the copy replaces) -> (forward,
+# parts, the replaced objects, which keep those ids theirs).
+_ATTENTION_FORWARDS = {}
+
+
 def _attention_layer_forward_of(cls, rope, attention):
     """`cls.forward` with npukern's RoPE (`rope`) and npukern's SDPA
     (`attention`: "auto" by the route's rule, "npukern" always, None not)
     standing in for its module's ``apply_rotary_pos_emb`` and
     ``ALL_ATTENTION_FUNCTIONS``'s ``"sdpa"``; and which of the two it took
-    (a function or signature this adapter does not know is left alone)."""
+    (a function or signature this adapter does not know is left alone).
+    Made once for every layer of a class (and again only when the forward
+    or what it replaces changed): each copy's globals are a module kept in
+    ``sys.modules`` (`_globals_module`), which a copy per layer and per
+    patch would pile up."""
+    mod = sys.modules.get(cls.__module__)
+    replaced = (cls.forward, getattr(mod, "apply_rotary_pos_emb", None), getattr(mod, "ALL_ATTENTION_FUNCTIONS", None))
+    key = (cls, bool(rope), attention) + tuple(id(o) for o in replaced)
+    made = _ATTENTION_FORWARDS.get(key)
+    if made is None:
+        made = _ATTENTION_FORWARDS[key] = _attention_layer_forward_made(cls, rope, attention) + (replaced,)
+    return made[0], list(made[1])
+
+
+def _attention_layer_forward_made(cls, rope, attention):
+    """`_attention_layer_forward_of`'s forward and parts, made anew."""
     fn, parts = cls.forward, []
     if rope:
         r = _rope_forward_of(cls)
