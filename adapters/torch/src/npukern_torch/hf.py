@@ -19,10 +19,12 @@ repository for transformers' own route (``KernelConfig`` / ``kernelize``):
 its layers take their weights from the module they replace.
 """
 
+import ast
 import importlib
 import inspect
 import itertools
 import sys
+import textwrap
 import types
 import warnings
 from pathlib import Path
@@ -174,11 +176,96 @@ def _gelu_form(act):
     return None
 
 
-def _is_gated_mlp(m):
+def _has_gated_mlp_parts(m):
+    """gate_proj, up_proj, down_proj and an act_fn npukern computes."""
     if not all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")):
         return False
     act = getattr(m, "act_fn", None)
     return _is_silu(act) or _gelu_form(act) is not None
+
+
+def _is_gated_mlp(m):
+    """An MLP whose forward is the one :func:`_gated_mlp_forward` computes.
+    The parts alone do not say so: transformers has MLPs with the same
+    attributes whose forward also clamps (DeepSeek-V4, GLM-5), scales
+    (Falcon-H1), sparsifies (Gemma-3n), applies dropout (Seed-OSS, T5Gemma)
+    or projects first (GLM-4V's patch merger); swapped, they would silently
+    compute another function."""
+    return _has_gated_mlp_parts(m) and _forward_is_gated_mlp(type(m))
+
+
+# class -> whether its forward is exactly the gated MLP's (read once).
+_GATED_MLP_FORMS = {}
+
+
+def _forward_is_gated_mlp(cls):
+    """Whether `cls.forward`'s source is ``down_proj(act_fn(gate_proj(x)) *
+    up_proj(x))`` (the product either way round), returned directly or
+    through one local, and nothing else: the statement transformers' Llama
+    and Gemma MLPs (and ~150 others) are. A forward whose source cannot be
+    read is not known to be it."""
+    known = _GATED_MLP_FORMS.get(cls)
+    if known is None:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+            known = _is_gated_mlp_def(tree.body[0])
+        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+            known = False
+        _GATED_MLP_FORMS[cls] = known
+    return known
+
+
+def _is_gated_mlp_def(fn):
+    if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
+        return False
+    a = fn.args
+    if a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults or len(a.args) != 2:
+        return False
+    me, x = a.args[0].arg, a.args[1].arg
+
+    def call(node, attr, arg):  # self.<attr>(<arg>), one positional argument
+        return (isinstance(node, ast.Call) and not node.keywords and len(node.args) == 1
+                and isinstance(node.func, ast.Attribute) and node.func.attr == attr
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == me and arg(node.args[0]))
+
+    def is_x(node):
+        return isinstance(node, ast.Name) and node.id == x
+
+    def product(node):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+            return False
+        act = lambda t: call(t, "act_fn", lambda g: call(g, "gate_proj", is_x))  # noqa: E731
+        up = lambda t: call(t, "up_proj", is_x)  # noqa: E731
+        return act(node.left) and up(node.right) or up(node.left) and act(node.right)
+
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return False
+    # Locals assigned once (to a name other than x) and read once, put in
+    # place of their reads: the statement the forward returns.
+    env = {}
+    for st in body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            return False
+        name = st.targets[0].id
+        if name in env or name in (me, x):
+            return False
+        env[name] = _substituted(st.value, env)
+    out = _substituted(body[-1].value, env)
+    return not env and call(out, "down_proj", product)
+
+
+def _substituted(node, env):
+    """`node` with each name of `env` replaced by its expression, taken out
+    of `env` (a second read then finds the bare name, which matches no
+    part: the forward is not the gated MLP's)."""
+    class Sub(ast.NodeTransformer):
+        def visit_Name(self, n):
+            return env.pop(n.id, n)
+
+    return Sub().visit(node)
 
 
 def _rope(original, q, k, cos, sin, unsqueeze_dim):
@@ -777,6 +864,7 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     matmul = {True: "auto", False: "torch", "npukern": "npukern"}[linear]
     attention = {True: "auto", False: None, "npukern": "npukern"}[attention]
     counts = dict(_NO_COUNTS)
+    other_mlps = set()
     projections = {id(p) for d in model.modules() if _is_family_decoder(d) for p in d.modules()
                    if _plain_linear(p)} if linear else set()
     for m in model.modules():
@@ -791,6 +879,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
         elif mlp and _is_gated_mlp(m):
             m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
+        elif mlp and _has_gated_mlp_parts(m):
+            other_mlps.add(f"{type(m).__module__}.{type(m).__qualname__}")
         elif (rope or attention) and _is_family_attention(m):
             fwd = _Forward(m, "attention_layer", rope=rope, attention=attention)
             if fwd.fn is not None:  # None: not a forward or signature this adapter knows
@@ -825,6 +915,12 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
         warnings.warn(
             "npukern_torch.hf.patch left these RMSNorm classes alone (their numerics are not known to it): "
             + ", ".join(sorted(unknown)),
+            stacklevel=2,
+        )
+    if other_mlps:
+        warnings.warn(
+            "npukern_torch.hf.patch left these MLP classes alone (their forward is not "
+            "down_proj(act_fn(gate_proj(x)) * up_proj(x))): " + ", ".join(sorted(other_mlps)),
             stacklevel=2,
         )
     return counts
