@@ -826,7 +826,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     """Swaps, in place and in this model alone, its RMSNorm modules of the
     supported families and its input embedding for npukern's, its gated
     MLPs' activation for npukern's SwiGLU (SiLU) or GeGLU (GELU, Gemma's)
-    (``mlp``) and its attention
+    (``mlp``: an MLP whose forward is exactly ``down_proj(act_fn(gate_proj(x))
+    * up_proj(x))``; one that also drops out, clamps or scales is left alone
+    and named in a warning) and its attention
     layers' rotary embedding for npukern's RoPE (``rope``: the layer's own
     forward reads npukern's ``apply_rotary_pos_emb``; the transformers
     module and every other model are untouched); returns the counts of what
