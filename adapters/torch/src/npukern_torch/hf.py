@@ -201,22 +201,34 @@ _GATED_MLP_FORMS = {}
 def _forward_is_gated_mlp(cls):
     """Whether `cls.forward`'s source is ``down_proj(act_fn(gate_proj(x)) *
     up_proj(x))`` (the product either way round), returned directly or
-    through one local, and nothing else: the statement transformers' Llama
-    and Gemma MLPs (and ~150 others) are. A forward whose source cannot be
-    read is not known to be it."""
+    through locals each read once, and nothing else: the statement
+    transformers' Llama and Gemma MLPs (and ~150 others) are. A forward
+    whose source cannot be read is not known to be it."""
     known = _GATED_MLP_FORMS.get(cls)
     if known is None:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-            known = _is_gated_mlp_def(tree.body[0])
-        except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
-            known = False
-        _GATED_MLP_FORMS[cls] = known
+        found = _source_def(getattr(cls, "forward", None))
+        known = _GATED_MLP_FORMS[cls] = found is not None and _is_gated_mlp_def(*found)
     return known
 
 
-def _is_gated_mlp_def(fn):
-    if not isinstance(fn, ast.FunctionDef) or fn.decorator_list:
+def _source_def(fn):
+    """The function definition in `fn`'s source (decorators followed to
+    the innermost) and its body without a docstring; None when the source
+    cannot be read."""
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return node, body
+
+
+def _is_gated_mlp_def(fn, body):
+    if fn.decorator_list:
         return False
     a = fn.args
     if a.posonlyargs or a.vararg or a.kwonlyargs or a.kwarg or a.defaults or len(a.args) != 2:
@@ -238,9 +250,6 @@ def _is_gated_mlp_def(fn):
         up = lambda t: call(t, "up_proj", is_x)  # noqa: E731
         return act(node.left) and up(node.right) or up(node.left) and act(node.right)
 
-    body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
     if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
         return False
     # Locals assigned once (to a name other than x) and read once, put in
@@ -526,14 +535,13 @@ def _decoder_params(cls):
     `cls`'s forward when its body is exactly :data:`_DECODER_BODY`, else
     None: any other layer (Gemma2/3's four norms, a future change) keeps its
     forward."""
-    import ast
-    import textwrap
-
     fn = _innermost(getattr(cls, "forward", None))
+    found = _source_def(fn)
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         sig = inspect.signature(fn)
-    except (OSError, TypeError, ValueError, SyntaxError):
+    except (TypeError, ValueError):
+        return None
+    if found is None:
         return None
     names = list(sig.parameters)
     if names[:2] != ["self", "hidden_states"]:
@@ -547,9 +555,7 @@ def _decoder_params(cls):
         else:
             return None
     call = ", ".join([f"{n}={n}" for n in named] + ([f"**{var_kw}"] if var_kw else []))
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # a docstring
+    body = found[1]
     expected = ast.parse(_DECODER_BODY.format(call=call)).body
     if [ast.dump(b) for b in body] != [ast.dump(b) for b in expected]:
         return None
