@@ -402,6 +402,40 @@ fn huge_finite_values_do_not_overflow() {
     check(&got, &e, KERNEL_TOL);
 }
 
+/// Whole windows (512 elements and more) of magnitudes whose squares leave
+/// f32's range both ways (near f32::MAX, and 1e-20 down to subnormals):
+/// the fast path's f64 test must keep them (the same bits on every ISA and
+/// the float64 model's sum), and one NaN or Inf among them must still be
+/// counted and left out.
+#[test]
+fn whole_windows_beyond_f32_squares() {
+    use npukern::Isa;
+    let mut r = Rng(2718);
+    let mut ts = vec![
+        Owned::F32((0..1500).map(|_| r.val(3e38)).collect()),
+        Owned::F32((0..1300).map(|_| r.val(1e-20)).collect()),
+        Owned::F32((0..1100).map(|_| r.val(1e-39)).collect()),
+        Owned::BF16((0..1200).map(|_| bf16::from_f32(r.val(3e38))).collect()),
+    ];
+    for poisoned in [None, Some(f32::NAN), Some(f32::INFINITY)] {
+        if let Some(v) = poisoned {
+            poison(&mut ts, 700, v);
+        }
+        let e = expect(&ts);
+        let mut first: Option<GradSummary> = None;
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            let cpu = Cpu::new(npukern::Serial).with_isa(isa);
+            let s = stats_of(&Exec::new(&cpu), &ts);
+            check(&s, &e, KERNEL_TOL);
+            assert!(s.sum_sq.is_finite() && s.sum_sq > 1e76, "{isa:?}");
+            match &first {
+                None => first = Some(s),
+                Some(s0) => assert!(s.same_bits(s0), "{isa:?}"),
+            }
+        }
+    }
+}
+
 #[test]
 fn clip_scales_by_the_pytorch_rule() {
     let mut r = Rng(1234);

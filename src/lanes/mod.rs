@@ -333,6 +333,21 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn max(self, o: Self) -> Self;
     /// The fixed fold: lanes `i + 8` onto `i`, then `i + 4`, `i + 2`, `i + 1`.
     fn fold(self) -> f32;
+    /// Adds lane `i`'s square, in f64, to `sums[i]`: the square of an f32 is
+    /// exact in f64, so the f64 addition is the only rounding (no FMA), and
+    /// every ISA gives the same bits. The x86 lanes widen in registers; a
+    /// generic form went through memory, its upper half rebuilt from
+    /// broadcasts and blends (grad_stats at twice its read floor).
+    #[inline(always)]
+    fn add_squares_f64(self, sums: &mut [f64; GROUP]) {
+        let mut v = [0f32; GROUP];
+        self.store(&mut v);
+        for (s, &e) in sums.iter_mut().zip(v.iter()) {
+            let d = e as f64;
+            // Separate mul and add: Rust never contracts them into an FMA.
+            *s += d * d;
+        }
+    }
     /// Lane-wise `if self < o { a } else { b }` with IEEE `<` (false when
     /// either side is NaN), so NaN lanes take `b` on every ISA.
     fn select_lt(self, o: Self, a: Self, b: Self) -> Self;

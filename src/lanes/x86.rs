@@ -609,6 +609,24 @@ impl Lanes for Avx2 {
         fold8(s)
     }
     #[inline(always)]
+    fn add_squares_f64(self, sums: &mut [f64; GROUP]) {
+        // SAFETY: 16 readable and writable f64; AVX present. Separate
+        // multiply and add, as the trait's form.
+        unsafe {
+            let halves = [
+                _mm256_castps256_ps128(self.0),
+                _mm256_extractf128_ps::<1>(self.0),
+                _mm256_castps256_ps128(self.1),
+                _mm256_extractf128_ps::<1>(self.1),
+            ];
+            for (q, h) in halves.into_iter().enumerate() {
+                let d = _mm256_cvtps_pd(h);
+                let at = sums.as_mut_ptr().add(4 * q);
+                _mm256_storeu_pd(at, _mm256_add_pd(_mm256_loadu_pd(at), _mm256_mul_pd(d, d)));
+            }
+        }
+    }
+    #[inline(always)]
     fn select_lt(self, o: Self, a: Self, b: Self) -> Self {
         // SAFETY: AVX present.
         unsafe {
@@ -923,6 +941,22 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
             _mm256_storeu_ps(s.as_mut_ptr(), _mm256_add_ps(lo, hi));
         }
         fold8(s)
+    }
+    #[inline(always)]
+    fn add_squares_f64(self, sums: &mut [f64; GROUP]) {
+        // SAFETY: 16 readable and writable f64; AVX-512F present. Separate
+        // multiply and add, as the trait's form.
+        unsafe {
+            let halves = [
+                _mm512_castps512_ps256(self.0),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(self.0))),
+            ];
+            for (q, h) in halves.into_iter().enumerate() {
+                let d = _mm512_cvtps_pd(h);
+                let at = sums.as_mut_ptr().add(8 * q);
+                _mm512_storeu_pd(at, _mm512_add_pd(_mm512_loadu_pd(at), _mm512_mul_pd(d, d)));
+            }
+        }
     }
     #[inline(always)]
     fn select_lt(self, o: Self, a: Self, b: Self) -> Self {

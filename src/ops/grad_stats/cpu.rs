@@ -13,14 +13,18 @@
 //! their rounding moved with the cut).
 //!
 //! The piece is read in windows of `WINDOW_GROUPS` = 32 groups of 16 (512
-//! elements). Beside the f64 squares the `Lanes` keep a cheap f32 sum of
-//! squares per window (four accumulators) and the window's min/max at the
-//! ISA's width (`MinMax`, on the lanes): when that f32 sum is not
-//! finite or the largest magnitude is outside `[2^-50, 2^60]`, the window may
-//! hold NaN/Inf, so it is re-read, masked, while it is in L1: finite
-//! elements add the same exact f64 squares, NaN/Inf are counted, min/max see
-//! the finite elements only. Either path gives the same bits for a window of
-//! finite elements, so the test only decides what is counted. The order of
+//! elements), their squares added to a copy of the lane sums and their
+//! min/max kept at the ISA's width (`MinMax`, on the lanes). A window whose
+//! 16 summed lanes come out finite held only finite elements (a NaN or
+//! Inf square poisons its lane, and finite squares, at most 2^256 each,
+//! cannot overflow an f64 sum), so the copy and the min/max are kept.
+//! Else (rare) the window is re-read, masked, while it is in L1: finite
+//! elements add the same exact f64 squares, NaN/Inf are counted, min/max
+//! see the finite elements only. Either path gives the same bits for a
+//! window of finite elements, so the test only decides what is counted.
+//! (An f32 sum of squares used to decide it, with a magnitude range that
+//! kept it from overflowing: twice the instructions of the f64 test, and
+//! the kernel ran at twice its read floor.) The order of
 //! every operation is fixed by the plan alone, never by the runner or ISA;
 //! no FMA (Rust never contracts `*` and `+`).
 
@@ -36,15 +40,8 @@ use crate::workspace::{Dst, Src};
 use half::{bf16, f16};
 
 const INF_BITS: u32 = 0x7f80_0000;
-/// Groups of 16 per f32 window (32 terms per lane, in 4 accumulators).
+/// Groups of 16 per window.
 pub(crate) const WINDOW_GROUPS: usize = 32;
-/// Accumulators per lane in a window.
-const ACCS: usize = 4;
-/// Largest magnitude a window may hold for its f32 sums: 2^60 (squares up to
-/// 2^120, 32 of them stay below f32::MAX).
-pub(crate) const BIG: f32 = f32::from_bits((127 + 60) << 23);
-/// Smallest nonzero largest-magnitude an f32 window may have: 2^-50.
-pub(crate) const SMALL: f32 = f32::from_bits((127 - 50) << 23);
 
 /// One block's running statistics.
 struct Acc {
@@ -124,53 +121,25 @@ fn masked(acc: &mut Acc, v: &[f32]) {
     }
 }
 
-/// One group: its exact f64 squares into `sq` (lane by lane), its f32
-/// squares into the finiteness detector `s`, its values into `w`.
-#[inline(always)]
-fn step<L: Lanes, T: Float>(
-    s: &mut L,
-    sq: &mut [f64; GROUP],
-    w: &mut MinMax<L>,
-    v: &mut [f32; GROUP],
-    g: &[T; GROUP],
-) {
-    let x = T::load::<L>(g);
-    *s = s.add(x.mul(x));
-    x.store(v);
-    w.push(x);
-    for (q, &e) in sq.iter_mut().zip(v.iter()) {
-        let d = e as f64;
-        // Separate mul and add: Rust never contracts them into an FMA.
-        *q += d * d;
-    }
-}
-
 /// One window of whole groups: exact f64 squares added to a copy of the
-/// block's lane sums, kept when the window's f32 detector (group `j` into
-/// accumulator `j % 4`, then `(s0 + s1) + (s2 + s3)`) and min/max say every
-/// element is finite and in range.
+/// block's lane sums, kept with the window's min/max when every lane of
+/// the copy is finite (every element was).
 #[inline(always)]
 fn window<L: Lanes, T: Float>(acc: &mut Acc, win: &[[T; GROUP]]) {
-    let z = L::splat(0.0);
-    let mut s = [z; ACCS];
     let mut sq = acc.sq;
     let mut w = MinMax::<L>::new();
-    let mut v = [0f32; GROUP];
-    let (quads, rest) = win.as_chunks::<ACCS>();
-    for q in quads {
-        for (k, g) in q.iter().enumerate() {
-            step::<L, T>(&mut s[k], &mut sq, &mut w, &mut v, g);
-        }
+    for g in win {
+        let x = T::load::<L>(g);
+        w.push(x);
+        x.add_squares_f64(&mut sq);
     }
-    for (k, g) in rest.iter().enumerate() {
-        step::<L, T>(&mut s[k], &mut sq, &mut w, &mut v, g);
-    }
-    s[0].add(s[1]).add(s[2].add(s[3])).store(&mut v);
-    if w.window_ok(&v) {
+    // Non-short-circuit, so it vectorizes.
+    if sq.iter().fold(true, |ok, s| ok & s.is_finite()) {
         acc.sq = sq;
         w.merge_into(&mut acc.mm_min, &mut acc.mm_max);
     } else {
         // Rare: re-read the window (in L1) exactly, masking NaN/Inf.
+        let mut v = [0f32; GROUP];
         for g in win {
             T::load::<L>(g).store(&mut v);
             masked(acc, &v);

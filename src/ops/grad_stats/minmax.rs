@@ -31,29 +31,6 @@ impl<L: Lanes> MinMax<L> {
         self.max = self.max.max(v);
     }
 
-    /// Whether a window may keep its f32 sums `sums`: every sum finite (no
-    /// NaN/Inf met) and the window's largest magnitude `m` at most `BIG` and
-    /// either at least `SMALL` or 0. Written lane-wise with non-short-circuit
-    /// `&`/`|` so it vectorizes; equal to the test on the window's overall
-    /// `m` (untouched lanes hold -Inf magnitudes).
-    #[inline(always)]
-    pub fn window_ok(&self, sums: &[f32; GROUP]) -> bool {
-        use super::cpu::{BIG, SMALL};
-        let (mut mins, mut maxs) = ([0f32; GROUP], [0f32; GROUP]);
-        self.min.store(&mut mins);
-        self.max.store(&mut maxs);
-        let (mut finite, mut le_big, mut any_big_enough, mut all_zero) = (true, true, false, true);
-        for ((&mn, &mx), &s) in mins.iter().zip(&maxs).zip(sums) {
-            let (a, b) = (-mn, mx);
-            let m = if a > b { a } else { b };
-            finite &= s.is_finite();
-            le_big &= m <= BIG;
-            any_big_enough |= m >= SMALL;
-            all_zero &= m <= 0.0;
-        }
-        finite & le_big & (any_big_enough | all_zero)
-    }
-
     /// Lane-wise merge into a block's running min/max arrays.
     #[inline(always)]
     pub fn merge_into(&self, min: &mut [f32; GROUP], max: &mut [f32; GROUP]) {
