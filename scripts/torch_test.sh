@@ -61,6 +61,12 @@ if "$PY" -c "import kernels" 2>/dev/null; then
 fi
 echo "== the newest transformers into $VENV"
 "$PY" -m pip install --quiet --upgrade transformers
+if ! "$PY" -c "import trl" 2>/dev/null; then
+  # tests/test_trl_head.py: TRL's trainers put their own fused LM head on
+  # the model, which hf.patch serves on npukern's kernels.
+  echo "== installing trl into $VENV"
+  "$PY" -m pip install --quiet trl
+fi
 # Hugging Face's transformers and kernels for the drop-in tests (tiny configs,
 # no download). Pinned as a pair: transformers 5.23+ enables its kernels hub
 # decorators only with kernels >= 0.18.2, which PyPI does not have; 5.22.2

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import _trl
 from . import functional as _F
 from . import loss as _loss
 from . import route as _route
@@ -845,7 +846,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     (stock forward bits; needs ``rms_norm``); ``loss``: a causal LM given ``labels`` computes
     its loss with the fused linear cross-entropy and returns ``logits=None``
     (without labels, or evaluating: ``model.eval()`` under ``torch.no_grad()``,
-    the logits and loss as before); ``linear``: the decoder layers' projections
+    the logits and loss as before; TRL's trainers replace this forward by
+    their own fused LM head, which then runs on npukern's kernels for this
+    model: docs/huggingface.md, "Training with TRL"); ``linear``: the decoder layers' projections
     (attention and MLP ``nn.Linear``) and the fused loss's LM head run their
     forward and both backward products on npukern's matmul where
     :func:`npukern_torch.route.matmul_route` says it is faster than torch's on
@@ -884,6 +887,10 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
         elif loss and _is_causal_lm(m):
             m.forward = _Forward(m, "loss", matmul)
             counts["loss"] += 1
+            head = m.get_output_embeddings()
+            if _plain_linear(head):
+                # TRL's trainers replace this forward by their fused head: theirs on npukern too.
+                _trl.register(head.weight, matmul)
         elif mlp and _is_gated_mlp(m):
             m.forward = _Forward(m, "mlp")
             counts["mlp"] += 1
@@ -919,6 +926,8 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
                     continue
                 _swap(parent, name, child, _embedding_replacing(child, kind in scaled_embeddings))
                 counts["embedding"] += 1
+    if counts["loss"]:
+        _trl.install()
     if unknown:
         warnings.warn(
             "npukern_torch.hf.patch left these RMSNorm classes alone (their numerics are not known to it): "
@@ -943,6 +952,8 @@ def unpatch(model: torch.nn.Module) -> dict:
     for m in model.modules():
         parts = _patched_parts(m)
         if parts:
+            if "loss" in parts and m.get_output_embeddings() is not None:
+                _trl.unregister(m.get_output_embeddings().weight)
             del m.forward
             for part in parts:
                 counts[part] += 1

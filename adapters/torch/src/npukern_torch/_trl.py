@@ -1,0 +1,286 @@
+"""TRL's fused LM head on npukern's kernels.
+
+TRL's trainers (SFT, DPO, GRPO, KTO, RLOO; ``trl.trainer.utils.add_fused_lm_head``,
+TRL 1.x) replace a model's forward with their own: the backbone, then
+per-token log-probabilities of the labels (and the entropy, whether the
+label is the argmax) from ``ChunkedLogProbFunction``, chunk by chunk of
+vocabulary, in torch ops on a CPU. That forward replaces
+:func:`npukern_torch.hf.patch`'s loss route, and its head made the patched
+step 4x slower (AMD Zen 5, Llama hidden 1024 x 2 layers, vocab 32 000, 512
+tokens, bf16: forward + backward 1 697 ms against 416).
+
+:func:`install` puts npukern's :class:`_LogProbs` in its place for the heads
+of models :func:`npukern_torch.hf.patch` swapped the loss of (``register``):
+each chunk of tokens' logits on npukern's matmul (or torch's, as the loss
+route decides) in TRL's compute dtype (autocast's, else the hidden
+states'), the log-probabilities from npukern's cross-entropy kernel
+(``-(lse - z_label)``, float32 inside), the entropy and the argmax from the
+same logits; the backward recomputes each chunk's logits (as TRL's does)
+and the kernel writes ``g (onehot - softmax)`` over them, rounded once,
+for the two gradient products (an entropy gradient, which SFT does not
+take, in float32 torch ops). Every other call (a bias, a temperature,
+logit scale or soft-capping, outputs npukern does not compute, another
+device or dtype, another model's head) runs TRL's own.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+import weakref
+
+import torch
+
+from . import loss as _loss
+from . import route as _route
+
+ops = torch.ops.npukern
+
+# id(weight) -> (weakref to it, hf.patch's matmul choice): the heads whose
+# TRL calls npukern takes.
+_HEADS = {}
+# What this module computes of TRL's optional outputs.
+_OUTPUTS = frozenset(("log_probs", "entropy", "is_top1"))
+# Rows of logits widened to float32 at a time for the entropy.
+_ENTROPY_ROWS = 32
+
+
+def register(weight, matmul):
+    """Marks ``weight`` (a patched model's LM head) as one whose TRL fused
+    head npukern computes, with the loss route's ``matmul`` choice."""
+    _HEADS[id(weight)] = (weakref.ref(weight), matmul)
+
+
+def unregister(weight):
+    """Undoes :func:`register` (``hf.unpatch``)."""
+    _HEADS.pop(id(weight), None)
+
+
+def _matmul_of(weight):
+    entry = _HEADS.get(id(weight))
+    if entry is None or entry[0]() is not weight:
+        return None
+    return entry[1]
+
+
+def install():
+    """Puts npukern's log-probabilities in TRL's fused head: now if TRL's
+    trainer utilities are imported, else as soon as they are (an import
+    hook, when TRL is installed); a no-op when done already. Returns
+    whether they are in place now."""
+    utils = sys.modules.get("trl.trainer.utils")
+    if utils is None:
+        if importlib.util.find_spec("trl") is not None and not any(isinstance(f, _AfterImport)
+                                                                    for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport())
+        return False
+    current = getattr(utils, "_ChunkedLogProbFunction", None)
+    if current is None:
+        return False
+    if getattr(current, "_npukern", False):
+        return True
+    utils._ChunkedLogProbFunction = type("ChunkedLogProbOnNpukern", (), {
+        "_npukern": True,
+        "original": current,
+        "apply": staticmethod(lambda *a, **k: _apply(current, *a, **k)),
+        "__doc__": "TRL's ChunkedLogProbFunction, on npukern's kernels where they take the call.",
+    })
+    return True
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`install` once ``trl.trainer.utils`` has been executed
+    (TRL imported after ``hf.patch``), then leaves ``sys.meta_path``."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "trl.trainer.utils":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _compute_dtype(hidden):
+    """TRL's: autocast's dtype where it is on, else the hidden states'."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
+
+
+def _takes(hidden, weight, bias, temperature, logit_scale, softcap, outputs):
+    """Whether npukern computes this call (else TRL's own does)."""
+    kernel = (torch.float32, torch.bfloat16)
+    return (_matmul_of(weight) is not None and bias is None and temperature == 1.0 and logit_scale == 1.0
+            and softcap is None and set(("log_probs",) + tuple(outputs)) <= _OUTPUTS
+            and hidden.device.type == "cpu" and weight.device.type == "cpu" and hidden.dim() == 2
+            and hidden.dtype in kernel and weight.dtype in kernel and _compute_dtype(hidden) in kernel
+            and not torch.compiler.is_compiling())
+
+
+def _apply(original, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+           logit_scale=1.0, outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")):
+    """TRL's ``ChunkedLogProbFunction.apply`` signature and result: the
+    per-token log-probabilities, entropy, ``log(sum p^2)``, mean logit and
+    top-1 flag (None where not requested)."""
+    if not _takes(hidden, weight, bias, temperature, logit_scale, final_logit_softcapping, outputs):
+        return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                              logit_scale, outputs)
+    want_entropy, want_top1 = "entropy" in outputs, "is_top1" in outputs
+    log_probs, entropy, top1 = _LogProbs.apply(hidden, weight, targets, want_entropy, want_top1,
+                                               _matmul_of(weight), _compute_dtype(hidden))
+    return (log_probs, entropy if want_entropy else None, None, None, top1 if want_top1 else None)
+
+
+def _logits(xc, weight, npk, math):
+    """One chunk's logits ``xc W^T``, rounded once to their dtype."""
+    return ops.matmul(xc, weight, False, True, None, math) if npk else xc @ weight.t()
+
+
+def _product(a, b, trans_a, out, npk, math):
+    """``op(a) b`` in ``out``'s dtype: npukern's matmul rounds its float32
+    sums once to it; torch's rounds to a's dtype first."""
+    if npk:
+        return ops.matmul(a, b, trans_a, False, None if out == a.dtype else out, math)
+    return ((a.t() if trans_a else a) @ b).to(out)
+
+
+class _LogProbs(torch.autograd.Function):
+    """Per-token ``log softmax(x W^T)[label]`` (float32) with the entropy of
+    each row's distribution and whether the label is its first argmax,
+    chunk by chunk of tokens (the ``[tokens, vocab]`` logits of a chunk at
+    a time, as the fused loss's budget sets). Differentiable in ``x`` and
+    ``W`` through the log-probabilities and the entropy."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, want_entropy, want_top1, matmul, dtype):
+        ctx.set_materialize_grads(False)
+        # In the compute dtype (autocast's, as TRL's head): the gradients
+        # come back in the inputs' own.
+        x, w = hidden.contiguous().to(dtype), weight.to(dtype)
+        t = targets.reshape(-1).long().contiguous()
+        n, vocab = x.shape[0], w.shape[0]
+        if t.shape[0] != n:
+            raise ValueError(f"npukern's TRL head: {t.shape[0]} labels for {n} rows")
+        npk = _loss._npukern_head(x, w, None, matmul)
+        math = _route.matmul_math(dtype)
+        rows = _rows(n, vocab, x, math)
+        log_probs, lse = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+        entropy = torch.empty(n, dtype=torch.float32) if want_entropy else torch.empty(0)
+        top1 = torch.empty(n, dtype=torch.bool) if want_top1 else torch.empty(0, dtype=torch.bool)
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
+            logits = _logits(x[start:end], w, npk, math)
+            loss, lse_c = ops.cross_entropy(logits, t[start:end], None, 0, -100, 0.0, 0.0, 0.0)
+            torch.neg(loss, out=log_probs[start:end])
+            lse[start:end] = lse_c
+            if want_entropy:
+                _entropy(logits, lse_c, entropy[start:end])
+            if want_top1:
+                _top1(logits, t[start:end], top1[start:end])
+            del logits
+        ctx.save_for_backward(x, weight, t, lse, entropy)
+        ctx.setup = (npk, math, rows, hidden.dtype, dtype)
+        ctx.mark_non_differentiable(top1)
+        return log_probs, entropy, top1
+
+    @staticmethod
+    def backward(ctx, g_log_probs, g_entropy, _g_top1):
+        x, weight, t, lse, entropy = ctx.saved_tensors
+        npk, math, rows, x_dtype, dtype = ctx.setup
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        none = (None,) * 7
+        if (g_log_probs is None and g_entropy is None) or not (want_x or want_w):
+            return none
+        w = weight.to(dtype)
+        n = x.shape[0]
+        g_lp = torch.zeros(n, dtype=torch.float32) if g_log_probs is None else g_log_probs.float().contiguous()
+        d_x = torch.empty(x.shape, dtype=x_dtype) if want_x else None
+        # A 16-bit weight's gradient: float32 sums of the chunks, rounded
+        # once; a float32 weight's: the sums themselves.
+        blocks = _loss._vocab_blocks(w.shape[0])
+        d_w, sums = None, [None] * len(blocks)
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
+            xc = x[start:end]
+            logits = _logits(xc, w, npk, math)
+            if g_entropy is None:
+                # d log_prob / dz = onehot - p: the kernel writes scale (p -
+                # onehot) over the logits, rounded once, with scale = -g.
+                ops.cross_entropy_fused_(logits, t[start:end], None, torch.neg(g_lp[start:end]), -100,
+                                         0.0, 0.0, 0.0)
+            else:
+                logits = _with_entropy(logits, t[start:end], lse[start:end], entropy[start:end],
+                                       g_lp[start:end], g_entropy[start:end].float())
+            if d_x is not None:
+                d_x[start:end] = _product(logits, w, False, x_dtype, npk, math)
+            if want_w and start == 0 and end == n:
+                d_w = _product(logits, xc, True, weight.dtype, npk, math)
+            elif want_w:
+                for b, (j0, j1) in enumerate(blocks):
+                    part = logits[:, j0:j1]
+                    if npk and sums[b] is None:
+                        sums[b] = ops.matmul(part, xc, True, False, torch.float32, math)
+                    elif npk:
+                        ops.matmul_accumulate_(sums[b], part, xc, True, False, math)
+                    elif sums[b] is None:
+                        sums[b] = part.t().float() @ xc.float()
+                    else:
+                        sums[b].addmm_(part.t().float(), xc.float())
+            del logits
+        if want_w and d_w is None:
+            d_w = _loss._rounded(sums, blocks, weight)
+        return (d_x, d_w) + none[2:]
+
+
+def _entropy(logits, lse, out):
+    """``out = lse - sum_v p_v z_v`` per row (``p = exp(z - lse)``), in
+    float32 blocks of rows through buffers made once (fresh temporaries the
+    size of the logits cost more in page faults than in arithmetic)."""
+    rows = min(_ENTROPY_ROWS, logits.shape[0])
+    z = torch.empty(rows, logits.shape[1], dtype=torch.float32)
+    e = torch.empty_like(z)
+    for r in range(0, logits.shape[0], rows):
+        k = min(rows, logits.shape[0] - r)
+        zk, ek, m = z[:k], e[:k], lse[r:r + k].unsqueeze(1)
+        zk.copy_(logits[r:r + k])
+        torch.sub(zk, m, out=ek).exp_().mul_(zk)
+        torch.sub(lse[r:r + k], ek.sum(1), out=out[r:r + k])
+
+
+def _top1(logits, t, out):
+    """Whether each row's label is its first largest logit (torch's argmax,
+    TRL's rule), without argmax's pass over 16-bit logits (scalar: 20x a
+    max): the rows whose label's logit is the maximum, then for those an
+    earlier equal maximum ruled out."""
+    top = logits.amax(1)
+    torch.eq(logits.gather(1, t.unsqueeze(1)).squeeze(1), top, out=out)
+    for r in out.nonzero().flatten().tolist():
+        if bool((logits[r, :t[r]] == top[r]).any()):
+            out[r] = False
+
+
+def _rows(n, vocab, x, math):
+    """Tokens per chunk: the fused loss's budget for the logits, an even
+    count under the bf16 pair dot when there are several chunks (the weight
+    gradient's pairs of tokens must not depend on the cut)."""
+    rows = _loss._chunk_rows(n, vocab, x.shape[1], x.element_size(), None, True)
+    if math == _route.BF16_DOT and rows < n and rows % 2:
+        rows = max(2, rows - 1)
+    return rows
+
+
+def _with_entropy(logits, t, lse, entropy, g_lp, g_ent):
+    """The chunk's dlogits when the entropy has a gradient too, in float32
+    and rounded once: ``g_lp (onehot - p) - g_ent p (z - sum_v p_v z_v)``."""
+    z = logits.float()
+    p = torch.exp(z - lse.unsqueeze(1))
+    mean_z = (lse - entropy).unsqueeze(1)  # sum_v p_v z_v
+    d = -p * (g_lp.unsqueeze(1) + g_ent.unsqueeze(1) * (z - mean_z))
+    d.scatter_add_(1, t.unsqueeze(1), g_lp.unsqueeze(1))
+    return d.to(logits.dtype)

@@ -1,0 +1,207 @@
+"""TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, which TRL's
+trainers put on the model in place of hf.patch's loss route) on npukern's
+kernels for heads hf.patch swapped: log-probabilities, entropy, the top-1
+flag and both gradients against float64 and against TRL's own function,
+the calls npukern leaves to TRL's, and SFTTrainer end to end."""
+
+import pytest
+import torch
+
+trl_utils = pytest.importorskip("trl.trainer.utils")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from npukern_torch import _trl, hf  # noqa: E402
+from npukern_torch import loss as npk_loss  # noqa: E402
+
+OUTS = ("log_probs", "entropy", "is_top1")
+
+
+def _model(dtype=torch.float32, vocab=300):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def _original():
+    f = trl_utils._ChunkedLogProbFunction
+    return getattr(f, "original", f)
+
+
+def _head(dtype, n=37, hidden=48, vocab=1000, seed=1):
+    """A registered head weight, hidden states and labels (random, with a
+    few large logits so the top-1 flag is not always false)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.2).to(dtype).requires_grad_()
+    x = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    with torch.no_grad():  # every third label the row's argmax
+        t[::3] = (x[::3].float() @ w.float().t()).argmax(1)
+    _trl.register(w, "auto")
+    return x, w, t
+
+
+def _reference(x, w, t, g_lp, g_ent, dtype):
+    """float64 of the same rounded inputs, the logits rounded to the compute
+    dtype as both implementations round them."""
+    x64 = x.detach().to(dtype).double().requires_grad_()
+    w64 = w.detach().to(dtype).double().requires_grad_()
+    z = x64 @ w64.t()
+    z = z + (z.detach().to(dtype).double() - z.detach())  # the rounded logits, gradient as z's
+    logp = torch.log_softmax(z, 1)
+    lp = logp.gather(1, t.unsqueeze(1)).squeeze(1)
+    ent = -(logp.exp() * logp).sum(1)
+    (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    return lp.detach(), ent.detach(), z.detach().argmax(1) == t, x64.grad, w64.grad
+
+
+def _run(fn, x, w, t, g_lp, g_ent, outputs=OUTS, autocast=False, matmul="auto"):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    if fn is not _original():
+        _trl.register(w, matmul)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        lp, ent, _, _, top = fn.apply(x, w, None, t, 1.0, 4096, None, 1.0, outputs)
+    # Without an entropy gradient the entropy stays out of the graph: the
+    # backward takes the kernel's path (a zero gradient would not).
+    (lp * g_lp + (ent * g_ent if g_ent.any() else 0)).sum().backward()
+    return lp.detach(), None if ent is None else ent.detach(), top, x.grad, w.grad
+
+
+def _err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    assert _trl.install()
+    yield
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float32, True)])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("matmul", ["npukern", "torch"])  # the head's products on either, whatever this CPU's route
+def test_against_float64_and_trl(monkeypatch, dtype, autocast, entropy_grad, chunks, matmul):
+    x, w, t = _head(dtype)
+    if chunks > 1:  # several token chunks: the weight gradient's float32 sums
+        monkeypatch.setattr(npk_loss, "CHUNK_BYTES", (x.shape[0] // chunks) * w.shape[0] * x.element_size())
+    g = torch.Generator().manual_seed(5)
+    g_lp = torch.randn(x.shape[0], generator=g)
+    g_lp[::4] = 0.0  # masked positions
+    g_ent = torch.randn(x.shape[0], generator=g) if entropy_grad else torch.zeros(x.shape[0])
+    compute = torch.bfloat16 if autocast else dtype
+    ref = _reference(x, w, t, g_lp, g_ent, compute)
+    ours = _run(trl_utils._ChunkedLogProbFunction, x, w, t, g_lp, g_ent, autocast=autocast, matmul=matmul)
+    theirs = _run(_original(), x, w, t, g_lp, g_ent, autocast=autocast)
+    assert ours[3].dtype == x.dtype and ours[4].dtype == w.dtype
+    assert torch.equal(ours[2], ref[2]) and ref[2].any()
+    tol = 2e-6 if compute == torch.float32 else 4e-3
+    for k in (0, 1, 3, 4):  # log-probs, entropy, d hidden, d weight
+        e_ours, e_theirs = _err(ours[k], ref[k]), _err(theirs[k], ref[k])
+        assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
+
+
+def test_calls_npukern_does_not_compute_run_trls(monkeypatch):
+    x, w, t = _head(torch.float32)
+    calls = []
+    monkeypatch.setattr(_trl._LogProbs, "apply", lambda *a: calls.append(1))
+    shim, orig = trl_utils._ChunkedLogProbFunction, _original()
+    bias = torch.zeros(w.shape[0])
+    other = w.detach().clone()  # not a patched model's head
+    for args in [(x, w, bias, t, 1.0, 4096, None, 1.0, OUTS),  # a bias
+                 (x, w, None, t, 0.7, 4096, None, 1.0, OUTS),  # temperature
+                 (x, w, None, t, 1.0, 4096, 30.0, 1.0, OUTS),  # soft-capping
+                 (x, w, None, t, 1.0, 4096, None, 0.5, OUTS),  # logit scale
+                 (x, w, None, t, 1.0, 4096, None, 1.0, ("log_probs", "mean_logits")),
+                 (x, other, None, t, 1.0, 4096, None, 1.0, OUTS)]:
+        got, want = shim.apply(*args), orig.apply(*args)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert not calls
+
+
+def test_patch_registers_and_unpatch_forgets():
+    m = _model()
+    hf.patch(m)
+    w = m.get_output_embeddings().weight
+    assert _trl._matmul_of(w) == "auto"
+    hf.unpatch(m)
+    assert _trl._matmul_of(w) is None
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_sft_trainer_matches_stock(tmp_path, bf16):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>")),
+        pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": torch.randint(3, 300, (int(n),), generator=g).tolist()}
+            for n in torch.randint(8, 40, (16,), generator=g)]
+    logs = {}
+    for name in ("stock", "patched"):
+        model = _model()
+        calls = []
+        if name == "patched":
+            hf.patch(model)
+            orig = _trl._LogProbs.forward
+            _trl._LogProbs.forward = staticmethod(lambda *a: calls.append(1) or orig(*a))
+        try:
+            args = trl.SFTConfig(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=4,
+                                 logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", bf16=bf16,
+                                 learning_rate=1e-3, seed=0, data_seed=0)
+            trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                                     processing_class=tok)
+            trainer.train()
+        finally:
+            if name == "patched":
+                _trl._LogProbs.forward = staticmethod(orig)
+        logs[name] = [h for h in trainer.state.log_history if "loss" in h]
+        if name == "patched":
+            assert len(calls) == 3
+    tol = 2e-3 if bf16 else 1e-5
+    for a, b in zip(logs["patched"], logs["stock"], strict=True):
+        for k in ("loss", "entropy", "mean_token_accuracy"):
+            assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
+
+
+def test_trl_imported_after_patch(tmp_path):
+    """hf.patch before TRL's import: the shim goes in when TRL's utilities
+    are imported (a fresh interpreter: this one imported TRL already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from npukern_torch import hf\n"
+        "m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=1, vocab_size=64))\n"
+        "hf.patch(m)\n"
+        "assert 'trl.trainer.utils' not in sys.modules\n"
+        "import trl.trainer.utils as u\n"
+        "print(getattr(u._ChunkedLogProbFunction, '_npukern', False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_top1_is_the_first_argmax():
+    """Ties at the maximum (common among 16-bit logits): only the first
+    counts, as torch's argmax and TRL's kernel say."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randint(0, 4, (200, 24), generator=g).to(torch.bfloat16)
+    t = torch.randint(0, 24, (200,), generator=g)
+    t[::2] = logits[::2].float().argmax(1)  # half the labels on a (first) maximum
+    t[1::4] = 23 - logits[1::4].float().flip(1).argmax(1)  # a quarter on the last maximum
+    out = torch.empty(200, dtype=torch.bool)
+    _trl._top1(logits, t, out)
+    want = logits.float().argmax(1) == t
+    assert torch.equal(out, want) and want.any() and (~want).any()
