@@ -103,6 +103,25 @@ def test_against_float64_and_trl(monkeypatch, dtype, autocast, entropy_grad, chu
         assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
 
 
+@pytest.mark.parametrize("matmul", ["npukern", "torch"])
+def test_float32_states_on_a_bf16_head(matmul):
+    """TRL's ``cast_lm_head_to_fp32`` (GRPO's option): float32 hidden states
+    against a bf16 head outside autocast, computed in float32; the weight's
+    gradient comes back in bf16."""
+    x, w, t = _head(torch.bfloat16)
+    x = x.detach().float().requires_grad_()
+    g_lp = torch.randn(x.shape[0], generator=torch.Generator().manual_seed(8))
+    zero = torch.zeros(x.shape[0])
+    ref = _reference(x, w.float(), t, g_lp, zero, torch.float32)
+    ours = _run(trl_utils._ChunkedLogProbFunction, x, w, t, g_lp, zero, matmul=matmul)
+    theirs = _run(_original(), x, w, t, g_lp, zero)
+    assert ours[3].dtype == torch.float32 and ours[4].dtype == torch.bfloat16
+    for k in (0, 1, 3):
+        assert _err(ours[k], ref[k]) <= max(2e-6, 1.5 * _err(theirs[k], ref[k])), k
+    # The weight's gradient: float32 sums rounded once to bf16.
+    assert _err(ours[4], ref[4]) <= max(4e-3, 1.5 * _err(theirs[4], ref[4]))
+
+
 def test_calls_npukern_does_not_compute_run_trls(monkeypatch):
     x, w, t = _head(torch.float32)
     calls = []

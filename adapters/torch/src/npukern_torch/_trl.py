@@ -146,7 +146,11 @@ def _product(a, b, trans_a, out, npk, math):
     """``op(a) b`` in ``out``'s dtype: npukern's matmul rounds its float32
     sums once to it; torch's rounds to a's dtype first."""
     if npk:
-        return ops.matmul(a, b, trans_a, False, None if out == a.dtype else out, math)
+        # npukern's matmul writes a's dtype or float32 (a bf16 weight's
+        # gradient from float32 operands, TRL's cast_lm_head_to_fp32:
+        # float32, then rounded once).
+        c = ops.matmul(a, b, trans_a, False, None if out == a.dtype else torch.float32, math)
+        return c if c.dtype == out else c.to(out)
     return ((a.t() if trans_a else a) @ b).to(out)
 
 
