@@ -141,6 +141,19 @@ def test_calls_npukern_does_not_compute_run_trls(monkeypatch):
     assert not calls
 
 
+def test_another_trl_signature_is_left_alone(monkeypatch):
+    """A TRL whose function takes other parameters keeps its own."""
+
+    class Other(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, scale, outputs, extra):
+            return hidden
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Other)
+    assert not _trl.install()
+    assert trl_utils._ChunkedLogProbFunction is Other
+
+
 def test_patch_registers_and_unpatch_forgets():
     m = _model()
     hf.patch(m)

@@ -25,6 +25,7 @@ device or dtype, another model's head) runs TRL's own.
 
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import weakref
 
@@ -40,6 +41,10 @@ ops = torch.ops.npukern
 _HEADS = {}
 # What this module computes of TRL's optional outputs.
 _OUTPUTS = frozenset(("log_probs", "entropy", "is_top1"))
+# The parameters of the TRL function this module stands in for (trl 1.16's):
+# another signature is another contract, and TRL's own keeps it.
+_SIGNATURE = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+              "final_logit_softcapping", "logit_scale", "outputs")
 # Rows of logits widened to float32 at a time for the entropy.
 _ENTROPY_ROWS = 32
 
@@ -78,6 +83,9 @@ def install():
         return False
     if getattr(current, "_npukern", False):
         return True
+    forward = getattr(current, "forward", None)
+    if forward is None or tuple(inspect.signature(forward).parameters) != _SIGNATURE:
+        return False
     utils._ChunkedLogProbFunction = type("ChunkedLogProbOnNpukern", (), {
         "_npukern": True,
         "original": current,
