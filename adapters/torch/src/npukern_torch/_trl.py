@@ -234,16 +234,7 @@ class _LogProbs(torch.autograd.Function):
             if want_w and start == 0 and end == n:
                 d_w = _product(logits, xc, True, weight.dtype, npk, math)
             elif want_w:
-                for b, (j0, j1) in enumerate(blocks):
-                    part = logits[:, j0:j1]
-                    if npk and sums[b] is None:
-                        sums[b] = ops.matmul(part, xc, True, False, torch.float32, math)
-                    elif npk:
-                        ops.matmul_accumulate_(sums[b], part, xc, True, False, math)
-                    elif sums[b] is None:
-                        sums[b] = part.t().float() @ xc.float()
-                    else:
-                        sums[b].addmm_(part.t().float(), xc.float())
+                _loss._add_weight_grad(sums, blocks, logits, xc, npk, math)
             del logits
         if want_w and d_w is None:
             d_w = _loss._rounded(sums, blocks, weight)
@@ -281,10 +272,7 @@ def _rows(n, vocab, x, math):
     """Tokens per chunk: the fused loss's budget for the logits, an even
     count under the bf16 pair dot when there are several chunks (the weight
     gradient's pairs of tokens must not depend on the cut)."""
-    rows = _loss._chunk_rows(n, vocab, x.shape[1], x.element_size(), None, True)
-    if math == _route.BF16_DOT and rows < n and rows % 2:
-        rows = max(2, rows - 1)
-    return rows
+    return _loss._pair_rows(_loss._chunk_rows(n, vocab, x.shape[1], x.element_size(), None, True), n, math)
 
 
 def _with_entropy(logits, t, lse, entropy, g_lp, g_ent):

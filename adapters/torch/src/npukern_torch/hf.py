@@ -952,8 +952,9 @@ def unpatch(model: torch.nn.Module) -> dict:
     for m in model.modules():
         parts = _patched_parts(m)
         if parts:
-            if "loss" in parts and m.get_output_embeddings() is not None:
-                _trl.unregister(m.get_output_embeddings().weight)
+            head = m.get_output_embeddings() if "loss" in parts else None
+            if head is not None:
+                _trl.unregister(head.weight)
             del m.forward
             for part in parts:
                 counts[part] += 1

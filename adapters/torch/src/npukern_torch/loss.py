@@ -179,21 +179,7 @@ def _lce_grads(x, weight, t, bias, ignore_index, red, label_smoothing, z_loss, s
         if want_weight and rows >= n:
             d_weight = torch.mm(logits.t(), xc)
         elif want_weight:
-            # Each chunk's part in float32, added into the sums by addmm: a
-            # part rounded to the weight's dtype first (a bf16 mm) added a
-            # rounding per chunk, 1.3-1.7x stock's error against float64.
-            xf = xc.to(acc)
-            for b, (j0, j1) in enumerate(blocks):
-                first = sums[b] is None
-                if first:
-                    sums[b] = torch.empty(j1 - j0, x.shape[1], dtype=acc)
-                for k0 in range(j0, j1, _UPCAST_ROWS):
-                    k1 = min(k0 + _UPCAST_ROWS, j1)
-                    part, into = logits[:, k0:k1].t().to(acc), sums[b][k0 - j0:k1 - j0]
-                    if first:
-                        torch.mm(part, xf, out=into)
-                    else:
-                        into.addmm_(part, xf)
+            _add_weight_grad(sums, blocks, logits, xc, False, None)
         if d_bias is not None:
             d_bias += logits.sum(0, dtype=acc)
         del logits
@@ -226,6 +212,45 @@ def _chunk_rows(n, vocab, hidden, itemsize, chunk_bytes, want_weight):
 def _vocab_blocks(vocab):
     """The weight gradient's float32 blocks of vocabulary rows."""
     return [(j, min(j + _VOCAB_BLOCK, vocab)) for j in range(0, vocab, _VOCAB_BLOCK)]
+
+
+def _pair_rows(rows, n, math):
+    """``rows`` per chunk, made even (a one-row budget two) under the bf16
+    pair dot when there are several chunks: the weight gradient sums its
+    tokens two at a time, so an odd chunk would pair a token with the next
+    chunk's and the bits would depend on the chunking."""
+    if math == _route.BF16_DOT and rows < n and rows % 2:
+        return max(2, rows - 1)
+    return rows
+
+
+def _add_weight_grad(sums, blocks, dlogits, xc, npk, math):
+    """Adds a chunk's ``dlogits^T xc`` into the weight gradient's float32
+    sums of each block of vocabulary rows (``sums[b]`` None: the chunk
+    writes it). On npukern's matmul (``npk``) the kernel accumulates into
+    them itself, k ascending; on torch's, each part is upcast to float32
+    ``_UPCAST_ROWS`` vocabulary rows at a time and added by addmm: a part
+    rounded to the weight's dtype first (a bf16 mm) added a rounding per
+    chunk, 1.3-1.7x stock's error against float64."""
+    if npk:
+        for b, (j0, j1) in enumerate(blocks):
+            if sums[b] is None:
+                sums[b] = ops.matmul(dlogits[:, j0:j1], xc, True, False, torch.float32, math)
+            else:
+                ops.matmul_accumulate_(sums[b], dlogits[:, j0:j1], xc, True, False, math)
+        return
+    xf = xc.to(torch.float32)
+    for b, (j0, j1) in enumerate(blocks):
+        first = sums[b] is None
+        if first:
+            sums[b] = torch.empty(j1 - j0, xc.shape[1], dtype=torch.float32)
+        for k0 in range(j0, j1, _UPCAST_ROWS):
+            k1 = min(k0 + _UPCAST_ROWS, j1)
+            part, into = dlogits[:, k0:k1].t().to(torch.float32), sums[b][k0 - j0:k1 - j0]
+            if first:
+                torch.mm(part, xf, out=into)
+            else:
+                into.addmm_(part, xf)
 
 
 def _rounded(sums, blocks, weight):
@@ -275,8 +300,7 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
     want_input, want_weight, _ = want
     n = x.shape[0]
     math = _route.matmul_math(x.dtype)
-    if math == _route.BF16_DOT and rows < n and rows % 2:
-        rows = max(2, rows - 1)
+    rows = _pair_rows(rows, n, math)
     d_input = torch.empty_like(x) if want_input else None
     blocks = _vocab_blocks(weight.shape[0])
     d_weight, sums = None, [None] * len(blocks)
@@ -290,11 +314,8 @@ def _lce_grads_npukern(x, weight, t, ignore_index, red, label_smoothing, z_loss,
             d_input[start:start + rows] = ops.matmul(logits, weight, False, False, None, math)
         if want_weight and start == 0 and start + rows >= n:
             d_weight = ops.matmul(logits, xc, True, False, None, math)  # one chunk: the dtype directly
-        elif want_weight and start == 0:
-            sums = [ops.matmul(logits[:, j0:j1], xc, True, False, torch.float32, math) for j0, j1 in blocks]
         elif want_weight:
-            for b, (j0, j1) in enumerate(blocks):
-                ops.matmul_accumulate_(sums[b], logits[:, j0:j1], xc, True, False, math)
+            _add_weight_grad(sums, blocks, logits, xc, True, math)
         del logits
     if want_weight and d_weight is None:
         # Block by block (one vocab x hidden float32 buffer rounded at once
