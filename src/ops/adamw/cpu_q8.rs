@@ -35,6 +35,18 @@
 //! the coding loop halves (9 to 4.3 us), but finding each block's least
 //! |value| costs as much (+2.8 us): 38.1 against 38.1. Removing the tests
 //! outright (wrong codes, the bound of that route): 35.4.
+//! Measured on Zen 5 (2026-12-07, later; same bench, 20 samples): the
+//! pass 38.4 us; with the block's step skipped (wrong moments: the decode,
+//! maxima, random bits and codes alone) 17.4; the split step alone on f32
+//! moments (`adamw/split`) 17.2. The two halves add up: neither overlaps
+//! the other. The step is bound by its chain (sqrt and two divisions,
+//! ~60 cycles) and the window, not by the divider (zmm `vsqrtps` ~4.5
+//! cycles and `vdivps` ~1.9 at throughput here: ~8 a group of 16) nor the
+//! ALUs (~35 vector operations a group); the rest is ALU-bound (~65). A
+//! perfect overlap (~100 ALU operations a group, 4 a cycle: ~27 us at ~3.8
+//! GHz) would still miss the 1.1x-copy target (~26 us at this size): it
+//! needs fewer operations as well as the overlap. The random bits moved before
+//! the decode or right after the step: 38.9-39.3 and 40.7 us, not kept.
 
 use super::cpu::{consts, masters, piece_step_with, randoms, Piece, K};
 use super::formats::salt;
