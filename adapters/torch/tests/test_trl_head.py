@@ -163,8 +163,12 @@ def test_patch_registers_and_unpatch_forgets():
     assert _trl._matmul_of(w) is None
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["patch_then_trainer", "trainer_then_patch"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_sft_trainer_matches_stock(tmp_path, bf16):
+def test_sft_trainer_matches_stock(tmp_path, bf16, late):
+    """``late``: the trainer built on the stock model and ``trainer.model``
+    patched after (``SFTTrainer(model="name")`` builds the model itself):
+    TRL's forward stays, its head runs on npukern, unpatch hands it back."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from tokenizers import Tokenizer, models
@@ -181,7 +185,8 @@ def test_sft_trainer_matches_stock(tmp_path, bf16):
         model = _model()
         calls = []
         if name == "patched":
-            hf.patch(model)
+            if not late:
+                hf.patch(model)
             orig = _trl._LogProbs.forward
             _trl._LogProbs.forward = staticmethod(lambda *a: calls.append(1) or orig(*a))
         try:
@@ -190,6 +195,9 @@ def test_sft_trainer_matches_stock(tmp_path, bf16):
                                  learning_rate=1e-3, seed=0, data_seed=0)
             trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                                      processing_class=tok)
+            if name == "patched" and late:
+                assert hf.patch(trainer.model)["loss"] == 1
+                assert hf.patch(trainer.model)["loss"] == 0  # once
             trainer.train()
         finally:
             if name == "patched":
@@ -197,6 +205,10 @@ def test_sft_trainer_matches_stock(tmp_path, bf16):
         logs[name] = [h for h in trainer.state.log_history if "loss" in h]
         if name == "patched":
             assert len(calls) == 3
+            head = trainer.model.get_output_embeddings().weight
+            assert _trl.is_registered(head)
+            assert hf.unpatch(trainer.model)["loss"] == 1
+            assert not _trl.is_registered(head)
     tol = 2e-3 if bf16 else 1e-5
     for a, b in zip(logs["patched"], logs["stock"], strict=True):
         for k in ("loss", "entropy", "mean_token_accuracy"):

@@ -60,6 +60,32 @@ def unregister(weight):
     _HEADS.pop(id(weight), None)
 
 
+def is_fused_forward(forward):
+    """Whether ``forward`` (a module's own, from its ``__dict__``) is the one
+    ``trl.trainer.utils.add_fused_lm_head`` put there: a TRL trainer built
+    on the model before ``hf.patch`` ran (``SFTTrainer(model="name")``
+    builds the model itself, so its users patch ``trainer.model``), or a
+    wrapper of it (accelerate's autocast under ``bf16=True``). Known by its
+    code (``functools.wraps`` gave it the model's names)."""
+    utils = sys.modules.get("trl.trainer.utils")
+    if utils is None:
+        return False
+    for _ in range(8):  # down the __wrapped__ chain
+        fn = getattr(forward, "__func__", forward)
+        code = getattr(fn, "__code__", None)
+        if code is not None and code.co_name == "_fused_forward" and code.co_filename == utils.__file__:
+            return True
+        forward = getattr(fn, "__wrapped__", None)
+        if forward is None:
+            return False
+    return False
+
+
+def is_registered(weight):
+    """Whether :func:`register` marked ``weight`` (and it is still alive)."""
+    return _matmul_of(weight) is not None
+
+
 def _matmul_of(weight):
     entry = _HEADS.get(id(weight))
     if entry is None or entry[0]() is not weight:

@@ -848,7 +848,9 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
     (without labels, or evaluating: ``model.eval()`` under ``torch.no_grad()``,
     the logits and loss as before; TRL's trainers replace this forward by
     their own fused LM head, which then runs on npukern's kernels for this
-    model: docs/huggingface.md, "Training with TRL"); ``linear``: the decoder layers' projections
+    model, and a model a TRL trainer holds already, ``trainer.model``, keeps
+    TRL's forward and gets that head on npukern, counted under ``loss``:
+    docs/huggingface.md, "Training with TRL"); ``linear``: the decoder layers' projections
     (attention and MLP ``nn.Linear``) and the fused loss's LM head run their
     forward and both backward products on npukern's matmul where
     :func:`npukern_torch.route.matmul_route` says it is faster than torch's on
@@ -880,7 +882,14 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
                    if _plain_linear(p)} if linear else set()
     for m in model.modules():
         if "forward" in vars(m):
-            continue  # patched already, or someone else's forward: not ours to replace
+            # Patched already, or someone else's forward: not ours to replace. A TRL
+            # trainer's fused head (the trainer built first) runs on npukern from here.
+            if loss and _is_causal_lm(m) and _trl.is_fused_forward(vars(m)["forward"]):
+                head = m.get_output_embeddings()
+                if _plain_linear(head) and not _trl.is_registered(head.weight):
+                    _trl.register(head.weight, matmul)
+                    counts["loss"] += 1
+            continue
         if id(m) in projections:
             m.forward = _Forward(m, "linear", matmul)
             counts["linear"] += 1
@@ -946,11 +955,16 @@ def patch(model: torch.nn.Module, *, rms_norm: bool = True, embedding: bool = Tr
 def unpatch(model: torch.nn.Module) -> dict:
     """Puts back, in this model alone, the original modules :func:`patch`
     replaced (they share the same Parameters, so training since the patch is
-    kept) and the MLPs' and attention layers' own forward; returns the
-    counts."""
+    kept) and the MLPs' and attention layers' own forward, and hands a TRL
+    fused head back to TRL's function; returns the counts."""
     counts = dict(_NO_COUNTS)
     for m in model.modules():
         parts = _patched_parts(m)
+        if not parts and _is_causal_lm(m) and _trl.is_fused_forward(vars(m).get("forward")):
+            head = m.get_output_embeddings()
+            if _trl.is_registered(head.weight):  # TRL's forward stays; its head goes back to TRL
+                _trl.unregister(head.weight)
+                counts["loss"] += 1
         if parts:
             head = m.get_output_embeddings() if "loss" in parts else None
             if head is not None:
