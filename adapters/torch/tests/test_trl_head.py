@@ -104,6 +104,35 @@ def test_against_float64_and_trl(monkeypatch, dtype, autocast, entropy_grad, chu
 
 
 @pytest.mark.parametrize("matmul", ["npukern", "torch"])
+def test_metrics_against_float64_and_trl(matmul):
+    """TRL's non-differentiable metrics (DPO's and KTO's): ``log sum_v p_v^2``
+    and the mean logit, in float32 and bf16, with the log-probabilities'
+    gradient unchanged by asking for them."""
+    outs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 4e-3)):
+        x, w, t = _head(dtype)
+        x64, w64 = x.detach().double(), w.detach().double()
+        z = (x64 @ w64.t()).to(dtype).double()  # the logits rounded to the compute dtype, as both round them
+        logp = torch.log_softmax(z, 1)
+        want_sq, want_mean = torch.logsumexp(2 * logp, 1), z.mean(1)
+        got = {}
+        for name, fn in (("ours", trl_utils._ChunkedLogProbFunction), ("theirs", _original())):
+            xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            if name == "ours":
+                _trl.register(wi, matmul)
+            lp, ent, sq, mean, top = fn.apply(xi, wi, None, t, 1.0, 4096, None, 1.0, outs)
+            assert not sq.requires_grad and not mean.requires_grad and sq.dtype == mean.dtype == torch.float32
+            lp.sum().backward()
+            got[name] = (sq.detach(), mean.detach(), xi.grad)
+        for k, want in ((0, want_sq), (1, want_mean)):
+            e_ours, e_theirs = _err(got["ours"][k], want), _err(got["theirs"][k], want)
+            assert e_ours <= max(tol, 1.5 * e_theirs), (dtype, k, e_ours, e_theirs)
+        x_only = _run(trl_utils._ChunkedLogProbFunction, x, w, t, torch.ones(x.shape[0]), torch.zeros(x.shape[0]),
+                      matmul=matmul)[3]
+        assert torch.equal(got["ours"][2], x_only)  # the metrics do not move the gradient
+
+
+@pytest.mark.parametrize("matmul", ["npukern", "torch"])
 def test_float32_states_on_a_bf16_head(matmul):
     """TRL's ``cast_lm_head_to_fp32`` (GRPO's option): float32 hidden states
     against a bf16 head outside autocast, computed in float32; the weight's
@@ -133,7 +162,6 @@ def test_calls_npukern_does_not_compute_run_trls(monkeypatch):
                  (x, w, None, t, 0.7, 4096, None, 1.0, OUTS),  # temperature
                  (x, w, None, t, 1.0, 4096, 30.0, 1.0, OUTS),  # soft-capping
                  (x, w, None, t, 1.0, 4096, None, 0.5, OUTS),  # logit scale
-                 (x, w, None, t, 1.0, 4096, None, 1.0, ("log_probs", "mean_logits")),
                  (x, other, None, t, 1.0, 4096, None, 1.0, OUTS)]:
         got, want = shim.apply(*args), orig.apply(*args)
         for a, b in zip(got, want):
@@ -212,6 +240,54 @@ def test_sft_trainer_matches_stock(tmp_path, bf16, late):
     tol = 2e-3 if bf16 else 1e-5
     for a, b in zip(logs["patched"], logs["stock"], strict=True):
         for k in ("loss", "entropy", "mean_token_accuracy"):
+            assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
+
+
+def test_dpo_trainer_matches_stock(tmp_path):
+    """DPOTrainer (its metrics ask for ``mean_logits``) with the reference
+    model patched after the trainer is built: both heads on npukern, the
+    losses, log-probabilities, mean logits and rewards as stock's."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(297)}}
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(3)
+
+    def text(n):
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, 297, (n,), generator=g))
+
+    rows = [{"prompt": text(6), "chosen": text(5), "rejected": text(7)} for _ in range(16)]
+    logs, calls = {}, []
+    orig = _trl._LogProbs.forward
+    _trl._LogProbs.forward = staticmethod(lambda ctx, x, w, *a: calls.append(id(w)) or orig(ctx, x, w, *a))
+    try:
+        for name in ("stock", "patched"):
+            model, ref = _model(), _model()
+            if name == "patched":
+                hf.patch(model)
+            args = trl.DPOConfig(output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=4,
+                                 logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                                 learning_rate=1e-3, seed=0, data_seed=0)
+            trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                                     processing_class=tok)
+            if name == "patched":
+                assert hf.patch(trainer.ref_model)["loss"] == 1
+            trainer.train()
+            logs[name] = [h for h in trainer.state.log_history if "loss" in h]
+    finally:
+        _trl._LogProbs.forward = staticmethod(orig)
+    heads = {id(m.get_output_embeddings().weight) for m in (model, ref)}
+    assert set(calls) == heads and len(calls) == 6
+    keys = ("loss", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy",
+            "rewards/margins")
+    for step, (a, b) in enumerate(zip(logs["patched"], logs["stock"], strict=True)):
+        tol = 1e-5 if step == 0 else 2e-3  # later steps: Adam's sign-of-tiny-gradients spread
+        for k in keys:
             assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
 
 

@@ -14,12 +14,13 @@ of models :func:`npukern_torch.hf.patch` swapped the loss of (``register``):
 each chunk of tokens' logits on npukern's matmul (or torch's, as the loss
 route decides) in TRL's compute dtype (autocast's, else the hidden
 states'), the log-probabilities from npukern's cross-entropy kernel
-(``-(lse - z_label)``, float32 inside), the entropy and the argmax from the
+(``-(lse - z_label)``, float32 inside), the entropy, TRL's metrics
+(``log sum p^2``, the mean logit: DPO's and KTO's) and the argmax from the
 same logits; the backward recomputes each chunk's logits (as TRL's does)
 and the kernel writes ``g (onehot - softmax)`` over them, rounded once,
 for the two gradient products (an entropy gradient, which SFT does not
 take, in float32 torch ops). Every other call (a bias, a temperature,
-logit scale or soft-capping, outputs npukern does not compute, another
+logit scale or soft-capping, another
 device or dtype, another model's head) runs TRL's own.
 """
 
@@ -39,8 +40,8 @@ ops = torch.ops.npukern
 # id(weight) -> (weakref to it, hf.patch's matmul choice): the heads whose
 # TRL calls npukern takes.
 _HEADS = {}
-# What this module computes of TRL's optional outputs.
-_OUTPUTS = frozenset(("log_probs", "entropy", "is_top1"))
+# What this module computes of TRL's optional outputs (all TRL 1.16 has).
+_OUTPUTS = frozenset(("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
 # The parameters of the TRL function this module stands in for (trl 1.16's):
 # another signature is another contract, and TRL's own keeps it.
 _SIGNATURE = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size",
@@ -165,10 +166,9 @@ def _apply(original, hidden, weight, bias, targets, temperature, chunk_size, fin
     if not _takes(hidden, weight, bias, temperature, logit_scale, final_logit_softcapping, outputs):
         return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
                               logit_scale, outputs)
-    want_entropy, want_top1 = "entropy" in outputs, "is_top1" in outputs
-    log_probs, entropy, top1 = _LogProbs.apply(hidden, weight, targets, want_entropy, want_top1,
-                                               _matmul_of(weight), _compute_dtype(hidden))
-    return (log_probs, entropy if want_entropy else None, None, None, top1 if want_top1 else None)
+    want = tuple(k in outputs for k in ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
+    got = _LogProbs.apply(hidden, weight, targets, want, _matmul_of(weight), _compute_dtype(hidden))
+    return (got[0],) + tuple(g if w else None for g, w in zip(got[1:], want))
 
 
 def _logits(xc, weight, npk, math):
@@ -189,14 +189,16 @@ def _product(a, b, trans_a, out, npk, math):
 
 
 class _LogProbs(torch.autograd.Function):
-    """Per-token ``log softmax(x W^T)[label]`` (float32) with the entropy of
-    each row's distribution and whether the label is its first argmax,
-    chunk by chunk of tokens (the ``[tokens, vocab]`` logits of a chunk at
-    a time, as the fused loss's budget sets). Differentiable in ``x`` and
-    ``W`` through the log-probabilities and the entropy."""
+    """Per-token ``log softmax(x W^T)[label]`` (float32) with, as ``want``
+    says, the entropy of each row's distribution, ``log sum_v p_v^2``, the
+    mean logit and whether the label is its first argmax, chunk by chunk of
+    tokens (the ``[tokens, vocab]`` logits of a chunk at a time, as the
+    fused loss's budget sets). Differentiable in ``x`` and ``W`` through the
+    log-probabilities and the entropy (the others are TRL's metrics)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, want_entropy, want_top1, matmul, dtype):
+    def forward(ctx, hidden, weight, targets, want, matmul, dtype):
+        want_entropy, want_sq, want_mean, want_top1 = want
         ctx.set_materialize_grads(False)
         # In the compute dtype (autocast's, as TRL's head): the gradients
         # come back in the inputs' own.
@@ -209,7 +211,8 @@ class _LogProbs(torch.autograd.Function):
         math = _route.matmul_math(dtype)
         rows = _rows(n, vocab, x, math)
         log_probs, lse = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
-        entropy = torch.empty(n, dtype=torch.float32) if want_entropy else torch.empty(0)
+        entropy, sq, mean = (torch.empty(n if k else 0, dtype=torch.float32)
+                             for k in (want_entropy, want_sq, want_mean))
         top1 = torch.empty(n, dtype=torch.bool) if want_top1 else torch.empty(0, dtype=torch.bool)
         for start in range(0, n, rows):
             end = min(start + rows, n)
@@ -217,22 +220,22 @@ class _LogProbs(torch.autograd.Function):
             loss, lse_c = ops.cross_entropy(logits, t[start:end], None, 0, -100, 0.0, 0.0, 0.0)
             torch.neg(loss, out=log_probs[start:end])
             lse[start:end] = lse_c
-            if want_entropy:
-                _entropy(logits, lse_c, entropy[start:end])
+            if want_entropy or want_sq or want_mean:
+                _row_stats(logits, lse_c, *(o[start:end] if o.numel() else None for o in (entropy, sq, mean)))
             if want_top1:
                 _top1(logits, t[start:end], top1[start:end])
             del logits
         ctx.save_for_backward(x, weight, t, lse, entropy)
         ctx.setup = (npk, math, rows, hidden.dtype, dtype)
-        ctx.mark_non_differentiable(top1)
-        return log_probs, entropy, top1
+        ctx.mark_non_differentiable(sq, mean, top1)
+        return log_probs, entropy, sq, mean, top1
 
     @staticmethod
-    def backward(ctx, g_log_probs, g_entropy, _g_top1):
+    def backward(ctx, g_log_probs, g_entropy, *_metrics):
         x, weight, t, lse, entropy = ctx.saved_tensors
         npk, math, rows, x_dtype, dtype = ctx.setup
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 7
+        none = (None,) * 6
         if (g_log_probs is None and g_entropy is None) or not (want_x or want_w):
             return none
         w = weight.to(dtype)
@@ -267,10 +270,12 @@ class _LogProbs(torch.autograd.Function):
         return (d_x, d_w) + none[2:]
 
 
-def _entropy(logits, lse, out):
-    """``out = lse - sum_v p_v z_v`` per row (``p = exp(z - lse)``), in
-    float32 blocks of rows through buffers made once (fresh temporaries the
-    size of the logits cost more in page faults than in arithmetic)."""
+def _row_stats(logits, lse, entropy, sq, mean):
+    """Per row (``p = exp(z - lse)``), into each output not None: the
+    entropy ``lse - sum_v p_v z_v``, ``log sum_v p_v^2`` and the mean logit
+    ``sum_v z_v / vocab``, in float32 blocks of rows through buffers made
+    once (fresh temporaries the size of the logits cost more in page faults
+    than in arithmetic)."""
     rows = min(_ENTROPY_ROWS, logits.shape[0])
     z = torch.empty(rows, logits.shape[1], dtype=torch.float32)
     e = torch.empty_like(z)
@@ -278,8 +283,14 @@ def _entropy(logits, lse, out):
         k = min(rows, logits.shape[0] - r)
         zk, ek, m = z[:k], e[:k], lse[r:r + k].unsqueeze(1)
         zk.copy_(logits[r:r + k])
-        torch.sub(zk, m, out=ek).exp_().mul_(zk)
-        torch.sub(lse[r:r + k], ek.sum(1), out=out[r:r + k])
+        if mean is not None:
+            torch.div(zk.sum(1), logits.shape[1], out=mean[r:r + k])
+        if sq is not None:
+            torch.sub(zk, m, out=ek).mul_(2.0).exp_()
+            torch.log(ek.sum(1), out=sq[r:r + k])
+        if entropy is not None:
+            torch.sub(zk, m, out=ek).exp_().mul_(zk)
+            torch.sub(lse[r:r + k], ek.sum(1), out=entropy[r:r + k])
 
 
 def _top1(logits, t, out):
