@@ -8,8 +8,11 @@ fused loss), ``stock_trl`` and ``patched_trl`` (TRL's head,
 ``fused_lm_head=True``: TRL's own function, npukern's for the patched
 model). ``--autocast``: float32 params under ``torch.autocast("cpu",
 torch.bfloat16)`` (SFTTrainer's default ``bf16=True``), else a bf16 model.
+``--outputs``: what the head computes beside the log-probabilities, as
+each trainer asks (``sft``: entropy, top-1; ``dpo``: also the mean logit;
+``kto``: entropy, mean logit).
 
-    taskset -c 1 python benches/trl_head.py --threads 1 --runs 3 [--autocast]
+    taskset -c 1 python benches/trl_head.py --threads 1 --runs 3 [--autocast] [--outputs dpo]
 """
 
 import argparse
@@ -18,6 +21,10 @@ import statistics
 import subprocess
 import sys
 import time
+
+# The optional outputs each TRL 1.16 trainer asks its fused head for.
+OUTPUTS = {"sft": ("entropy", "is_top1"), "dpo": ("entropy", "mean_logits", "is_top1"),
+           "kto": ("entropy", "mean_logits")}
 
 
 def child(args):
@@ -37,7 +44,7 @@ def child(args):
         hf.patch(model)
     trl = args.child.endswith("_trl")
     if trl:
-        add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # SFTTrainer's outputs
+        add_fused_lm_head(model, outputs=("log_probs",) + OUTPUTS[args.outputs])
     x = torch.randint(0, args.vocab, (1, args.seq))
     times = []
     for i in range(args.warmup + args.steps):
@@ -62,6 +69,7 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--autocast", action="store_true")
+    p.add_argument("--outputs", choices=tuple(OUTPUTS), default="sft")
     p.add_argument("--child", choices=("stock", "patched", "stock_trl", "patched_trl"))
     args = p.parse_args()
     if args.child:
@@ -73,7 +81,7 @@ def main():
             cmd = [sys.executable, __file__, "--child", v] + [a for a in sys.argv[1:] if a != "--child"]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             ms[v].append(json.loads(out)["ms"])
-    print(f"{'autocast, float32 params' if args.autocast else 'bf16 model'}, hidden {args.hidden} x {args.layers} "
+    print(f"{args.outputs}'s outputs, {'autocast, float32 params' if args.autocast else 'bf16 model'}, hidden {args.hidden} x {args.layers} "
           f"layers, vocab {args.vocab}, {args.seq} tokens, {args.threads} thread(s): forward + backward, ms")
     for v in variants:
         print(f"{v:12s} median {statistics.median(ms[v]):8.1f}   runs {', '.join(f'{t:.0f}' for t in ms[v])}")
