@@ -10,9 +10,10 @@ model). ``--autocast``: float32 params under ``torch.autocast("cpu",
 torch.bfloat16)`` (SFTTrainer's default ``bf16=True``), else a bf16 model.
 ``--outputs``: what the head computes beside the log-probabilities, as
 each trainer asks (``sft``: entropy, top-1; ``dpo``: also the mean logit;
-``kto``: entropy, mean logit).
+``kto``: entropy, mean logit). ``--temperature``: GRPO's and RLOO's
+sampling temperature in the head (TRL's logits over it, float32).
 
-    taskset -c 1 python benches/trl_head.py --threads 1 --runs 3 [--autocast] [--outputs dpo]
+    taskset -c 1 python benches/trl_head.py --threads 1 --runs 3 [--autocast] [--outputs dpo] [--temperature 0.7]
 """
 
 import argparse
@@ -44,7 +45,7 @@ def child(args):
         hf.patch(model)
     trl = args.child.endswith("_trl")
     if trl:
-        add_fused_lm_head(model, outputs=("log_probs",) + OUTPUTS[args.outputs])
+        add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs",) + OUTPUTS[args.outputs])
     x = torch.randint(0, args.vocab, (1, args.seq))
     times = []
     for i in range(args.warmup + args.steps):
@@ -70,6 +71,7 @@ def main():
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--autocast", action="store_true")
     p.add_argument("--outputs", choices=tuple(OUTPUTS), default="sft")
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--child", choices=("stock", "patched", "stock_trl", "patched_trl"))
     args = p.parse_args()
     if args.child:
@@ -81,7 +83,7 @@ def main():
             cmd = [sys.executable, __file__, "--child", v] + [a for a in sys.argv[1:] if a != "--child"]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             ms[v].append(json.loads(out)["ms"])
-    print(f"{args.outputs}'s outputs, {'autocast, float32 params' if args.autocast else 'bf16 model'}, hidden {args.hidden} x {args.layers} "
+    print(f"{args.outputs}'s outputs, temperature {args.temperature}, {'autocast, float32 params' if args.autocast else 'bf16 model'}, hidden {args.hidden} x {args.layers} "
           f"layers, vocab {args.vocab}, {args.seq} tokens, {args.threads} thread(s): forward + backward, ms")
     for v in variants:
         print(f"{v:12s} median {statistics.median(ms[v]):8.1f}   runs {', '.join(f'{t:.0f}' for t in ms[v])}")

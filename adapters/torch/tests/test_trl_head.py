@@ -42,13 +42,17 @@ def _head(dtype, n=37, hidden=48, vocab=1000, seed=1):
     return x, w, t
 
 
-def _reference(x, w, t, g_lp, g_ent, dtype):
+def _reference(x, w, t, g_lp, g_ent, dtype, temperature=1.0, softcap=None, scale=1.0):
     """float64 of the same rounded inputs, the logits rounded to the compute
-    dtype as both implementations round them."""
+    dtype as both implementations round them, then TRL's transform."""
     x64 = x.detach().to(dtype).double().requires_grad_()
     w64 = w.detach().to(dtype).double().requires_grad_()
     z = x64 @ w64.t()
     z = z + (z.detach().to(dtype).double() - z.detach())  # the rounded logits, gradient as z's
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
     logp = torch.log_softmax(z, 1)
     lp = logp.gather(1, t.unsqueeze(1)).squeeze(1)
     ent = -(logp.exp() * logp).sum(1)
@@ -56,12 +60,13 @@ def _reference(x, w, t, g_lp, g_ent, dtype):
     return lp.detach(), ent.detach(), z.detach().argmax(1) == t, x64.grad, w64.grad
 
 
-def _run(fn, x, w, t, g_lp, g_ent, outputs=OUTS, autocast=False, matmul="auto"):
+def _run(fn, x, w, t, g_lp, g_ent, outputs=OUTS, autocast=False, matmul="auto", transform=(1.0, None, 1.0)):
     x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     if fn is not _original():
         _trl.register(w, matmul)
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-        lp, ent, _, _, top = fn.apply(x, w, None, t, 1.0, 4096, None, 1.0, outputs)
+        temperature, softcap, scale = transform
+        lp, ent, _, _, top = fn.apply(x, w, None, t, temperature, 4096, softcap, scale, outputs)
     # Without an entropy gradient the entropy stays out of the graph: the
     # backward takes the kernel's path (a zero gradient would not).
     (lp * g_lp + (ent * g_ent if g_ent.any() else 0)).sum().backward()
@@ -99,6 +104,33 @@ def test_against_float64_and_trl(monkeypatch, dtype, autocast, entropy_grad, chu
     assert torch.equal(ours[2], ref[2]) and ref[2].any()
     tol = 2e-6 if compute == torch.float32 else 4e-3
     for k in (0, 1, 3, 4):  # log-probs, entropy, d hidden, d weight
+        e_ours, e_theirs = _err(ours[k], ref[k]), _err(theirs[k], ref[k])
+        assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
+
+
+@pytest.mark.parametrize("transform", [(0.7, None, 1.0), (1.0, 3.0, 1.0), (1.0, None, 0.25), (0.9, 2.0, 1.5)],
+                         ids=["temperature", "softcap", "scale", "all"])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float32, True)])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_transformed_logits_against_float64_and_trl(monkeypatch, transform, dtype, autocast, entropy_grad):
+    """GRPO's and RLOO's sampling temperature, Gemma 2's soft-cap, Granite's
+    and Cohere's logit scale: TRL's logits, in float32 from the rounded
+    products, on npukern too (three chunks of tokens)."""
+    x, w, t = _head(dtype)
+    monkeypatch.setattr(npk_loss, "CHUNK_BYTES", (x.shape[0] // 3) * w.shape[0] * (x.element_size() + 4))
+    g = torch.Generator().manual_seed(6)
+    g_lp = torch.randn(x.shape[0], generator=g)
+    g_ent = torch.randn(x.shape[0], generator=g) if entropy_grad else torch.zeros(x.shape[0])
+    compute = torch.bfloat16 if autocast else dtype
+    ref = _reference(x, w, t, g_lp, g_ent, compute, *transform)
+    ours = _run(trl_utils._ChunkedLogProbFunction, x, w, t, g_lp, g_ent, autocast=autocast, matmul="npukern",
+                transform=transform)
+    theirs = _run(_original(), x, w, t, g_lp, g_ent, autocast=autocast, transform=transform)
+    assert ours[3].dtype == x.dtype and ours[4].dtype == w.dtype
+    assert torch.equal(ours[2], theirs[2])
+    tol = 2e-6 if compute == torch.float32 else 4e-3
+    for k in (0, 1, 3, 4):
         e_ours, e_theirs = _err(ours[k], ref[k]), _err(theirs[k], ref[k])
         assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
 
@@ -158,10 +190,11 @@ def test_calls_npukern_does_not_compute_run_trls(monkeypatch):
     shim, orig = trl_utils._ChunkedLogProbFunction, _original()
     bias = torch.zeros(w.shape[0])
     other = w.detach().clone()  # not a patched model's head
+    half = w.detach().half()
+    _trl.register(half, "auto")
     for args in [(x, w, bias, t, 1.0, 4096, None, 1.0, OUTS),  # a bias
-                 (x, w, None, t, 0.7, 4096, None, 1.0, OUTS),  # temperature
-                 (x, w, None, t, 1.0, 4096, 30.0, 1.0, OUTS),  # soft-capping
-                 (x, w, None, t, 1.0, 4096, None, 0.5, OUTS),  # logit scale
+                 (x.detach().half(), half, None, t, 1.0, 4096, None, 1.0, OUTS),  # float16
+                 (x, w, None, t, float("inf"), 4096, None, 1.0, OUTS),  # a temperature with no 1 / T
                  (x, other, None, t, 1.0, 4096, None, 1.0, OUTS)]:
         got, want = shim.apply(*args), orig.apply(*args)
         for a, b in zip(got, want):

@@ -19,9 +19,11 @@ states'), the log-probabilities from npukern's cross-entropy kernel
 same logits; the backward recomputes each chunk's logits (as TRL's does)
 and the kernel writes ``g (onehot - softmax)`` over them, rounded once,
 for the two gradient products (an entropy gradient, which SFT does not
-take, in float32 torch ops). Every other call (a bias, a temperature,
-logit scale or soft-capping, another
-device or dtype, another model's head) runs TRL's own.
+take, in float32 torch ops). A sampling temperature, logit scale or
+soft-cap (GRPO's and RLOO's ``temperature``; Gemma 2, Granite, Cohere)
+turns each chunk's logits into TRL's in float32 first (``_Transform``),
+and the kernel runs over those. Every other call (a bias, float16,
+another device, another model's head) runs TRL's own.
 """
 
 import importlib.abc
@@ -29,6 +31,7 @@ import importlib.util
 import inspect
 import sys
 import weakref
+from math import isfinite
 
 import torch
 
@@ -151,8 +154,10 @@ def _compute_dtype(hidden):
 def _takes(hidden, weight, bias, temperature, logit_scale, softcap, outputs):
     """Whether npukern computes this call (else TRL's own does)."""
     kernel = (torch.float32, torch.bfloat16)
-    return (_matmul_of(weight) is not None and bias is None and temperature == 1.0 and logit_scale == 1.0
-            and softcap is None and set(("log_probs",) + tuple(outputs)) <= _OUTPUTS
+    finite = all(isinstance(v, (int, float)) and isfinite(v) and v != 0
+                 for v in (temperature, logit_scale) + (() if softcap is None else (softcap,)))
+    return (_matmul_of(weight) is not None and bias is None and finite
+            and set(("log_probs",) + tuple(outputs)) <= _OUTPUTS
             and hidden.device.type == "cpu" and weight.device.type == "cpu" and hidden.dim() == 2
             and hidden.dtype in kernel and weight.dtype in kernel and _compute_dtype(hidden) in kernel
             and not torch.compiler.is_compiling())
@@ -167,7 +172,9 @@ def _apply(original, hidden, weight, bias, targets, temperature, chunk_size, fin
         return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
                               logit_scale, outputs)
     want = tuple(k in outputs for k in ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
-    got = _LogProbs.apply(hidden, weight, targets, want, _matmul_of(weight), _compute_dtype(hidden))
+    plain = temperature == 1.0 and logit_scale == 1.0 and final_logit_softcapping is None
+    transform = None if plain else _Transform(float(logit_scale), final_logit_softcapping, 1 / temperature)
+    got = _LogProbs.apply(hidden, weight, targets, want, _matmul_of(weight), _compute_dtype(hidden), transform)
     return (got[0],) + tuple(g if w else None for g, w in zip(got[1:], want))
 
 
@@ -197,7 +204,7 @@ class _LogProbs(torch.autograd.Function):
     log-probabilities and the entropy (the others are TRL's metrics)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, want, matmul, dtype):
+    def forward(ctx, hidden, weight, targets, want, matmul, dtype, transform):
         want_entropy, want_sq, want_mean, want_top1 = want
         ctx.set_materialize_grads(False)
         # In the compute dtype (autocast's, as TRL's head): the gradients
@@ -209,7 +216,7 @@ class _LogProbs(torch.autograd.Function):
             raise ValueError(f"npukern's TRL head: {t.shape[0]} labels for {n} rows")
         npk = _loss._npukern_head(x, w, None, matmul)
         math = _route.matmul_math(dtype)
-        rows = _rows(n, vocab, x, math)
+        rows = _rows(n, vocab, x, math, transform)
         log_probs, lse = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
         entropy, sq, mean = (torch.empty(n if k else 0, dtype=torch.float32)
                              for k in (want_entropy, want_sq, want_mean))
@@ -217,6 +224,8 @@ class _LogProbs(torch.autograd.Function):
         for start in range(0, n, rows):
             end = min(start + rows, n)
             logits = _logits(x[start:end], w, npk, math)
+            if transform is not None:  # TRL's logits: scaled, capped, over the temperature (float32)
+                logits = transform.forward(logits)
             loss, lse_c = ops.cross_entropy(logits, t[start:end], None, 0, -100, 0.0, 0.0, 0.0)
             torch.neg(loss, out=log_probs[start:end])
             lse[start:end] = lse_c
@@ -226,16 +235,16 @@ class _LogProbs(torch.autograd.Function):
                 _top1(logits, t[start:end], top1[start:end])
             del logits
         ctx.save_for_backward(x, weight, t, lse, entropy)
-        ctx.setup = (npk, math, rows, hidden.dtype, dtype)
+        ctx.setup = (npk, math, rows, hidden.dtype, dtype, transform)
         ctx.mark_non_differentiable(sq, mean, top1)
         return log_probs, entropy, sq, mean, top1
 
     @staticmethod
     def backward(ctx, g_log_probs, g_entropy, *_metrics):
         x, weight, t, lse, entropy = ctx.saved_tensors
-        npk, math, rows, x_dtype, dtype = ctx.setup
+        npk, math, rows, x_dtype, dtype, transform = ctx.setup
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 6
+        none = (None,) * 7
         if (g_log_probs is None and g_entropy is None) or not (want_x or want_w):
             return none
         w = weight.to(dtype)
@@ -250,14 +259,18 @@ class _LogProbs(torch.autograd.Function):
             end = min(start + rows, n)
             xc = x[start:end]
             logits = _logits(xc, w, npk, math)
+            z, chain = (logits, None) if transform is None else transform.forward(logits, keep=True)
             if g_entropy is None:
                 # d log_prob / dz = onehot - p: the kernel writes scale (p -
                 # onehot) over the logits, rounded once, with scale = -g.
-                ops.cross_entropy_fused_(logits, t[start:end], None, torch.neg(g_lp[start:end]), -100,
+                ops.cross_entropy_fused_(z, t[start:end], None, torch.neg(g_lp[start:end]), -100,
                                          0.0, 0.0, 0.0)
             else:
-                logits = _with_entropy(logits, t[start:end], lse[start:end], entropy[start:end],
-                                       g_lp[start:end], g_entropy[start:end].float())
+                z = _with_entropy(z, t[start:end], lse[start:end], entropy[start:end],
+                                  g_lp[start:end], g_entropy[start:end].float())
+            # Through the transform in float32, rounded once to the logits' dtype.
+            logits = z if transform is None else transform.backward(z, chain).to(logits.dtype)
+            del z, chain
             if d_x is not None:
                 d_x[start:end] = _product(logits, w, False, x_dtype, npk, math)
             if want_w and start == 0 and end == n:
@@ -305,11 +318,42 @@ def _top1(logits, t, out):
             out[r] = False
 
 
-def _rows(n, vocab, x, math):
-    """Tokens per chunk: the fused loss's budget for the logits, an even
-    count under the bf16 pair dot when there are several chunks (the weight
-    gradient's pairs of tokens must not depend on the cut)."""
-    return _loss._pair_rows(_loss._chunk_rows(n, vocab, x.shape[1], x.element_size(), None, True), n, math)
+def _rows(n, vocab, x, math, transform=None):
+    """Tokens per chunk: the fused loss's budget for the logits (and their
+    float32 transform beside them), an even count under the bf16 pair dot
+    when there are several chunks (the weight gradient's pairs of tokens
+    must not depend on the cut)."""
+    size = x.element_size() + (0 if transform is None else 4)
+    return _loss._pair_rows(_loss._chunk_rows(n, vocab, x.shape[1], size, None, True), n, math)
+
+
+class _Transform:
+    """TRL's logits from the head's product ``y`` (``_torch_transform``): ``z
+    = y s``, soft-capped ``c tanh(z / c)`` when there is a cap, times ``1 /
+    T``, in float32 (Gemma 2's cap, Granite's and Cohere's scales, GRPO's
+    and RLOO's sampling temperature). Its backward is TRL's too: ``dz``
+    times ``1 / T``, times ``1 - tanh^2`` under a cap, times ``s``."""
+
+    def __init__(self, scale, cap, inv_t):
+        self.scale, self.cap, self.inv_t = scale, cap, inv_t
+
+    def forward(self, y, keep=False):
+        """``z`` in a new float32 tensor (and, with ``keep``, the tanh the
+        backward needs, or None)."""
+        z = y.float().mul_(self.scale)
+        th = None
+        if self.cap is not None:
+            th = z.div_(self.cap).tanh_()
+            z = th.mul(self.cap) if keep else th.mul_(self.cap)
+        z.mul_(self.inv_t)
+        return (z, th) if keep else z
+
+    def backward(self, dz, th):
+        """``dy`` from ``dz`` (float32, in place) and :meth:`forward`'s tanh."""
+        dz.mul_(self.inv_t)
+        if th is not None:
+            dz.mul_(th.mul_(th).neg_().add_(1.0))
+        return dz.mul_(self.scale)
 
 
 def _with_entropy(logits, t, lse, entropy, g_lp, g_ent):
