@@ -324,6 +324,47 @@ def test_dpo_trainer_matches_stock(tmp_path):
             assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
 
 
+def test_grpo_trainer_temperature(tmp_path, monkeypatch):
+    """GRPOTrainer with a sampling temperature of 0.7 (TRL's logits over it
+    in the head), a patched model: the same run on npukern's head and on
+    TRL's own (the generations are the patched model's either way) logs the
+    same gradient norm and entropy."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(297)}}
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(3)
+    rows = [{"prompt": " ".join(f"w{int(i)}" for i in torch.randint(0, 297, (6,), generator=g))} for _ in range(8)]
+
+    def reward(completions, **kw):
+        return [len(c) / 10 for c in completions]
+
+    logs, calls, takes = {}, [], _trl._takes
+    orig = _trl._LogProbs.forward
+    monkeypatch.setattr(_trl._LogProbs, "forward", staticmethod(lambda *a: calls.append(a[-1]) or orig(*a)))
+    for name in ("trl", "npukern"):
+        monkeypatch.setattr(_trl, "_takes", takes if name == "npukern" else (lambda *a: False))
+        model = _model()
+        hf.patch(model)
+        args = trl.GRPOConfig(output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=4,
+                              num_generations=4, max_completion_length=8, temperature=0.7, logging_steps=1,
+                              report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3, seed=0, data_seed=0)
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                                  processing_class=tok)
+        trainer.train()
+        logs[name] = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(calls) == 2 and all(c is not None and c.inv_t == 1 / 0.7 for c in calls)
+    for step, (a, b) in enumerate(zip(logs["npukern"], logs["trl"], strict=True)):
+        tol = 1e-5 if step == 0 else 1e-3
+        for k in ("grad_norm", "entropy", "reward"):
+            assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
+
+
 def test_trl_imported_after_patch(tmp_path):
     """hf.patch before TRL's import: the shim goes in when TRL's utilities
     are imported (a fresh interpreter: this one imported TRL already)."""
