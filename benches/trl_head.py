@@ -10,7 +10,7 @@ model). ``--autocast``: float32 params under ``torch.autocast("cpu",
 torch.bfloat16)`` (SFTTrainer's default ``bf16=True``), else a bf16 model.
 ``--outputs``: what the head computes beside the log-probabilities, as
 each trainer asks (``sft``: entropy, top-1; ``dpo``: also the mean logit;
-``kto``: entropy, mean logit). ``--temperature``: GRPO's and RLOO's
+``kto``: entropy, mean logit; ``grpo``, ``rloo``: entropy). ``--temperature``: GRPO's and RLOO's
 sampling temperature in the head (TRL's logits over it, float32).
 
     taskset -c 1 python benches/trl_head.py --threads 1 --runs 3 [--autocast] [--outputs dpo] [--temperature 0.7]
@@ -25,7 +25,7 @@ import time
 
 # The optional outputs each TRL 1.16 trainer asks its fused head for.
 OUTPUTS = {"sft": ("entropy", "is_top1"), "dpo": ("entropy", "mean_logits", "is_top1"),
-           "kto": ("entropy", "mean_logits")}
+           "kto": ("entropy", "mean_logits"), "grpo": ("entropy",), "rloo": ("entropy",)}
 
 
 def child(args):
