@@ -320,10 +320,10 @@ def _top1(logits, t, out):
 
 def _rows(n, vocab, x, math, transform=None):
     """Tokens per chunk: the fused loss's budget for the logits (and their
-    float32 transform beside them), an even count under the bf16 pair dot
+    float32 transform beside them, and its tanh under a cap), an even count under the bf16 pair dot
     when there are several chunks (the weight gradient's pairs of tokens
     must not depend on the cut)."""
-    size = x.element_size() + (0 if transform is None else 4)
+    size = x.element_size() + (0 if transform is None else 4 if transform.cap is None else 8)
     return _loss._pair_rows(_loss._chunk_rows(n, vocab, x.shape[1], size, None, True), n, math)
 
 
