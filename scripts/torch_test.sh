@@ -59,14 +59,11 @@ fi
 if "$PY" -c "import kernels" 2>/dev/null; then
   "$PY" -m pip uninstall --quiet --yes kernels
 fi
-echo "== the newest transformers into $VENV"
-"$PY" -m pip install --quiet --upgrade transformers
-if ! "$PY" -c "import trl" 2>/dev/null; then
-  # tests/test_trl_head.py: TRL's trainers put their own fused LM head on
-  # the model, which hf.patch serves on npukern's kernels.
-  echo "== installing trl into $VENV"
-  "$PY" -m pip install --quiet trl
-fi
+# And the newest trl beside it (tests/test_trl_head.py: TRL's trainers put
+# their own fused LM head on the model, which hf.patch serves on npukern's
+# kernels), as a fresh machine gets it: the two move together.
+echo "== the newest transformers and trl into $VENV"
+"$PY" -m pip install --quiet --upgrade transformers trl
 # Hugging Face's transformers and kernels for the drop-in tests (tiny configs,
 # no download). Pinned as a pair: transformers 5.23+ enables its kernels hub
 # decorators only with kernels >= 0.18.2, which PyPI does not have; 5.22.2
