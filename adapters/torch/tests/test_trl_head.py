@@ -136,6 +136,36 @@ def test_transformed_logits_against_float64_and_trl(monkeypatch, transform, dtyp
         assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
 
 
+@pytest.mark.parametrize("transform", [(1.0, None, 1.0), (0.8, 3.0, 1.0)], ids=["plain", "temperature_cap"])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float32, True)])
+def test_one_upstream_value_skips_the_second_product(monkeypatch, transform, dtype, autocast):
+    """SFT's upstream gradient, ``-1 / tokens`` on the tokens with a label
+    and 0 on the masked ones: one chunk on npukern's matmul keeps ``p -
+    onehot`` from the forward, the backward makes no logits again, and both
+    gradients are as accurate as TRL's (a random gradient takes the
+    recomputing path: the other tests)."""
+    x, w, t = _head(dtype)
+    g_lp = torch.full((x.shape[0],), -1.0 / 29)
+    g_lp[::4] = 0.0  # masked positions
+    zero = torch.zeros(x.shape[0])
+    compute = torch.bfloat16 if autocast else dtype
+    ref = _reference(x, w, t, g_lp, zero, compute, *transform)
+    products = []
+    logits = _trl._logits
+    monkeypatch.setattr(_trl, "_logits", lambda *a: products.append(1) or logits(*a))
+    ours = _run(trl_utils._ChunkedLogProbFunction, x, w, t, g_lp, zero, autocast=autocast, matmul="npukern",
+                transform=transform)
+    assert len(products) == 1
+    theirs = _run(_original(), x, w, t, g_lp, zero, autocast=autocast, transform=transform)
+    assert ours[3].dtype == x.dtype and ours[4].dtype == w.dtype
+    assert torch.equal(ours[3][::4], torch.zeros_like(ours[3][::4]))  # masked tokens: no gradient
+    tol = 2e-6 if compute == torch.float32 else 4e-3
+    for k in (0, 1, 3, 4):
+        e_ours, e_theirs = _err(ours[k], ref[k]), _err(theirs[k], ref[k])
+        assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
+
+
 @pytest.mark.parametrize("matmul", ["npukern", "torch"])
 def test_metrics_against_float64_and_trl(matmul):
     """TRL's non-differentiable metrics (DPO's and KTO's): ``log sum_v p_v^2``

@@ -18,7 +18,10 @@ states'), the log-probabilities from npukern's cross-entropy kernel
 (``log sum p^2``, the mean logit: DPO's and KTO's) and the argmax from the
 same logits; the backward recomputes each chunk's logits (as TRL's does)
 and the kernel writes ``g (onehot - softmax)`` over them, rounded once,
-for the two gradient products (an entropy gradient, which SFT does not
+for the two gradient products (one chunk on npukern's matmul keeps
+``softmax - onehot`` from the forward instead, and an upstream gradient
+of one value over the tokens it reaches, SFT's, then scales the two
+products' float32 sums: no second product for the logits) (an entropy gradient, which SFT does not
 take, in float32 torch ops). A sampling temperature, logit scale or
 soft-cap (GRPO's and RLOO's ``temperature``; Gemma 2, Granite, Cohere)
 turns each chunk's logits into TRL's in float32 first (``_Transform``),
@@ -221,11 +224,18 @@ class _LogProbs(torch.autograd.Function):
         entropy, sq, mean = (torch.empty(n if k else 0, dtype=torch.float32)
                              for k in (want_entropy, want_sq, want_mean))
         top1 = torch.empty(n, dtype=torch.bool) if want_top1 else torch.empty(0, dtype=torch.bool)
+        # One chunk on npukern's matmul (whose products return float32 sums)
+        # keeps ``p - onehot`` for the backward, which then needs no second
+        # product for the logits when the upstream gradient is one value
+        # over the tokens it reaches (SFT's ``-1 / tokens``).
+        keep = npk and rows >= n and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        d = torch.empty(0, dtype=dtype)
         for start in range(0, n, rows):
             end = min(start + rows, n)
             logits = _logits(x[start:end], w, npk, math)
+            chain = None
             if transform is not None:  # TRL's logits: scaled, capped, over the temperature (float32)
-                logits = transform.forward(logits)
+                logits, chain = transform.forward(logits, keep=True) if keep else (transform.forward(logits), None)
             loss, lse_c = ops.cross_entropy(logits, t[start:end], None, 0, -100, 0.0, 0.0, 0.0)
             torch.neg(loss, out=log_probs[start:end])
             lse[start:end] = lse_c
@@ -233,15 +243,18 @@ class _LogProbs(torch.autograd.Function):
                 _row_stats(logits, lse_c, *(o[start:end] if o.numel() else None for o in (entropy, sq, mean)))
             if want_top1:
                 _top1(logits, t[start:end], top1[start:end])
-            del logits
-        ctx.save_for_backward(x, weight, t, lse, entropy)
+            if keep:  # p - onehot over the logits, rounded once (through the transform in float32)
+                ops.cross_entropy_fused_(logits, t, None, torch.ones(n), -100, 0.0, 0.0, 0.0)
+                d = logits if transform is None else transform.backward(logits, chain).to(dtype)
+            del logits, chain
+        ctx.save_for_backward(x, weight, t, lse, entropy, d)
         ctx.setup = (npk, math, rows, hidden.dtype, dtype, transform)
         ctx.mark_non_differentiable(sq, mean, top1)
         return log_probs, entropy, sq, mean, top1
 
     @staticmethod
     def backward(ctx, g_log_probs, g_entropy, *_metrics):
-        x, weight, t, lse, entropy = ctx.saved_tensors
+        x, weight, t, lse, entropy, d = ctx.saved_tensors
         npk, math, rows, x_dtype, dtype, transform = ctx.setup
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         none = (None,) * 7
@@ -250,6 +263,9 @@ class _LogProbs(torch.autograd.Function):
         w = weight.to(dtype)
         n = x.shape[0]
         g_lp = torch.zeros(n, dtype=torch.float32) if g_log_probs is None else g_log_probs.float().contiguous()
+        factor = _uniform(g_lp) if d.numel() and g_entropy is None else None
+        if factor is not None:
+            return _from_kept(d, factor, g_lp != 0, x, w, weight.dtype, x_dtype, want_x, want_w, math) + none[2:]
         d_x = torch.empty(x.shape, dtype=x_dtype) if want_x else None
         # A 16-bit weight's gradient: float32 sums of the chunks, rounded
         # once; a float32 weight's: the sums themselves.
@@ -281,6 +297,30 @@ class _LogProbs(torch.autograd.Function):
         if want_w and d_w is None:
             d_w = _loss._rounded(sums, blocks, weight)
         return (d_x, d_w) + none[2:]
+
+
+def _uniform(g):
+    """``-c`` when the nonzero entries of ``g`` all equal ``c`` (0 when
+    there are none), else None."""
+    live = g[g != 0]
+    if live.numel() == 0:
+        return 0.0
+    c = live[0]
+    return -float(c) if bool((live == c).all()) else None
+
+
+def _from_kept(d, factor, live, x, w, w_dtype, x_dtype, want_x, want_w, math):
+    """Both gradients from the kept ``d = p - onehot`` (one chunk): ``factor``
+    (``-c``) times npukern's float32 products, then rounded once; rows the
+    upstream gradient does not reach (``~live``: masked tokens) give none."""
+    dead = ~live.unsqueeze(1)
+    d_x = d_w = None
+    if want_x:
+        d_x = ops.matmul(d, w, False, False, torch.float32, math).mul_(factor).masked_fill_(dead, 0).to(x_dtype)
+    if want_w:
+        xs = x.masked_fill(dead, 0) if bool(dead.any()) else x
+        d_w = ops.matmul(d, xs, True, False, torch.float32, math).mul_(factor).to(w_dtype)
+    return d_x, d_w
 
 
 def _row_stats(logits, lse, entropy, sq, mean):
