@@ -166,6 +166,39 @@ def test_one_upstream_value_skips_the_second_product(monkeypatch, transform, dty
         assert e_ours <= max(tol, 1.5 * e_theirs), (k, e_ours, e_theirs)
 
 
+def test_what_the_forward_keeps_follows_the_last_backward(monkeypatch):
+    """A per-token upstream gradient (DPO's, GRPO's) leaves the kept
+    ``softmax - onehot`` unused: after one, the next forward of that head
+    keeps nothing (and its backward makes the logits again), and after a
+    uniform one it keeps again; the gradients are the same either way."""
+    x, w, t = _head(torch.bfloat16)
+    w = w.detach().requires_grad_()
+    _trl.register(w, "npukern")
+    products = []
+    logits = _trl._logits
+    monkeypatch.setattr(_trl, "_logits", lambda *a: products.append(1) or logits(*a))
+    uniform = torch.full((x.shape[0],), -0.03)
+    per_token = torch.randn(x.shape[0], generator=torch.Generator().manual_seed(9))
+
+    def step(g):
+        products.clear()
+        xi = x.detach().clone().requires_grad_()
+        lp, *_ = trl_utils._ChunkedLogProbFunction.apply(xi, w, None, t, 1.0, 4096, None, 1.0, ("log_probs",))
+        (lp * g).sum().backward()
+        grads = (xi.grad, w.grad.clone())
+        w.grad = None
+        return len(products), grads
+
+    kept, first = step(uniform)
+    assert kept == 1
+    assert step(per_token)[0] == 2
+    made_again, again = step(uniform)  # nothing kept: the logits made twice
+    assert made_again == 2
+    assert step(uniform)[0] == 1
+    for a, b in zip(first, again):
+        assert _err(a, b) <= 4e-3
+
+
 @pytest.mark.parametrize("matmul", ["npukern", "torch"])
 def test_metrics_against_float64_and_trl(matmul):
     """TRL's non-differentiable metrics (DPO's and KTO's): ``log sum_v p_v^2``

@@ -46,6 +46,11 @@ ops = torch.ops.npukern
 # id(weight) -> (weakref to it, hf.patch's matmul choice): the heads whose
 # TRL calls npukern takes.
 _HEADS = {}
+# id(weight) -> whether its last backward's upstream gradient was one value
+# over its tokens (absent: not known yet). Only a hint: whether the next
+# forward keeps ``softmax - onehot`` for the backward (a per-token gradient,
+# DPO's or GRPO's, leaves it unused).
+_UNIFORM = {}
 # What this module computes of TRL's optional outputs (all TRL 1.16 has).
 _OUTPUTS = frozenset(("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
 # The parameters of the TRL function this module stands in for (trl 1.16's):
@@ -60,11 +65,13 @@ def register(weight, matmul):
     """Marks ``weight`` (a patched model's LM head) as one whose TRL fused
     head npukern computes, with the loss route's ``matmul`` choice."""
     _HEADS[id(weight)] = (weakref.ref(weight), matmul)
+    _UNIFORM.pop(id(weight), None)  # a hint left by a dead weight of the same id
 
 
 def unregister(weight):
     """Undoes :func:`register` (``hf.unpatch``)."""
     _HEADS.pop(id(weight), None)
+    _UNIFORM.pop(id(weight), None)
 
 
 def is_fused_forward(forward):
@@ -228,7 +235,8 @@ class _LogProbs(torch.autograd.Function):
         # keeps ``p - onehot`` for the backward, which then needs no second
         # product for the logits when the upstream gradient is one value
         # over the tokens it reaches (SFT's ``-1 / tokens``).
-        keep = npk and rows >= n and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        keep = (npk and rows >= n and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+                and _UNIFORM.get(id(weight), True))
         d = torch.empty(0, dtype=dtype)
         for start in range(0, n, rows):
             end = min(start + rows, n)
@@ -248,14 +256,14 @@ class _LogProbs(torch.autograd.Function):
                 d = logits if transform is None else transform.backward(logits, chain).to(dtype)
             del logits, chain
         ctx.save_for_backward(x, weight, t, lse, entropy, d)
-        ctx.setup = (npk, math, rows, hidden.dtype, dtype, transform)
+        ctx.setup = (npk, math, rows, hidden.dtype, dtype, transform, id(weight))
         ctx.mark_non_differentiable(sq, mean, top1)
         return log_probs, entropy, sq, mean, top1
 
     @staticmethod
     def backward(ctx, g_log_probs, g_entropy, *_metrics):
         x, weight, t, lse, entropy, d = ctx.saved_tensors
-        npk, math, rows, x_dtype, dtype, transform = ctx.setup
+        npk, math, rows, x_dtype, dtype, transform, key = ctx.setup
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         none = (None,) * 7
         if (g_log_probs is None and g_entropy is None) or not (want_x or want_w):
@@ -263,8 +271,9 @@ class _LogProbs(torch.autograd.Function):
         w = weight.to(dtype)
         n = x.shape[0]
         g_lp = torch.zeros(n, dtype=torch.float32) if g_log_probs is None else g_log_probs.float().contiguous()
-        factor = _uniform(g_lp) if d.numel() and g_entropy is None else None
-        if factor is not None:
+        factor = _uniform(g_lp) if g_entropy is None else None
+        _UNIFORM[key] = factor is not None  # the next forward's hint
+        if factor is not None and d.numel():
             return _from_kept(d, factor, g_lp != 0, x, w, weight.dtype, x_dtype, want_x, want_w, math) + none[2:]
         d_x = torch.empty(x.shape, dtype=x_dtype) if want_x else None
         # A 16-bit weight's gradient: float32 sums of the chunks, rounded
