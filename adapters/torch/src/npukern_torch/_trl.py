@@ -18,11 +18,11 @@ states'), the log-probabilities from npukern's cross-entropy kernel
 (``log sum p^2``, the mean logit: DPO's and KTO's) and the argmax from the
 same logits; the backward recomputes each chunk's logits (as TRL's does)
 and the kernel writes ``g (onehot - softmax)`` over them, rounded once,
-for the two gradient products (one chunk on npukern's matmul keeps
-``softmax - onehot`` from the forward instead, and an upstream gradient
-of one value over the tokens it reaches, SFT's, then scales the two
-products' float32 sums: no second product for the logits) (an entropy gradient, which SFT does not
-take, in float32 torch ops). A sampling temperature, logit scale or
+for the two gradient products (an entropy gradient, which SFT does not
+take, in float32 torch ops). One chunk on npukern's matmul keeps
+``softmax - onehot`` from the forward instead, and an upstream gradient of
+one value over the tokens it reaches (SFT's) scales the two products'
+float32 sums: no second product for the logits. A sampling temperature, logit scale or
 soft-cap (GRPO's and RLOO's ``temperature``; Gemma 2, Granite, Cohere)
 turns each chunk's logits into TRL's in float32 first (``_Transform``),
 and the kernel runs over those. Every other call (a bias, float16,
@@ -369,9 +369,9 @@ def _top1(logits, t, out):
 
 def _rows(n, vocab, x, math, transform=None):
     """Tokens per chunk: the fused loss's budget for the logits (and their
-    float32 transform beside them, and its tanh under a cap), an even count under the bf16 pair dot
-    when there are several chunks (the weight gradient's pairs of tokens
-    must not depend on the cut)."""
+    float32 transform beside them, and its tanh under a cap), an even count
+    under the bf16 pair dot when there are several chunks (the weight
+    gradient's pairs of tokens must not depend on the cut)."""
     size = x.element_size() + (0 if transform is None else 4 if transform.cap is None else 8)
     return _loss._pair_rows(_loss._chunk_rows(n, vocab, x.shape[1], size, None, True), n, math)
 
@@ -387,8 +387,8 @@ class _Transform:
         self.scale, self.cap, self.inv_t = scale, cap, inv_t
 
     def forward(self, y, keep=False):
-        """``z`` in a new float32 tensor (and, with ``keep``, the tanh the
-        backward needs, or None)."""
+        """``z`` in float32 (over ``y`` itself when it is float32; with
+        ``keep``, and the tanh the backward needs, or None)."""
         z = y.float().mul_(self.scale)
         th = None
         if self.cap is not None:
