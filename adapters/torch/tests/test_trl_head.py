@@ -340,12 +340,11 @@ def test_sft_trainer_matches_stock(tmp_path, bf16, late):
             assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
 
 
-def test_dpo_trainer_matches_stock(tmp_path):
-    """DPOTrainer (its metrics ask for ``mean_logits``) with the reference
-    model patched after the trainer is built: both heads on npukern, the
-    losses, log-probabilities, mean logits and rewards as stock's."""
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
+def _words():
+    """A word-level tokenizer over ``w0`` .. ``w296`` (ids 3 ..; pad, eos,
+    unk 0-2, the tiny model's vocabulary of 300) and a maker of random texts
+    of ``n`` words from one seeded generator, for the trainers that take
+    text (DPO, GRPO)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -358,6 +357,17 @@ def test_dpo_trainer_matches_stock(tmp_path):
     def text(n):
         return " ".join(f"w{int(i)}" for i in torch.randint(0, 297, (n,), generator=g))
 
+    return tok, text
+
+
+def test_dpo_trainer_matches_stock(tmp_path):
+    """DPOTrainer (its metrics ask for ``mean_logits``) with the reference
+    model patched after the trainer is built: both heads on npukern, the
+    losses, log-probabilities, mean logits and rewards as stock's."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    tok, text = _words()
     rows = [{"prompt": text(6), "chosen": text(5), "rejected": text(7)} for _ in range(16)]
     logs, calls = {}, []
     orig = _trl._LogProbs.forward
@@ -395,15 +405,9 @@ def test_grpo_trainer_temperature(tmp_path, monkeypatch):
     same gradient norm and entropy."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(297)}}
-    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    g = torch.Generator().manual_seed(3)
-    rows = [{"prompt": " ".join(f"w{int(i)}" for i in torch.randint(0, 297, (6,), generator=g))} for _ in range(8)]
+    tok, text = _words()
+    rows = [{"prompt": text(6)} for _ in range(8)]
 
     def reward(completions, **kw):
         return [len(c) / 10 for c in completions]
