@@ -5,7 +5,8 @@
  * f32-chain bound, and bad input refused with nothing written. npk_matmul_v2
  * (2.10): NULL options are npk_matmul's bits; NPK_MATMUL_BF16_DOT equals a
  * VDPBF16PS model written here (pairs, the odd step first, flushed) bit for
- * bit on every ISA; a bad math refused. */
+ * bit on every ISA; a bad math refused. NPK_MATMUL_BF16_DOT_ARM (2.13):
+ * rounded to odd, the same bits on every ISA. */
 #include <float.h>
 #include <stddef.h>
 
@@ -162,7 +163,7 @@ int main(void) {
   /* npk_matmul_v2: the pair dot against its model, every ISA. */
   {
     npk_tensor at = mat(a, NPK_BF16, M, K), bt = mat(b, NPK_BF16, N, K), ct32 = mat(c32, NPK_F32, M, N);
-    npk_matmul_v2_options dot = {0, 1, 0, NPK_MATMUL_BF16_DOT}, bad_math = {0, 1, 0, 2};
+    npk_matmul_v2_options dot = {0, 1, 0, NPK_MATMUL_BF16_DOT}, bad_math = {0, 1, 0, 3};
     static float model[M * N], chain[M * N];
     size_t bytes = 0;
     void *ws;
@@ -205,7 +206,7 @@ int main(void) {
       for (i = 0; i < M * N; ++i) chain[i] = -7.25f;
       CHECK(npk_matmul_v2_workspace_size(&at, &bt, &bad_math, &ct32, &e, &bytes) == NPK_ERR_PARAM_INVALID &&
                 strcmp(g_detail.argument, "math") == 0,
-            "math 2: %s", g_detail.argument);
+            "math 3: %s", g_detail.argument);
       at = mat(c32, NPK_F32, M, N);
       bt = mat(model, NPK_F32, N, N);
       ct32 = mat(chain, NPK_F32, M, N);
@@ -219,6 +220,41 @@ int main(void) {
           break;
         }
       }
+    }
+  }
+  /* NPK_MATMUL_BF16_DOT_ARM (2.13): BFDOT's sums, rounded to odd. 1 x 1 x
+   * 4: (1 + 2^-30) then + 2^-30 keeps a last bit (0x3f800001) where
+   * nearest-even gives 1; and the same bits on every ISA. */
+  {
+    static uint16_t a4[4] = {0x3f80, 0x3800, 0x3800, 0}, b4[4] = {0x3f80, 0x3800, 0x3800, 0};
+    float c1 = -7.25f, first[M * N];
+    npk_tensor at = mat(a4, NPK_BF16, 1, 4), bt = mat(b4, NPK_BF16, 4, 1), ct = mat(&c1, NPK_F32, 1, 1);
+    npk_matmul_v2_options arm = {0, 0, 0, NPK_MATMUL_BF16_DOT_ARM}, arm_t = {0, 1, 0, NPK_MATMUL_BF16_DOT_ARM};
+    npk_exec e = exec_of(NPK_BACKEND_CPU, NPK_ISA_AUTO, 1);
+    size_t bytes = 0;
+    void *ws;
+    uint32_t bits;
+    int seen = 0;
+    CHECK(npk_matmul_v2_workspace_size(&at, &bt, &arm, &ct, &e, &bytes) == NPK_OK, "arm size: %s", g_detail.argument);
+    ws = malloc(bytes);
+    CHECK(npk_matmul_v2(&at, &bt, &arm, &ct, ws, bytes, &e) == NPK_OK, "arm: %s", g_detail.argument);
+    memcpy(&bits, &c1, 4);
+    CHECK(bits == 0x3f800001u, "arm dot 1 + 2^-30 + 2^-30: %#x", (unsigned)bits);
+    free(ws);
+    at = mat(a, NPK_BF16, M, K);
+    bt = mat(b, NPK_BF16, N, K);
+    ct = mat(c32, NPK_F32, M, N);
+    for (isa = NPK_ISA_PORTABLE; isa <= (int)npk_detected_isa(); ++isa) {
+      npk_exec ei = exec_of(NPK_BACKEND_CPU, (npk_isa)isa, 2);
+      npk_status st = npk_matmul_v2_workspace_size(&at, &bt, &arm_t, &ct, &ei, &bytes);
+      if (st == NPK_ERR_ISA_UNAVAILABLE) continue;
+      CHECK(st == NPK_OK, "arm v2 size: %s", g_detail.argument);
+      ws = malloc(bytes);
+      CHECK(npk_matmul_v2(&at, &bt, &arm_t, &ct, ws, bytes, &ei) == NPK_OK, "arm v2: %s", g_detail.argument);
+      if (!seen) memcpy(first, c32, sizeof c32);
+      CHECK(memcmp(c32, first, sizeof c32) == 0, "isa %d: the arm pair dot differs across ISAs", isa);
+      seen = 1;
+      free(ws);
     }
   }
   printf("test_matmul: %d passed, %d failed\n", g_passed, g_failed);

@@ -39,7 +39,7 @@
  * against it when npk_abi_version() has the same major and a minor at least
  * this one (docs/c-api.md, "Stability"). */
 #define NPK_ABI_VERSION_MAJOR 2
-#define NPK_ABI_VERSION_MINOR 12
+#define NPK_ABI_VERSION_MINOR 13
 #define NPK_ABI_VERSION ((NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR)
 
 /** npk_exec.backend bits above the npk_backend_kind (ABI 2.3): what the
@@ -316,6 +316,13 @@ typedef enum npk_matmul_math {
    * AVX512-BF16, the same bits from a flushed FMA chain elsewhere.
    */
   NPK_MATMUL_BF16_DOT = 1,
+  /**
+   * bf16 only: Arm's BFDOT / BFMMLA sums (pairs, each sum rounded to
+   * odd, subnormals read and written as zero); the instruction on the
+   * NEON BF16 lanes, the same bits from an exact scalar model elsewhere.
+   * ABI 2.13.
+   */
+  NPK_MATMUL_BF16_DOT_ARM = 2,
 } npk_matmul_math;
 
 /**
@@ -2465,8 +2472,9 @@ typedef struct npk_matmul_v2_options {
    */
   uint32_t accumulate;
   /**
-   * `npk_matmul_math`: `NPK_MATMUL_CHAIN` (0) or `NPK_MATMUL_BF16_DOT`
-   * (1); another value is `NPK_ERR_PARAM_INVALID` (argument `math`).
+   * `npk_matmul_math`: `NPK_MATMUL_CHAIN` (0), `NPK_MATMUL_BF16_DOT`
+   * (1) or `NPK_MATMUL_BF16_DOT_ARM` (2, ABI 2.13); another value is
+   * `NPK_ERR_PARAM_INVALID` (argument `math`).
    */
   uint32_t math;
 } npk_matmul_v2_options;
@@ -3107,6 +3115,9 @@ enum npk_status npk_matmul_v2_workspace_size(const struct npk_tensor *a,
  * VDPBF16PS where the CPU has AVX512-BF16 (about twice the chain's rate
  * on AMD Zen 4 and 5), a slower flushed FMA chain elsewhere. A non-bf16
  * a with it is `NPK_ERR_PARAM_INVALID` (argument `math`). ABI 2.10.
+ * `math = NPK_MATMUL_BF16_DOT_ARM` (ABI 2.13) sums as Arm's BFDOT does
+ * (pairs, each sum rounded to odd): the instruction on the NEON BF16
+ * lanes, an exact scalar model (far slower) elsewhere.
  *
  * # Safety
  * As `npk_matmul`.

@@ -322,11 +322,12 @@ if wants aarch64; then
     # Files whose every test checks every available ISA (portable among
     # them in the run above) are left out whole: tests/matmul_dot.rs's pair
     # dot took 273 s of qemu-user here repeating that run's portable case
-    # (its one other test, a refusal, is ISA-independent and ran above).
+    # (its one other test, a refusal, is ISA-independent and ran above);
+    # tests/matmul_dot_arm.rs likewise.
     ptests=()
     for ((i = 1; i < ${#tests[@]}; i += 2)); do
         case "${tests[$i]}" in
-            matmul_dot | host_fp_modes) ;;
+            matmul_dot | matmul_dot_arm | host_fp_modes) ;;
             *) ptests+=(--test "${tests[$i]}") ;;
         esac
     done

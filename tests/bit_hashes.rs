@@ -580,6 +580,17 @@ fn matmul_case<T: Float>(run: &mut Run, cpu: &Cpu, seed: u64) {
                 let mut c = vec![T::from_f64(0.0); m * n];
                 matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
                 run.out(&format!("matmul.{case}.dot.c"), &c);
+                // Arm's pair dot: BFDOT's bits (its model's off AArch64).
+                o.math = MatmulMath::Bf16DotArm;
+                let mut ws = vec![0u8; n16];
+                let mut c = vec![T::from_f64(0.0); m * n];
+                matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
+                run.out(&format!("matmul.{case}.arm_dot.c"), &c);
+                o.accumulate = true;
+                let mut ws = vec![0u8; n32];
+                let mut c = c0.clone();
+                matmul(&exec, at, bt, &o, &mut c, &mut ws).unwrap();
+                run.out(&format!("matmul.{case}.arm_dot.accumulate"), &c);
             }
         }
     }

@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::pair_dot::{uniform, Case};
 use common::Rng;
 use half::bf16;
 use npukern::*;
@@ -57,122 +58,25 @@ fn model(c: f32, x: &[bf16], y: &[bf16]) -> f32 {
     s
 }
 
-struct Case {
-    a: Vec<bf16>,
-    b: Vec<bf16>,
-    m: usize,
-    n: usize,
-    k: usize,
-    o: MatmulOptions,
-}
+/// The (threads, blocks) each case runs with, on every ISA.
+const RUNS: [(usize, u32); 3] = [(1, 64), (3, 5), (2, 1)];
 
-impl Case {
-    fn new(m: usize, n: usize, k: usize, o: MatmulOptions, mut v: impl FnMut() -> bf16) -> Self {
-        Case {
-            a: (0..m * k).map(|_| v()).collect(),
-            b: (0..k * n).map(|_| v()).collect(),
-            m,
-            n,
-            k,
-            o,
-        }
-    }
-
-    fn dims(&self) -> ([usize; 2], [usize; 2]) {
-        let (m, n, k) = (self.m, self.n, self.k);
-        (
-            if self.o.trans_a { [k, m] } else { [m, k] },
-            if self.o.trans_b { [n, k] } else { [k, n] },
-        )
-    }
-
-    fn run<O: Float>(&self, exec: &Exec<'_>, c: &mut [O]) -> Result<()> {
-        let (ad, bd) = self.dims();
-        let a = TensorRef::new(&self.a, &ad)?;
-        let b = TensorRef::new(&self.b, &bd)?;
-        let mut ws = vec![0u8; matmul_workspace_size(exec, a, b, O::DTYPE, &self.o)?];
-        matmul(exec, a, b, &self.o, c, &mut ws)
-    }
-
-    /// Row i of op(a) and column j of op(b).
-    fn vectors(&self, i: usize, j: usize) -> (Vec<bf16>, Vec<bf16>) {
-        let (m, n, k) = (self.m, self.n, self.k);
-        let x = (0..k)
-            .map(|p| self.a[if self.o.trans_a { p * m + i } else { i * k + p }])
-            .collect();
-        let y = (0..k)
-            .map(|p| self.b[if self.o.trans_b { j * k + p } else { p * n + j }])
-            .collect();
-        (x, y)
-    }
-
-    /// The model's c from `c0`.
-    fn want<O: Float>(&self, c0: &[O]) -> Vec<O> {
-        let mut w = c0.to_vec();
-        for i in 0..self.m {
-            for j in 0..self.n {
-                let (x, y) = self.vectors(i, j);
-                let start = if self.o.accumulate {
-                    c0[i * self.n + j].to_f64() as f32
-                } else {
-                    0.0
-                };
-                if self.k > 0 || !self.o.accumulate {
-                    w[i * self.n + j] = O::from_f32(model(start, &x, &y));
-                }
-            }
-        }
-        w
-    }
-
-    /// Every ISA, thread and block count: the model's bits.
-    fn check<O: Float>(&self, c0: &[O]) -> Vec<O> {
-        let want = self.want(c0);
-        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-            for (threads, blocks) in [(1usize, 64u32), (3, 5), (2, 1)] {
-                let cpu = Cpu::new(Threads::new(threads)).with_isa(isa);
-                let ub = UbConfig {
-                    blocks,
-                    ..UbConfig::default()
-                };
-                let mut got = c0.to_vec();
-                self.run(&Exec::new(&cpu).with_ub(ub), &mut got).unwrap();
-                common::assert_same_bits(
-                    &got,
-                    &want,
-                    &format!(
-                        "{}x{}x{} {:?} -> {:?} on {isa} x{threads}/{blocks}",
-                        self.m,
-                        self.n,
-                        self.k,
-                        self.o,
-                        O::DTYPE
-                    ),
-                );
-            }
-        }
-        want
-    }
+/// Every ISA and thread count: the model's bits.
+fn check<O: Float>(case: &Case, c0: &[O]) -> Vec<O> {
+    case.check(model, c0, &RUNS)
 }
 
 fn dot(trans_a: bool, trans_b: bool, accumulate: bool) -> MatmulOptions {
-    MatmulOptions {
-        trans_a,
-        trans_b,
-        accumulate,
-        math: MatmulMath::Bf16Dot,
-    }
-}
-
-fn uniform(rng: &mut Rng) -> impl FnMut() -> bf16 + '_ {
-    move || bf16::from_f64(rng.uniform(-2.0, 2.0))
+    common::pair_dot::opts(MatmulMath::Bf16Dot, trans_a, trans_b, accumulate)
 }
 
 #[test]
 fn every_layout_and_shape_is_the_models_bits_on_every_isa() {
-    let mut rng = Rng(0xd07);
-    for (ta, tb) in [(false, true), (false, false), (true, false), (true, true)] {
-        for (m, n, k) in [
+    common::pair_dot::every_layout(
+        MatmulMath::Bf16Dot,
+        model,
+        &RUNS,
+        &[
             (1, 1, 1),
             (1, 33, 7),
             (15, 1, 2),
@@ -190,30 +94,19 @@ fn every_layout_and_shape_is_the_models_bits_on_every_isa() {
             // and an odd last slice.
             (28, 40, 1100),
             (42, 33, 1031),
-        ] {
-            let case = Case::new(m, n, k, dot(ta, tb, false), uniform(&mut rng));
-            case.check::<bf16>(&vec![bf16::from_f32(-7.25); m * n]);
-            case.check::<f32>(&vec![-7.25f32; m * n]);
-        }
-    }
+        ],
+        0xd07,
+    );
 }
 
 #[test]
 fn accumulate_starts_each_sum_at_c_flushed() {
-    let mut rng = Rng(0xacc);
-    for (ta, tb) in [(false, true), (true, false)] {
-        for (m, n, k) in [(5, 9, 3), (20, 40, 300), (3, 3, 0)] {
-            let case = Case::new(m, n, k, dot(ta, tb, true), uniform(&mut rng));
-            let mut c0: Vec<f32> = (0..m * n).map(|_| rng.uniform(-4.0, 4.0) as f32).collect();
-            // Subnormal starting sums read as zero (once a product is added).
-            c0[0] = f32::from_bits(0x0040_0000);
-            c0[m * n - 1] = -f32::from_bits(3);
-            let want = case.check(&c0);
-            if k == 0 {
-                assert_eq!(want, c0, "an empty sum keeps c");
-            }
-        }
-    }
+    common::pair_dot::accumulate(
+        MatmulMath::Bf16Dot,
+        model,
+        &RUNS,
+        &[(5, 9, 3), (20, 40, 300), (3, 3, 0)],
+    );
 }
 
 #[test]
@@ -236,8 +129,8 @@ fn subnormals_tiny_sums_nan_and_inf() {
     };
     for (ta, tb) in [(false, true), (false, false), (true, false)] {
         let case = Case::new(23, 50, 45, dot(ta, tb, false), &mut v);
-        case.check::<f32>(&vec![0.0; 23 * 50]);
-        case.check::<bf16>(&vec![bf16::ZERO; 23 * 50]);
+        check::<f32>(&case, &vec![0.0; 23 * 50]);
+        check::<bf16>(&case, &vec![bf16::ZERO; 23 * 50]);
     }
 }
 
@@ -276,7 +169,7 @@ fn tininess_is_detected_after_rounding_as_x86_does() {
                 k,
                 o: dot(false, false, true),
             };
-            let got = case.check(&[c0]);
+            let got = check(&case, &[c0]);
             // (K = 3 adds a zero pair after, which turns a -0 into +0.)
             if k == 2 {
                 assert_eq!(got[0].to_bits(), f32::to_bits(want), "{c0:e} {:?}", case.a);
@@ -303,7 +196,7 @@ fn tininess_is_detected_after_rounding_as_x86_does() {
                 }
             })
             .collect();
-        case.check(&c0);
+        check(&case, &c0);
     }
 }
 
@@ -312,21 +205,8 @@ fn within_the_chains_bound_of_the_f64_reference() {
     let mut rng = Rng(0xf64);
     let (m, n, k) = (37, 90, 700);
     let case = Case::new(m, n, k, dot(false, true, false), uniform(&mut rng));
-    let got = case.check::<f32>(&vec![0.0; m * n]);
-    let mut worst = 0f64;
-    for i in 0..m {
-        for j in 0..n {
-            let (x, y) = case.vectors(i, j);
-            let (w, s) = x.iter().zip(&y).fold((0f64, 0f64), |(w, s), (a, b)| {
-                let p = a.to_f64() * b.to_f64();
-                (w + p, s + p.abs())
-            });
-            let tol = (k as f64 + 1.0) * s / (1u64 << 24) as f64;
-            let score = (f64::from(got[i * n + j]) - w).abs() / tol;
-            assert!(score <= 1.0, "c[{i},{j}] = {}, f64 {w}", got[i * n + j]);
-            worst = worst.max(score);
-        }
-    }
+    let got = check::<f32>(&case, &vec![0.0; m * n]);
+    let worst = common::pair_dot::within_bound(&case, &got, 24);
     eprintln!("bf16 dot {m}x{n}x{k}: worst {worst:.3} of the bound");
 }
 

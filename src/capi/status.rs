@@ -151,10 +151,10 @@ pub extern "C" fn npk_version() -> *const c_char {
 pub const NPK_ABI_VERSION_MAJOR: u32 = 2;
 /// The C ABI's minor version: bumped by additions (functions, enum values,
 /// options with a zero default, foreign-table entries appended at its end).
-pub const NPK_ABI_VERSION_MINOR: u32 = 12;
+pub const NPK_ABI_VERSION_MINOR: u32 = 13;
 /// `(NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR`, what
 /// `npk_abi_version` returns for the header the library was built from.
-pub const NPK_ABI_VERSION: u32 = 0x2000c;
+pub const NPK_ABI_VERSION: u32 = 0x2000d;
 const _: () = assert!(NPK_ABI_VERSION == (NPK_ABI_VERSION_MAJOR << 16) | NPK_ABI_VERSION_MINOR);
 
 /// The library's C ABI version, `(major << 16) | minor`. A caller built

@@ -6,6 +6,7 @@ use half::{bf16, f16};
 use npukern::*;
 
 pub mod owned;
+pub mod pair_dot;
 
 /// splitmix64: small, seeded, reproducible.
 pub struct Rng(pub u64);

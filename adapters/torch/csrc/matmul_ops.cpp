@@ -1,8 +1,9 @@
 // Matmul and the Linear layer's three products as ATen CPU kernels over the
 // C ABI (npk_matmul_v2: with math 0, npk_matmul's f32 FMA chains with k
 // ascending, one rounding; with math 1, bf16 only, VDPBF16PS's pair dot:
-// pairs of k steps, the odd one first, subnormals flushed. Either gives the
-// same bits on every ISA and thread count).
+// pairs of k steps, the odd one first, subnormals flushed; with math 2, bf16
+// only, Arm's BFDOT sums, rounded to odd. Each gives the same bits on every
+// ISA and thread count).
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
@@ -37,14 +38,16 @@ npk_matmul_v2_options options(bool trans_a, bool trans_b, bool accumulate, int64
                                static_cast<uint32_t>(math)};
 }
 
-// `math` is an npk_matmul_math: 0 (NPK_MATMUL_CHAIN) or 1
-// (NPK_MATMUL_BF16_DOT, bf16 operands only), checked before any output is
-// allocated (the library checks it again).
+// `math` is an npk_matmul_math: 0 (NPK_MATMUL_CHAIN), 1
+// (NPK_MATMUL_BF16_DOT) or 2 (NPK_MATMUL_BF16_DOT_ARM), the pair dots with
+// bf16 operands only, checked before any output is allocated (the library
+// checks it again).
 void check_math(const char *op, int64_t math, const at::Tensor &a, const at::Tensor &b) {
-  TORCH_CHECK_VALUE(math == NPK_MATMUL_CHAIN || math == NPK_MATMUL_BF16_DOT, op, ": math must be 0 (the FMA "
-                    "chain) or 1 (the bf16 pair dot), got ", math);
+  TORCH_CHECK_VALUE(math == NPK_MATMUL_CHAIN || math == NPK_MATMUL_BF16_DOT || math == NPK_MATMUL_BF16_DOT_ARM, op,
+                    ": math must be 0 (the FMA chain), 1 (the bf16 pair dot) or 2 (Arm's bf16 pair dot), got ",
+                    math);
   TORCH_CHECK_TYPE(math == NPK_MATMUL_CHAIN || (a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16),
-                   op, ": math=1 (the bf16 pair dot) takes bfloat16 operands, got ", a.scalar_type(), " and ",
+                   op, ": math=", math, " (a bf16 pair dot) takes bfloat16 operands, got ", a.scalar_type(), " and ",
                    b.scalar_type());
 }
 

@@ -4,8 +4,8 @@ output within its dtype's half step plus float32 accumulation's bound
 ``K * 2^-24 * sum |a b|``), the same bits on 1 and 2 threads, the Linear
 layer's backward (dx, dW summed in float32, db), errors, the route's rule,
 the bf16 pair dot (``math=1``) bit for bit against a scalar model of
-VDPBF16PS, the fused loss's head on it, and a patched model's
-projections."""
+VDPBF16PS, Arm's (``math=2``) against one in exact fractions, the fused
+loss's head on it, and a patched model's projections."""
 
 import pytest
 import torch
@@ -205,9 +205,98 @@ def test_bf16_pair_dot_is_refused_for_other_dtypes_and_values():
     with pytest.raises(TypeError, match="bfloat16"):
         ops.linear(a, b.t().contiguous(), None, 1)
     with pytest.raises(ValueError, match="math"):
-        ops.matmul(a.bfloat16(), b.bfloat16(), False, False, None, 2)
+        ops.matmul(a.bfloat16(), b.bfloat16(), False, False, None, 3)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.matmul(a, b, False, False, None, 2)
     with pytest.raises(ValueError, match="math"):
         F.matmul(a, b, math="fast")
+
+
+def _odd(x):
+    """The exact value x (a Fraction) as Arm's BFDOT rounds a sum: to odd at
+    24 bits (truncated, the last bit set when inexact), below 2^-126 to a
+    zero, 2^128 and beyond to infinity. A float32's bits."""
+    import struct
+    from fractions import Fraction
+    sign = 0x80000000 if x < 0 else 0
+    a = abs(x)
+    if a < Fraction(2) ** -126:
+        return sign
+    if a >= Fraction(2) ** 128:
+        return sign | 0x7F800000
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    while Fraction(2) ** e > a:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= a:
+        e += 1
+    q = a / Fraction(2) ** (e - 23)  # in [2^23, 2^24)
+    m = q.numerator // q.denominator
+    if m != q:
+        m |= 1
+    return sign | (e + 127) << 23 | (m & 0x7FFFFF)
+
+
+def _arm_dot(a, b):
+    """Arm's pair dot (BFDotAdd per pair: the two products summed, then
+    added to c, each rounded by ``_odd``; subnormal inputs read as zero; an
+    odd K's last step with a zero one) in exact fractions. float32 bits
+    [M, N] as a list of lists."""
+    import struct
+    from fractions import Fraction
+
+    def f32(bits):
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+    def val(x):
+        return Fraction(0) if abs(x) < 2.0**-126 else Fraction(x)
+
+    af, bf = a.float().tolist(), b.float().tolist()
+    k = a.shape[1]
+    out = []
+    for i in range(a.shape[0]):
+        row = []
+        for j in range(b.shape[1]):
+            s = 0.0
+            for p in range(0, k, 2):
+                t = val(af[i][p]) * val(bf[p][j])
+                if p + 1 < k:
+                    t += val(af[i][p + 1]) * val(bf[p + 1][j])
+                s = f32(_odd(Fraction(s) + Fraction(f32(_odd(t)))))
+            row.append(s)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (3, 2, 5), (5, 9, 7), (4, 33, 17)])
+def test_arm_pair_dot_is_the_models_bits(ta, tb, mkn):
+    # math=2: Arm's BFDOT sums (its exact model off AArch64), against a
+    # model in fractions; the same bits on one and two threads.
+    m, k, n = mkn
+    a = _r(*((k, m) if ta else (m, k)), dtype=torch.bfloat16, seed=50)
+    b = _r(*((n, k) if tb else (k, n)), dtype=torch.bfloat16, seed=51)
+    want = _arm_dot(a.t() if ta else a, b.t() if tb else b)
+    got = F.matmul(a, b, trans_a=ta, trans_b=tb, out_dtype=torch.float32, math="bf16_dot_arm")
+    assert torch.equal(got, want)
+    assert torch.equal(ops.matmul(a, b, ta, tb, None, 2), want.to(torch.bfloat16))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(ops.matmul(a, b, ta, tb, torch.float32, 2), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_arm_pair_dot_rounds_to_odd():
+    # 1 + 2^-30, then + 2^-30: rounded to odd, the last bit stays set
+    # (0x3f800001); VDPBF16PS's nearest-even FMAs and the chain give 1.
+    a = torch.tensor([[1.0, 2.0**-15, 2.0**-15, 0.0]], dtype=torch.bfloat16)
+    b = a.t().contiguous()
+    got = ops.matmul(a, b, False, False, torch.float32, 2)
+    assert got.view(torch.int32).item() == 0x3F800001
+    assert ops.matmul(a, b, False, False, torch.float32, 1).item() == 1.0
+    assert ops.matmul(a, b, False, False, torch.float32, 0).item() == 1.0
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -385,16 +474,16 @@ def test_fused_loss_head_on_npukern_matches_float64(dtype):
         npukern_torch.linear_cross_entropy(x, w, t, matmul="oneDNN")
 
 
-@pytest.mark.parametrize("math", ["chain", "bf16_dot"])
+@pytest.mark.parametrize("math", ["chain", "bf16_dot", "bf16_dot_arm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=IDS.get)
 def test_fused_loss_head_weight_grad_bits_do_not_depend_on_chunks(monkeypatch, dtype, math):
     # One chunk writes the weight gradient in its dtype directly; several
     # write the float32 sums, then accumulate into them and round at the
     # end. Both are one chain per element (rows ascending) and one rounding,
-    # so every chunking gives the same bits. The bf16 pair dot sums tokens
+    # so every chunking gives the same bits. The bf16 pair dots sum tokens
     # two at a time: the head cuts even chunks (an odd budget, 41 or 1 rows,
     # rounded to 40 or 2), so the pairs are the same in every chunking.
-    if math == "bf16_dot" and dtype != torch.bfloat16:
+    if math != "chain" and dtype != torch.bfloat16:
         pytest.skip("the pair dot is bfloat16's")
     monkeypatch.setenv("NPK_TORCH_MATMUL_MATH", math)
     n, h, v = 97, 40, 75

@@ -171,7 +171,7 @@ pub(super) unsafe fn backward_block<L: Tile, T: Float>(
                         rows: nk,
                         cols: nr.min(d - c0),
                     };
-                    L::micro::<f32, false, false, false>(&u);
+                    L::micro::<f32, false, false, { crate::ops::matmul::ukernel::NO_PAIRS }>(&u);
                 }
             }
         }

@@ -313,7 +313,7 @@ pub(super) unsafe fn gemm<L: Tile>(
                     rows: mr.min(rows - i0),
                     cols: nr.min(cols - j0),
                 };
-                L::micro::<f32, false, false, false>(&u);
+                L::micro::<f32, false, false, { crate::ops::matmul::ukernel::NO_PAIRS }>(&u);
             }
         }
     }

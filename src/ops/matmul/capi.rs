@@ -57,8 +57,9 @@ pub struct npk_matmul_v2_options {
     pub trans_b: u32,
     /// Nonzero: `c += a b` into an f32 c (c's value starts each sum).
     pub accumulate: u32,
-    /// `npk_matmul_math`: `NPK_MATMUL_CHAIN` (0) or `NPK_MATMUL_BF16_DOT`
-    /// (1); another value is `NPK_ERR_PARAM_INVALID` (argument `math`).
+    /// `npk_matmul_math`: `NPK_MATMUL_CHAIN` (0), `NPK_MATMUL_BF16_DOT`
+    /// (1) or `NPK_MATMUL_BF16_DOT_ARM` (2, ABI 2.13); another value is
+    /// `NPK_ERR_PARAM_INVALID` (argument `math`).
     pub math: u32,
 }
 
@@ -74,11 +75,17 @@ pub enum npk_matmul_math {
     /// and written as zero); the instruction where the CPU has
     /// AVX512-BF16, the same bits from a flushed FMA chain elsewhere.
     NPK_MATMUL_BF16_DOT = 1,
+    /// bf16 only: Arm's BFDOT / BFMMLA sums (pairs, each sum rounded to
+    /// odd, subnormals read and written as zero); the instruction on the
+    /// NEON BF16 lanes, the same bits from an exact scalar model elsewhere.
+    /// ABI 2.13.
+    NPK_MATMUL_BF16_DOT_ARM = 2,
 }
 
 const _: () = {
     assert!(npk_matmul_math::NPK_MATMUL_CHAIN as u32 == MatmulMath::Chain as u32);
     assert!(npk_matmul_math::NPK_MATMUL_BF16_DOT as u32 == MatmulMath::Bf16Dot as u32);
+    assert!(npk_matmul_math::NPK_MATMUL_BF16_DOT_ARM as u32 == MatmulMath::Bf16DotArm as u32);
 };
 
 /// Reads optional v2 options (NULL = defaults).
@@ -94,10 +101,11 @@ unsafe fn read_matmul_v2_options(p: *const npk_matmul_v2_options) -> Result<Matm
     let math = match o.math {
         0 => MatmulMath::Chain,
         1 => MatmulMath::Bf16Dot,
+        2 => MatmulMath::Bf16DotArm,
         v => {
             return Err(crate::error::invalid_fmt!(
                 "math",
-                "{v} is not an npk_matmul_math (0 chain, 1 bf16 dot)"
+                "{v} is not an npk_matmul_math (0 chain, 1 bf16 dot, 2 bf16 dot arm)"
             ))
         }
     };
@@ -249,6 +257,9 @@ pub unsafe extern "C" fn npk_matmul_v2_workspace_size(
 /// VDPBF16PS where the CPU has AVX512-BF16 (about twice the chain's rate
 /// on AMD Zen 4 and 5), a slower flushed FMA chain elsewhere. A non-bf16
 /// a with it is `NPK_ERR_PARAM_INVALID` (argument `math`). ABI 2.10.
+/// `math = NPK_MATMUL_BF16_DOT_ARM` (ABI 2.13) sums as Arm's BFDOT does
+/// (pairs, each sum rounded to odd): the instruction on the NEON BF16
+/// lanes, an exact scalar model (far slower) elsewhere.
 ///
 /// # Safety
 /// As `npk_matmul`.

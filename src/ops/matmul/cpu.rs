@@ -17,7 +17,7 @@
 use super::pack::{pack, pack_a_rows, panel_steps, Mat, KC};
 use super::pairs::{pack_pairs, pack_pairs_a_rows, pairs};
 use super::plan::PARTIALS_PAD;
-use super::ukernel::{Micro, Tile};
+use super::ukernel::{Micro, Tile, ARM_PAIRS, NO_PAIRS, X86_PAIRS};
 use super::*;
 use crate::lanes::detect::Available;
 use crate::lanes::dispatch_isa;
@@ -87,8 +87,11 @@ unsafe fn run<L: Tile, T: Float, O: Float>(call: &MatmulCall, runner: &dyn Runne
         ws,
     };
     let kp = &kern;
-    if call.math == MatmulMath::Bf16Dot as u32 && T::DTYPE == crate::dtype::DType::BF16 {
+    let bf16 = T::DTYPE == crate::dtype::DType::BF16;
+    if call.math == MatmulMath::Bf16Dot as u32 && bf16 {
         run_blocks!(plain runner, t.flags, t.blocks, |w| worker_dot::<L, T, O>(kp, w))
+    } else if call.math == MatmulMath::Bf16DotArm as u32 && bf16 {
+        run_blocks!(plain runner, t.flags, t.blocks, |w| worker_arm::<L, T, O>(kp, w))
     } else {
         run_blocks!(plain runner, t.flags, t.blocks, |w| worker::<L, T, O>(kp, w))
     }
@@ -101,7 +104,7 @@ unsafe fn run<L: Tile, T: Float, O: Float>(call: &MatmulCall, runner: &dyn Runne
 #[inline(always)]
 unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
     // SAFETY: forwarded.
-    unsafe { tiles::<L, T, O, false>(k, w) }
+    unsafe { tiles::<L, T, O, false, false>(k, w) }
 }
 
 /// `tiles` with the bf16 pair dot.
@@ -111,15 +114,29 @@ unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
 #[inline(always)]
 unsafe fn worker_dot<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
     // SAFETY: forwarded.
-    unsafe { tiles::<L, T, O, true>(k, w) }
+    unsafe { tiles::<L, T, O, true, false>(k, w) }
 }
 
-/// Worker `w`'s tiles, `w, w + blocks, ...` (`DOT`: the bf16 pair dot).
+/// `tiles` with Arm's bf16 pair dot.
+///
+/// # Safety
+/// As `tiles`.
+#[inline(always)]
+unsafe fn worker_arm<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
+    // SAFETY: forwarded.
+    unsafe { tiles::<L, T, O, false, true>(k, w) }
+}
+
+/// Worker `w`'s tiles, `w, w + blocks, ...` (`DOT`: VDPBF16PS's pair dot;
+/// `ARM`: Arm's).
 ///
 /// # Safety
 /// Inside `L::enter`; the call's contract.
 #[inline(always)]
-unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool>(k: &Kern<T, O>, w: usize) {
+unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool>(
+    k: &Kern<T, O>,
+    w: usize,
+) {
     let k = &{ *k };
     let t = &k.t;
     // SAFETY: worker w's arena, inside the checked workspace, used by it
@@ -133,7 +150,7 @@ unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool>(k: &Kern<T, O>, w:
     let mut packed = None;
     while tile < t.tiles() {
         // SAFETY: the tile is inside c; the arena is this worker's.
-        unsafe { one_tile::<L, T, O, DOT>(k, tile, arena, &mut packed) };
+        unsafe { one_tile::<L, T, O, DOT, ARM>(k, tile, arena, &mut packed) };
         tile += t.blocks as usize;
     }
 }
@@ -144,14 +161,16 @@ unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool>(k: &Kern<T, O>, w:
 /// # Safety
 /// As `worker`; `arena` holds `t.arena_bytes`.
 #[inline(always)]
-unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
+unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool>(
     k: &Kern<T, O>,
     tile: usize,
     arena: *mut f32,
     packed: &mut Option<(usize, usize)>,
 ) {
-    // The pair dot in hardware (pair panels), or as the flushed chain.
-    let hw = DOT && L::PAIRS;
+    // Pair panels: VDPBF16PS's pair dot in hardware, or Arm's (in hardware
+    // or by the model); else the chain's panels (VDPBF16PS's as the
+    // flushed chain under DOT).
+    let hw = DOT && L::PAIRS || ARM;
     let t = &k.t;
     let (r0, r1, c0, c1) = t.tile(tile);
     let (kk, kc, mc, nc) = (t.k as usize, t.kc as usize, t.mc as usize, t.nc as usize);
@@ -246,7 +265,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
                             cols,
                         };
                         // SAFETY: inside L's context; the block's buffers.
-                        unsafe { micro::<L, O, DOT>(&u, k.trans_a) };
+                        unsafe { micro::<L, O, DOT, ARM>(&u, k.trans_a) };
                     } else {
                         // A slice before the last: f32 sums, in the partials
                         // (16-bit c) or in c (f32 c: O is f32).
@@ -269,7 +288,7 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
                             cols,
                         };
                         // SAFETY: as above.
-                        unsafe { micro::<L, f32, DOT>(&u, k.trans_a) };
+                        unsafe { micro::<L, f32, DOT, ARM>(&u, k.trans_a) };
                     }
                 }
             }
@@ -280,19 +299,22 @@ unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool>(
 }
 
 /// The microkernel for A packed step-major (`trans_a`) or by rows; `DOT`:
-/// the pair dot, in hardware on `PAIRS` lanes, else the flushed chain.
+/// VDPBF16PS's pair dot, in hardware on `PAIRS` lanes, else the flushed
+/// chain; `ARM`: Arm's pair dot.
 ///
 /// # Safety
 /// As `Tile::micro`.
 #[inline(always)]
-unsafe fn micro<L: Tile, D: Float, const DOT: bool>(u: &Micro<D>, trans_a: bool) {
+unsafe fn micro<L: Tile, D: Float, const DOT: bool, const ARM: bool>(u: &Micro<D>, trans_a: bool) {
     // SAFETY: forwarded.
     unsafe {
-        match (trans_a, DOT && L::PAIRS) {
-            (true, true) => L::micro::<D, false, false, true>(u),
-            (true, false) => L::micro::<D, false, DOT, false>(u),
-            (false, true) => L::micro::<D, true, false, true>(u),
-            (false, false) => L::micro::<D, true, DOT, false>(u),
+        match (trans_a, ARM, DOT && L::PAIRS) {
+            (true, true, _) => L::micro::<D, false, false, ARM_PAIRS>(u),
+            (false, true, _) => L::micro::<D, true, false, ARM_PAIRS>(u),
+            (true, false, true) => L::micro::<D, false, false, X86_PAIRS>(u),
+            (true, false, false) => L::micro::<D, false, DOT, NO_PAIRS>(u),
+            (false, false, true) => L::micro::<D, true, false, X86_PAIRS>(u),
+            (false, false, false) => L::micro::<D, true, DOT, NO_PAIRS>(u),
         }
     }
 }

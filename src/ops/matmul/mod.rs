@@ -12,12 +12,16 @@
 //! chain's rate on AMD Zen 4 and 5), the FMA chain on swapped, flushed
 //! panels with each sum flushed everywhere else (`pack.rs`'s `DOT`): the
 //! same bits on every ISA too.
+//! `MatmulMath::Bf16DotArm` (bf16 only) sums as Arm's BFDOT does (pairs,
+//! round to odd): the instruction on the NEON BF16 lanes, an exact scalar
+//! model elsewhere (`arm_dot.rs`), on the same pair panels.
 //!
 //! The kernel is BLIS's: cache blocks from `plan.rs` (output tiles over the
 //! workers, K in `kc` slices, `mc`-row A blocks), operands widened to f32
 //! while packing (`pack.rs`), and one register-blocked microkernel per lanes
 //! type (`ukernel.rs`), the only ISA-specific part.
 
+mod arm_dot;
 #[cfg(feature = "capi")]
 pub(crate) mod capi;
 pub(crate) mod cpu;
@@ -57,6 +61,17 @@ pub enum MatmulMath {
     /// gets the same bits from an FMA chain with the flushes, several times
     /// slower than `Chain`.
     Bf16Dot = 1,
+    /// bf16 a and b only: the products summed as Arm's `BFDOT` and
+    /// `BFMMLA` sum them (FEAT_BF16, FPCR.EBF 0), a pair of steps at a
+    /// time: `t = a[k] b[k] + a[k+1] b[k+1]`, then `c + t`, each sum
+    /// rounded to odd (truncated, its last bit set when inexact), subnormal
+    /// inputs and starting sums read as zero, a result below 2^-126 before
+    /// rounding written as zero, one of 2^128 or more as infinity; an odd
+    /// K's last step with a zero one (`arm_dot.rs`). `BFDOT` runs it on the
+    /// NEON BF16 lanes (Neoverse V1 and later, Graviton 3 and 4); every
+    /// other ISA gets the same bits from an exact scalar model, many times
+    /// slower than `Chain` (for checking an Arm result anywhere). ABI 2.13.
+    Bf16DotArm = 2,
 }
 
 /// Options of Matmul (`npk_matmul_options`; `math`: `npk_matmul_v2_options`).
@@ -96,7 +111,8 @@ pub struct MatmulCall {
     /// Its size in bytes.
     pub workspace_bytes: usize,
     /// `MatmulMath`: 0 the FMA chain, 1 the bf16 pair dot (ABI 2.10; a
-    /// backend built before reads a 2.9 call without it).
+    /// backend built before reads a 2.9 call without it), 2 Arm's (ABI
+    /// 2.13).
     pub math: u32,
     /// Padding (0).
     pub reserved: u32,

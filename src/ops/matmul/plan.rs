@@ -162,10 +162,11 @@ pub(crate) fn plan(
             a.dtype
         ));
     }
-    if opts.math == MatmulMath::Bf16Dot && a.dtype != DType::BF16 {
+    if opts.math != MatmulMath::Chain && a.dtype != DType::BF16 {
         return Err(invalid_fmt!(
             "math",
-            "the bf16 pair dot (1) needs bf16 a and b, not {}",
+            "the bf16 pair dot ({}) needs bf16 a and b, not {}",
+            opts.math as u32,
             a.dtype
         ));
     }
@@ -175,7 +176,7 @@ pub(crate) fn plan(
             "dtype {out}: accumulate needs an f32 c (the sum's partials stay f32)"
         ));
     }
-    cut(m, n, k, opts.math == MatmulMath::Bf16Dot, ub)
+    cut(m, n, k, opts.math != MatmulMath::Chain, ub)
 }
 
 /// The cache blocks and arenas for an `m x n` output summed over `k` (`dot`:

@@ -48,13 +48,14 @@ pub(crate) trait Tile: Lanes {
     const PAIRS: bool = false;
 
     /// Runs the microkernel: the FMA chain (each sum flushed under
-    /// `FLUSH`), or with `PAIRS` the hardware pair dot.
+    /// `FLUSH`), or on pair panels (`PAIRS`) VDPBF16PS's pair dot in
+    /// hardware (`X86_PAIRS`) or Arm's (`ARM_PAIRS`).
     ///
     /// # Safety
     /// Inside `Self::enter`; the panels hold `kc * MR` and `kc * NR` f32
     /// (pairs under `PAIRS`), `init` (when not NULL) and `dst` the
     /// `rows x cols` corner.
-    unsafe fn micro<D: Float, const AR: bool, const FLUSH: bool, const PAIRS: bool>(u: &Micro<D>);
+    unsafe fn micro<D: Float, const AR: bool, const FLUSH: bool, const PAIRS: u8>(u: &Micro<D>);
 
     /// A full block of the hardware pair dot (`PAIRS` lanes only).
     ///
@@ -62,18 +63,36 @@ pub(crate) trait Tile: Lanes {
     /// As `block`'s, on pair panels; `Self::PAIRS`.
     #[inline(always)]
     unsafe fn pair_block<const AR: bool>(_u: &Micro<f32>) {}
+
+    /// A full block of Arm's pair dot (`MatmulMath::Bf16DotArm`): `BFDOT`
+    /// on the NEON BF16 lanes, the exact scalar model on every other.
+    ///
+    /// # Safety
+    /// As `block`'s, on pair panels.
+    #[inline(always)]
+    unsafe fn arm_block<const AR: bool>(u: &Micro<f32>) {
+        // SAFETY: forwarded; every tile's MR x NR fits the model's block.
+        unsafe { super::arm_dot::model_block::<AR>(u, Self::MR, Self::NR) }
+    }
 }
+
+/// `Tile::micro`'s `PAIRS`: the chain's panels.
+pub(crate) const NO_PAIRS: u8 = 0;
+/// `Tile::micro`'s `PAIRS`: VDPBF16PS on pair panels.
+pub(crate) const X86_PAIRS: u8 = 1;
+/// `Tile::micro`'s `PAIRS`: Arm's pair dot on pair panels.
+pub(crate) const ARM_PAIRS: u8 = 2;
 
 /// `Tile` for a lanes type with `MR` rows and `NG` groups of 16 columns.
 macro_rules! tile {
-    ($(#[$m:meta])* $t:ty, $mr:literal, $ng:literal $(, $pairs:ident)?) => {
+    ($(#[$m:meta])* $t:ty, $mr:literal, $ng:literal $(, pairs = $pairs:ident)? $(, arm = $arm:ident)?) => {
         $(#[$m])*
         impl Tile for $t {
             const MR: usize = $mr;
             const NR: usize = $ng * GROUP;
             $(const PAIRS: bool = { let _ = stringify!($pairs); true };)?
             #[inline(always)]
-            unsafe fn micro<D: Float, const AR: bool, const FLUSH: bool, const PAIRS: bool>(
+            unsafe fn micro<D: Float, const AR: bool, const FLUSH: bool, const PAIRS: u8>(
                 u: &Micro<D>,
             ) {
                 // SAFETY: forwarded.
@@ -84,6 +103,13 @@ macro_rules! tile {
             unsafe fn pair_block<const AR: bool>(u: &Micro<f32>) {
                 // SAFETY: forwarded (AVX512-BF16: these lanes).
                 unsafe { super::pairs::$pairs::<AR, $mr, $ng>(u) }
+            }
+            )?
+            $(
+            #[inline(always)]
+            unsafe fn arm_block<const AR: bool>(u: &Micro<f32>) {
+                // SAFETY: forwarded (FEAT_BF16: these lanes; 16 columns).
+                unsafe { super::arm_dot::$arm::<AR, $mr>(u) }
             }
             )?
         }
@@ -108,7 +134,7 @@ tile!(
     crate::lanes::Avx512Bf16,
     14,
     2,
-    dpbf16_block
+    pairs = dpbf16_block
 );
 tile!(
     #[cfg(target_arch = "aarch64")]
@@ -120,7 +146,8 @@ tile!(
     #[cfg(target_arch = "aarch64")]
     crate::lanes::NeonBf16,
     6,
-    1
+    1,
+    arm = bfdot_block
 );
 
 /// A group of 16 f32 at `p`.
@@ -150,7 +177,7 @@ unsafe fn micro<
     D: Float,
     const AR: bool,
     const FLUSH: bool,
-    const PAIRS: bool,
+    const PAIRS: u8,
     const MR: usize,
     const NG: usize,
 >(
@@ -233,7 +260,7 @@ unsafe fn micro<
     }
 }
 
-/// A full block: the FMA chain, or the hardware pair dot.
+/// A full block: the FMA chain, or a pair dot.
 ///
 /// # Safety
 /// As `block`.
@@ -242,7 +269,7 @@ unsafe fn body<
     L: Tile,
     const AR: bool,
     const FLUSH: bool,
-    const PAIRS: bool,
+    const PAIRS: u8,
     const MR: usize,
     const NG: usize,
 >(
@@ -250,10 +277,10 @@ unsafe fn body<
 ) {
     // SAFETY: forwarded.
     unsafe {
-        if PAIRS {
-            L::pair_block::<AR>(u)
-        } else {
-            block::<L, AR, FLUSH, MR, NG>(u)
+        match PAIRS {
+            X86_PAIRS => L::pair_block::<AR>(u),
+            ARM_PAIRS => L::arm_block::<AR>(u),
+            _ => block::<L, AR, FLUSH, MR, NG>(u),
         }
     }
 }

@@ -192,10 +192,10 @@ def _product_shape(a, b, trans_a, trans_b):
 
 
 def _check_math(a, b, math):
-    torch._check(math in (0, 1), lambda: f"npukern::matmul: math must be 0 (the FMA chain) or 1 (the bf16 pair "
-                                         f"dot), got {math}")
+    torch._check(math in (0, 1, 2), lambda: f"npukern::matmul: math must be 0 (the FMA chain), 1 (the bf16 pair "
+                                            f"dot) or 2 (Arm's bf16 pair dot), got {math}")
     torch._check(math == 0 or (a.dtype == b.dtype == torch.bfloat16),
-                 lambda: f"npukern::matmul: math=1 (the bf16 pair dot) takes bfloat16 operands, got {a.dtype} "
+                 lambda: f"npukern::matmul: math={math} (a bf16 pair dot) takes bfloat16 operands, got {a.dtype} "
                          f"and {b.dtype}")
 
 

@@ -189,7 +189,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, trans_a: bool = False, trans_b: 
     ``math="bf16_dot"`` (bfloat16 only) sums as VDPBF16PS does instead
     (pairs of k steps, the odd one first, subnormals flushed; the
     instruction where the CPU has AVX512-BF16), also the same bits
-    everywhere; ``"auto"``: :func:`npukern_torch.route.matmul_math`."""
+    everywhere; ``"bf16_dot_arm"`` (bfloat16 only) as Arm's BFDOT does
+    (pairs, each sum rounded to odd: the instruction on AArch64 CPUs with
+    BF16, an exact model many times slower elsewhere); ``"auto"``:
+    :func:`npukern_torch.route.matmul_math`."""
     return _matmul_op(a, b, trans_a, trans_b, out_dtype, _route.resolve_math(math, a.dtype))
 
 

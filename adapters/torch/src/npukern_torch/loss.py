@@ -219,7 +219,7 @@ def _pair_rows(rows, n, math):
     pair dot when there are several chunks: the weight gradient sums its
     tokens two at a time, so an odd chunk would pair a token with the next
     chunk's and the bits would depend on the chunking."""
-    if math == _route.BF16_DOT and rows < n and rows % 2:
+    if math != _route.CHAIN and rows < n and rows % 2:
         return max(2, rows - 1)
     return rows
 

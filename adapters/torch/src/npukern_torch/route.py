@@ -68,9 +68,11 @@ import torch
 #: The dtypes npukern's matmul computes.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: ``npk_matmul_math`` values (the ops' ``math`` argument): one float32 FMA
-#: chain per output (every dtype), or VDPBF16PS's pair dot (bfloat16 only).
-CHAIN, BF16_DOT = 0, 1
-_MATH_NAMES = {"chain": CHAIN, "bf16_dot": BF16_DOT}
+#: chain per output (every dtype), VDPBF16PS's pair dot, or Arm's BFDOT
+#: pair dot (both bfloat16 only; Arm's runs an exact scalar model off
+#: AArch64's BF16 level, many times slower: opt-in, never ``"auto"``).
+CHAIN, BF16_DOT, BF16_DOT_ARM = 0, 1, 2
+_MATH_NAMES = {"chain": CHAIN, "bf16_dot": BF16_DOT, "bf16_dot_arm": BF16_DOT_ARM}
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,8 +148,9 @@ def matmul_math(dtype):
     (:func:`npukern_torch.linear` with ``math="auto"``, the patched models'
     projections and the fused loss's head): :data:`BF16_DOT` for bfloat16
     where the CPU runs VDPBF16PS at twice the FMA rate (AMD Zen 4 and
-    later), :data:`CHAIN` otherwise; ``NPK_TORCH_MATMUL_MATH=chain|bf16_dot``
-    overrides it (for bfloat16: every other dtype is always the chain)."""
+    later), :data:`CHAIN` otherwise; ``NPK_TORCH_MATMUL_MATH=chain|bf16_dot|
+    bf16_dot_arm`` overrides it (for bfloat16: every other dtype is always
+    the chain)."""
     if dtype != torch.bfloat16:
         return CHAIN
     forced = os.environ.get("NPK_TORCH_MATMUL_MATH", "").strip().lower()
@@ -158,11 +161,12 @@ def matmul_math(dtype):
 
 def resolve_math(math, dtype):
     """The ops' ``math`` integer for a ``math`` argument of the functional
-    API: ``"chain"``, ``"bf16_dot"`` or ``"auto"`` (:func:`matmul_math`)."""
+    API: ``"chain"``, ``"bf16_dot"``, ``"bf16_dot_arm"`` or ``"auto"``
+    (:func:`matmul_math`)."""
     if math == "auto":
         return matmul_math(dtype)
     if math not in _MATH_NAMES:
-        raise ValueError(f"math must be 'chain', 'bf16_dot' or 'auto', not {math!r}")
+        raise ValueError(f"math must be 'chain', 'bf16_dot', 'bf16_dot_arm' or 'auto', not {math!r}")
     return _MATH_NAMES[math]
 
 
@@ -178,9 +182,10 @@ def explain():
     told = {}
     for dt in DTYPES:
         why = _rule(dt)[1]
-        pair = matmul_math(dt) == BF16_DOT
-        if pair != (dt == torch.bfloat16 and _MATH == BF16_DOT):  # NPK_TORCH_MATMUL_MATH
-            why += "; summed by the " + ("bf16 pair dot" if pair else "FMA chain") + " (NPK_TORCH_MATMUL_MATH)"
+        math = matmul_math(dt)
+        if math != (_MATH if dt == torch.bfloat16 else CHAIN):  # NPK_TORCH_MATMUL_MATH
+            name = {CHAIN: "FMA chain", BF16_DOT: "bf16 pair dot", BF16_DOT_ARM: "Arm bf16 pair dot"}[math]
+            why += "; summed by the " + name + " (NPK_TORCH_MATMUL_MATH)"
         told[dt] = (matmul_route(dt), why)
     return told
 
