@@ -4,7 +4,10 @@
 //! automatic selection under `NPK_MAX_CPU_ISA`.
 //!
 //! Usage: `one_call OP DTYPE ROWS COLS REPS`, OP one of `rms_norm`,
-//! `add_rms_norm`, `rms_norm_grad`; DTYPE one of `f32`, `f16`, `bf16`.
+//! `add_rms_norm`, `rms_norm_grad`, or a matmul `x W^T` of ROWS x COLS by
+//! COLS x ROWS (`matmul`: the FMA chain; `matmul_bf16_dot`,
+//! `matmul_bf16_dot_arm`: the pair dots, bf16 only); DTYPE one of `f32`,
+//! `f16`, `bf16`.
 
 use npukern::*;
 
@@ -20,7 +23,33 @@ fn data<T: Float>(n: usize, seed: u64) -> Vec<T> {
         .collect()
 }
 
+/// `x W^T`, x `[m, k]`, W `[m, k]`, `reps` times, with `math`.
+fn matmul_calls<T: Float>(math: MatmulMath, m: usize, k: usize, reps: usize) -> Result<()> {
+    let cpu = Cpu::new(Serial);
+    let exec = Exec::new(&cpu);
+    let (x, w) = (data::<T>(m * k, 1), data::<T>(m * k, 2));
+    let (xt, wt) = (TensorRef::new(&x, &[m, k])?, TensorRef::new(&w, &[m, k])?);
+    let o = MatmulOptions {
+        trans_b: true,
+        math,
+        ..Default::default()
+    };
+    let mut c = vec![T::from_f32(0.0); m * m];
+    let mut ws = vec![0u8; matmul_workspace_size(&exec, xt, wt, T::DTYPE, &o)?];
+    for _ in 0..reps {
+        matmul(&exec, xt, wt, &o, &mut c, &mut ws)?;
+    }
+    std::hint::black_box(&c);
+    Ok(())
+}
+
 fn run<T: Float>(op: &str, m: usize, n: usize, reps: usize) -> Result<()> {
+    match op {
+        "matmul" => return matmul_calls::<T>(MatmulMath::Chain, m, n, reps),
+        "matmul_bf16_dot" => return matmul_calls::<T>(MatmulMath::Bf16Dot, m, n, reps),
+        "matmul_bf16_dot_arm" => return matmul_calls::<T>(MatmulMath::Bf16DotArm, m, n, reps),
+        _ => {}
+    }
     let cpu = Cpu::new(Serial);
     let exec = Exec::new(&cpu);
     let (x, x2, g) = (data::<T>(m * n, 1), data::<T>(m * n, 2), data::<T>(n, 3));
@@ -78,8 +107,16 @@ fn main() {
         eprintln!("usage: one_call OP DTYPE ROWS COLS REPS");
         std::process::exit(2);
     };
-    if !["rms_norm", "add_rms_norm", "rms_norm_grad"].contains(&op.as_str()) {
-        eprintln!("OP: rms_norm, add_rms_norm or rms_norm_grad");
+    const OPS: [&str; 6] = [
+        "rms_norm",
+        "add_rms_norm",
+        "rms_norm_grad",
+        "matmul",
+        "matmul_bf16_dot",
+        "matmul_bf16_dot_arm",
+    ];
+    if !OPS.contains(&op.as_str()) {
+        eprintln!("OP: one of {OPS:?}");
         std::process::exit(2);
     };
     let r = match dt.as_str() {

@@ -31,10 +31,11 @@
 #             2^32 f32 inputs under qemu-user (the ignored test in lanes/neon.rs)
 #   aarch64-insns  (not in the default set) instructions executed per output
 #             element, portable vs NEON vs NEON+BF16, for the norms at the seed
-#             shapes: examples/one_call.rs under qemu-user with the counting
+#             shapes, and per multiply-add for the matmul (the FMA chain, Arm's
+#             pair dot): examples/one_call.rs under qemu-user with the counting
 #             plugin scripts/qemu/insn_count.c (a proxy for cost: no timing
-#             without the hardware). NPK_INSN_SHAPES="ROWSxCOLS ..." overrides
-#             the shapes.
+#             without the hardware). NPK_INSN_SHAPES="ROWSxCOLS ..." and
+#             NPK_INSN_MATMUL_SHAPES="MxK ..." override the shapes.
 #
 # Usage: scripts/cross.sh [step...]   (no step: the first four, in that order)
 #   NPK_CROSS_CACHE   where the cross builds' target directories live
@@ -370,21 +371,40 @@ if wants aarch64-insns; then
             "$bin" "$2" "$3" "$4" "$5" "$6" 2>&1 | sed -n 's/^insns //p'
     }
     read -r -a shapes <<<"${NPK_INSN_SHAPES:-1024x12288 2048x4096 8192x5120 4096x4096}"
+    # One row: `label`, then the instructions of one call of op on each
+    # ISA per unit (`units` a call), printed with `fmt`.
+    insn_row() { # label op dtype rows cols units fmt
+        local line="$1" isa one two
+        for isa in portable neon neonbf16; do
+            one=$(count "$isa" "$2" "$3" "$4" "$5" 1)
+            two=$(count "$isa" "$2" "$3" "$4" "$5" 2)
+            [ -n "$one" ] && [ -n "$two" ] || { echo "FAIL: no count ($isa $2 $3 $4x$5)" >&2; exit 1; }
+            line+=" $(awk -v a="$one" -v b="$two" -v e="$6" -v f="$7" 'BEGIN { printf f, (b - a) / e }') |"
+        done
+        echo "$line"
+    }
     echo "| op | shape | dtype | portable | neon | neonbf16 |"
     echo "|---|---|---|---|---|---|"
     for op in rms_norm add_rms_norm rms_norm_grad; do
         for shape in "${shapes[@]}"; do
             rows=${shape%x*} cols=${shape#*x}
             for dt in bf16 f16 f32; do
-                line="| $op | $shape | $dt |"
-                for isa in portable neon neonbf16; do
-                    one=$(count "$isa" "$op" "$dt" "$rows" "$cols" 1)
-                    two=$(count "$isa" "$op" "$dt" "$rows" "$cols" 2)
-                    [ -n "$one" ] && [ -n "$two" ] || { echo "FAIL: no count ($isa $op $dt $shape)" >&2; exit 1; }
-                    line+=" $(awk -v a="$one" -v b="$two" -v e=$((rows * cols)) 'BEGIN { printf "%.2f", (b - a) / e }') |"
-                done
-                echo "$line"
+                insn_row "| $op | $shape | $dt |" "$op" "$dt" "$rows" "$cols" $((rows * cols)) "%.2f"
             done
+        done
+    done
+    # The matmul: instructions per multiply-add of `x W^T` (M = N = ROWS,
+    # K = COLS): the FMA chain, and Arm's pair dot (BFMMLA on neonbf16,
+    # the scalar model on the others).
+    read -r -a mshapes <<<"${NPK_INSN_MATMUL_SHAPES:-96x512}"
+    echo
+    echo "| op | M=N x K | dtype | portable | neon | neonbf16 |"
+    echo "|---|---|---|---|---|---|"
+    for shape in "${mshapes[@]}"; do
+        rows=${shape%x*} cols=${shape#*x}
+        for opdt in matmul:f32 matmul:bf16 matmul_bf16_dot_arm:bf16; do
+            op=${opdt%:*} dt=${opdt#*:}
+            insn_row "| $op | $shape | $dt |" "$op" "$dt" "$rows" "$cols" $((rows * rows * cols)) "%.3f"
         done
     done
     step_end aarch64-insns

@@ -9,7 +9,8 @@
 //!
 //! The pair panels are `pairs.rs`'s (a word per pair, step `2i` in the low
 //! half: `BFDOT`'s element order). On the NEON BF16 lanes the microkernel
-//! is `BFDOT` (`bfdot_block`); every other ISA runs the scalar model
+//! is `BFMMLA` (`bf16_block`, 16 products an instruction); every other ISA
+//! runs the scalar model
 //! (`model_block`, exact, far slower than the other maths: it is there for
 //! the same bits, so a result computed on an Arm server can be checked
 //! anywhere).
@@ -152,60 +153,142 @@ pub(crate) unsafe fn model_block<const AR: bool>(u: &Micro<f32>, mr: usize, nr: 
     }
 }
 
-/// A full `MR x 16` block of `BFDOT` on pair panels: 4 q accumulators a
-/// row, each row's pair word broadcast (`LD1R`), one `BFDOT` per row and
-/// quarter of b's 16 columns.
+/// A full `6 x 16` block on pair panels: `BFMMLA` on each two pairs (a 2 x
+/// 4 block of a's rows by a 4 x 2 block of b's columns into a 2 x 2 block
+/// of c: 3 x 8 accumulators), `BFDOT` on an odd last pair. The operands are
+/// the pair panels' words zipped two pairs at a time (row r's pair p, then
+/// p + 1: `BFMMLA`'s four steps of a row), so no packing of its own.
 ///
 /// # Safety
 /// Inside the NEON BF16 lanes' context (FEAT_BF16); as `model_block` with
-/// `nr = 16`.
+/// `mr = 6` and `nr = 16`.
 #[cfg(target_arch = "aarch64")]
 #[inline(always)]
-pub(crate) unsafe fn bfdot_block<const AR: bool, const MR: usize>(u: &Micro<f32>) {
+pub(crate) unsafe fn bf16_block<const AR: bool, const MR: usize>(u: &Micro<f32>) {
     use core::arch::aarch64::*;
-    use core::arch::asm;
+    const { assert!(MR == 6) };
+    let words = |p: *const f32| p as *const u32;
     // SAFETY: NEON and FEAT_BF16 (the caller's context); every pointer as
-    // `model_block`'s with nr = 16.
+    // `model_block`'s with mr = 6 and nr = 16: a's pair p of row r at
+    // `p * 6 + r` (or `r * KC + p` with AR), b's of column c at `p * 16 + c`.
     unsafe {
-        let mut acc = [[vdupq_n_f32(0.0); 4]; MR];
+        // acc[rp][cp]: c at rows 2rp, 2rp + 1 by columns 2cp, 2cp + 1.
+        let mut acc = [[vdupq_n_f32(0.0); 8]; 3];
         if !u.init.is_null() {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (q, v) in row.iter_mut().enumerate() {
-                    *v = vld1q_f32(u.init.add(r * u.ldi + 4 * q));
+            for (rp, row) in acc.iter_mut().enumerate() {
+                for (cp, v) in row.iter_mut().enumerate() {
+                    let at = |r: usize| u.init.add((2 * rp + r) * u.ldi + 2 * cp);
+                    *v = vcombine_f32(vld1_f32(at(0)), vld1_f32(at(1)));
                 }
             }
         }
-        let (mut a, mut b) = (u.a, u.b);
-        for _ in 0..u.kc {
-            let bv = [
-                vld1q_f32(b),
-                vld1q_f32(b.add(4)),
-                vld1q_f32(b.add(8)),
-                vld1q_f32(b.add(12)),
-            ];
-            for (r, row) in acc.iter_mut().enumerate() {
-                let av = vld1q_dup_f32(a.add(if AR { r * KC } else { r }));
-                for (v, bq) in row.iter_mut().zip(&bv) {
-                    asm!(
-                        ".arch_extension bf16",
-                        "bfdot {c:v}.4s, {x:v}.8h, {y:v}.8h",
-                        c = inout(vreg) *v,
-                        x = in(vreg) *bq,
-                        y = in(vreg) av,
-                        options(pure, nomem, nostack, preserves_flags)
-                    );
+        let (a, b) = (words(u.a), words(u.b));
+        // a's three row pairs at pairs p and p + 1 (or p twice: BFDOT's).
+        let a_rows = |p: usize, q: usize| -> [uint32x4_t; 3] {
+            if AR {
+                let w = |r: usize, p: usize| *a.add(r * KC + p);
+                core::array::from_fn(|rp| {
+                    let (r0, r1) = (2 * rp, 2 * rp + 1);
+                    let lo = vset_lane_u32::<1>(w(r0, q), vdup_n_u32(w(r0, p)));
+                    let hi = vset_lane_u32::<1>(w(r1, q), vdup_n_u32(w(r1, p)));
+                    vcombine_u32(lo, hi)
+                })
+            } else {
+                let (x, y) = (vld1q_u32(a.add(p * 6)), vld1q_u32(a.add(q * 6)));
+                let (x2, y2) = (vld1_u32(a.add(p * 6 + 4)), vld1_u32(a.add(q * 6 + 4)));
+                [
+                    vzip1q_u32(x, y),
+                    vzip2q_u32(x, y),
+                    vzip1q_u32(vcombine_u32(x2, x2), vcombine_u32(y2, y2)),
+                ]
+            }
+        };
+        let pairs = u.kc;
+        for p in (0..pairs / 2 * 2).step_by(2) {
+            let ar = a_rows(p, p + 1);
+            for g in 0..4 {
+                let x = vld1q_u32(b.add(p * GROUP + 4 * g));
+                let y = vld1q_u32(b.add((p + 1) * GROUP + 4 * g));
+                let bc = [vzip1q_u32(x, y), vzip2q_u32(x, y)];
+                for (rp, row) in acc.iter_mut().enumerate() {
+                    for (h, bv) in bc.iter().enumerate() {
+                        mmla(&mut row[2 * g + h], ar[rp], *bv);
+                    }
                 }
             }
-            a = a.add(if AR { 1 } else { MR });
-            b = b.add(GROUP);
         }
-        for (r, row) in acc.iter().enumerate() {
-            for (q, v) in row.iter().enumerate() {
-                vst1q_f32(u.dst.add(r * u.ldd + 4 * q), *v);
+        if pairs % 2 == 1 {
+            // The last pair alone: BFDOT on the 2 x 2 layout, a's rows
+            // [r, r, r + 1, r + 1] against b's columns [c, c + 1, c, c + 1]
+            // (BFMMLA with a zero pair after would turn a -0 into +0).
+            let p = pairs - 1;
+            let ar = a_rows(p, p);
+            for g in 0..4 {
+                let x = vld1q_u32(b.add(p * GROUP + 4 * g));
+                let bc = [
+                    vcombine_u32(vget_low_u32(x), vget_low_u32(x)),
+                    vcombine_u32(vget_high_u32(x), vget_high_u32(x)),
+                ];
+                for (rp, row) in acc.iter_mut().enumerate() {
+                    // a_rows(p, p) zipped each row's word with itself.
+                    for (h, bv) in bc.iter().enumerate() {
+                        dot(&mut row[2 * g + h], ar[rp], *bv);
+                    }
+                }
+            }
+        }
+        for (rp, row) in acc.iter().enumerate() {
+            for (cp, v) in row.iter().enumerate() {
+                let at = |r: usize| u.dst.add((2 * rp + r) * u.ldd + 2 * cp);
+                vst1_f32(at(0), vget_low_f32(*v));
+                vst1_f32(at(1), vget_high_f32(*v));
             }
         }
     }
 }
+
+/// `$name(acc, a, b)`: `acc` updated by the FEAT_BF16 instruction `$insn`
+/// on a and b (bf16 pairs in 32-bit lanes).
+macro_rules! bf16_insn {
+    ($(#[$doc:meta])* $name:ident, $insn:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// FEAT_BF16.
+        #[cfg(target_arch = "aarch64")]
+        #[inline(always)]
+        unsafe fn $name(
+            acc: &mut core::arch::aarch64::float32x4_t,
+            a: core::arch::aarch64::uint32x4_t,
+            b: core::arch::aarch64::uint32x4_t,
+        ) {
+            // SAFETY: FEAT_BF16 (the caller's); registers only.
+            unsafe {
+                core::arch::asm!(
+                    ".arch_extension bf16",
+                    concat!($insn, " {c:v}.4s, {x:v}.8h, {y:v}.8h"),
+                    c = inout(vreg) *acc,
+                    x = in(vreg) a,
+                    y = in(vreg) b,
+                    options(pure, nomem, nostack, preserves_flags)
+                )
+            };
+        }
+    };
+}
+
+bf16_insn!(
+    /// `acc += a b` by `BFMMLA`: a 2 x 4 bf16 block (`a`: row 0's four
+    /// steps, then row 1's) by a 4 x 2 one (`b`: column 0's, then column
+    /// 1's).
+    mmla,
+    "bfmmla"
+);
+bf16_insn!(
+    /// `acc[i] += a[i] . b[i]` by `BFDOT`, each lane a pair of steps.
+    dot,
+    "bfdot"
+);
 
 #[cfg(test)]
 mod tests {

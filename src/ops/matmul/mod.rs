@@ -12,8 +12,8 @@
 //! chain's rate on AMD Zen 4 and 5), the FMA chain on swapped, flushed
 //! panels with each sum flushed everywhere else (`pack.rs`'s `DOT`): the
 //! same bits on every ISA too.
-//! `MatmulMath::Bf16DotArm` (bf16 only) sums as Arm's BFDOT does (pairs,
-//! round to odd): the instruction on the NEON BF16 lanes, an exact scalar
+//! `MatmulMath::Bf16DotArm` (bf16 only) sums as Arm's BFDOT and BFMMLA do
+//! (pairs, round to odd): BFMMLA on the NEON BF16 lanes, an exact scalar
 //! model elsewhere (`arm_dot.rs`), on the same pair panels.
 //!
 //! The kernel is BLIS's: cache blocks from `plan.rs` (output tiles over the
@@ -67,8 +67,9 @@ pub enum MatmulMath {
     /// rounded to odd (truncated, its last bit set when inexact), subnormal
     /// inputs and starting sums read as zero, a result below 2^-126 before
     /// rounding written as zero, one of 2^128 or more as infinity; an odd
-    /// K's last step with a zero one (`arm_dot.rs`). `BFDOT` runs it on the
-    /// NEON BF16 lanes (Neoverse V1 and later, Graviton 3 and 4); every
+    /// K's last step with a zero one (`arm_dot.rs`). `BFMMLA` (and `BFDOT`)
+    /// runs it on the NEON BF16 lanes (Neoverse V1 and later, Graviton 3
+    /// and 4); every
     /// other ISA gets the same bits from an exact scalar model, many times
     /// slower than `Chain` (for checking an Arm result anywhere). ABI 2.13.
     Bf16DotArm = 2,

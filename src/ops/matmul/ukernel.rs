@@ -147,7 +147,7 @@ tile!(
     crate::lanes::NeonBf16,
     6,
     1,
-    arm = bfdot_block
+    arm = bf16_block
 );
 
 /// A group of 16 f32 at `p`.
