@@ -1881,7 +1881,8 @@ typedef struct npk_matmul_call {
   size_t workspace_bytes;
   /**
    * `MatmulMath`: 0 the FMA chain, 1 the bf16 pair dot (ABI 2.10; a
-   * backend built before reads a 2.9 call without it).
+   * backend built before reads a 2.9 call without it), 2 Arm's (ABI
+   * 2.13).
    */
   uint32_t math;
   /**
