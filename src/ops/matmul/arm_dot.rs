@@ -10,10 +10,9 @@
 //! The pair panels are `pairs.rs`'s (a word per pair, step `2i` in the low
 //! half: `BFDOT`'s element order). On the NEON BF16 lanes the microkernel
 //! is `BFMMLA` (`bf16_block`, 16 products an instruction); every other ISA
-//! runs the scalar model
-//! (`model_block`, exact, far slower than the other maths: it is there for
-//! the same bits, so a result computed on an Arm server can be checked
-//! anywhere).
+//! runs the scalar model (`model_block`, exact, far slower than the other
+//! maths: it is there for the same bits, so a result computed on an Arm
+//! server can be checked anywhere).
 
 use super::pack::KC;
 use super::ukernel::Micro;
