@@ -193,8 +193,8 @@ pub(crate) unsafe fn bf16_block<const AR: bool, const MR: usize>(u: &Micro<f32>)
                     vcombine_u32(lo, hi)
                 })
             } else {
-                let (x, y) = (vld1q_u32(a.add(p * 6)), vld1q_u32(a.add(q * 6)));
-                let (x2, y2) = (vld1_u32(a.add(p * 6 + 4)), vld1_u32(a.add(q * 6 + 4)));
+                let (x, y) = (vld1q_u32(a.add(p * MR)), vld1q_u32(a.add(q * MR)));
+                let (x2, y2) = (vld1_u32(a.add(p * MR + 4)), vld1_u32(a.add(q * MR + 4)));
                 [
                     vzip1q_u32(x, y),
                     vzip2q_u32(x, y),

@@ -64,7 +64,7 @@ pub(crate) trait Tile: Lanes {
     #[inline(always)]
     unsafe fn pair_block<const AR: bool>(_u: &Micro<f32>) {}
 
-    /// A full block of Arm's pair dot (`MatmulMath::Bf16DotArm`): `BFDOT`
+    /// A full block of Arm's pair dot (`MatmulMath::Bf16DotArm`): `BFMMLA`
     /// on the NEON BF16 lanes, the exact scalar model on every other.
     ///
     /// # Safety
