@@ -47,6 +47,19 @@
 //! GHz) would still miss the 1.1x-copy target (~26 us at this size): it
 //! needs fewer operations as well as the overlap. The random bits moved before
 //! the decode or right after the step: 38.9-39.3 and 40.7 us, not kept.
+//! Tried on Zen 5 (2026-12-07, evening; the host slower: the pass read
+//! 41-47 us): each block in one pass a group at a time, no f32 buffers
+//! (decode, step, code in registers), against scales fixed before the step
+//! that bound its new moments: `b1 M + (1 - b1) G` and `b2 V + (1 - b2) G^2`,
+//! rounded as the step rounds them (M, V the old moments' largest, read
+//! off the largest codes, G the gradients' largest |value|, one pre-pass),
+//! so no block maximum waits for the step. 43-50 us; split into two loops
+//! (moments, their codes and each update term; then the params) 42-45. The
+//! fused loop was 62 instructions a group, all vector, at ~2.8 a cycle;
+//! with its square root and divisions replaced by multiplications (wrong
+//! values: the bound of that route) 39-43 us. Neither the divider nor the
+//! buffers are what is left; the format change (scales that bound rather
+//! than equal a block's maximum) was not kept.
 
 use super::cpu::{consts, masters, piece_step_with, randoms, Piece, K};
 use super::formats::salt;
