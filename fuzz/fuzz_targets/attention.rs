@@ -16,8 +16,9 @@
 //!   largest score's bound `|scale| D max|q| max|k|`; the CPU's backward
 //!   reads the Reference's out and stats, as the Reference's does).
 //!
-//! The work per input is bounded: `B Hq Sq Skv D <= 2^13` (the Reference's
-//! backward recomputes a row's softmax per key: `B Hq Sq Skv^2 D`).
+//! The work per input is bounded: `B Hq Sq Skv D <= 2^13` and, as the
+//! Reference's backward recomputes a row's softmax per key, `B Hq Sq Skv^2
+//! D <= 2^20` (each factor counted as at least 1).
 //!
 //! Run: `cargo +nightly fuzz run attention`, or `scripts/fuzz_smoke.sh attention`.
 #![no_main]
@@ -29,6 +30,10 @@ use npukern_fuzz::{assert_same, isas, some_values, ulp_at, Bytes};
 const POISON: f32 = -7.25;
 /// Most `B Hq Sq Skv D` of one case.
 const WORK: usize = 1 << 13;
+/// Most `B Hq Sq Skv^2 D` of one case: the Reference's backward. Bounded
+/// by `WORK` alone, one row of 3838 keys took 5 s of CPU (its backward,
+/// 2^25 steps), past the fuzz runs' 10-s timeout on a busy machine.
+const BACKWARD_WORK: usize = 1 << 20;
 
 struct Case<T> {
     q: Vec<T>,
@@ -136,9 +141,12 @@ fn check<T: Float>(b: &mut Bytes<'_>) {
     let hkv = dim(b, 3);
     let hq = if b.one_in(8) { dim(b, 4) } else { hkv * (1 + b.below(3)) };
     let d = dim(b, 40);
-    let sq = dim(b, WORK / (bs * hq * d).max(1));
-    let skv = if b.bool() { sq } else { dim(b, WORK / (bs * hq * d * sq).max(1)) };
-    let skv = skv.min(WORK / (bs * hq * d * sq).max(1));
+    // Each factor counted as at least 1: an empty one still leaves loops.
+    let rows = bs * hq.max(1) * d.max(1);
+    let sq = dim(b, WORK / rows);
+    let rows = rows * sq.max(1);
+    let skv = if b.bool() { sq } else { dim(b, WORK / rows) };
+    let skv = skv.min(WORK / rows).min(BACKWARD_WORK.div_ceil(rows).isqrt());
     let scale = match b.below(16) {
         0 => f32::NAN,
         1 => 0.0,
