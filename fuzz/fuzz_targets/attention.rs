@@ -142,11 +142,11 @@ fn check<T: Float>(b: &mut Bytes<'_>) {
     let hq = if b.one_in(8) { dim(b, 4) } else { hkv * (1 + b.below(3)) };
     let d = dim(b, 40);
     // Each factor counted as at least 1: an empty one still leaves loops.
-    let rows = bs * hq.max(1) * d.max(1);
-    let sq = dim(b, WORK / rows);
-    let rows = rows * sq.max(1);
-    let skv = if b.bool() { sq } else { dim(b, WORK / rows) };
-    let skv = skv.min(WORK / rows).min(BACKWARD_WORK.div_ceil(rows).isqrt());
+    let per_query = bs * hq.max(1) * d.max(1);
+    let sq = dim(b, WORK / per_query);
+    let per_key = per_query * sq.max(1);
+    let skv = if b.bool() { sq } else { dim(b, WORK / per_key) };
+    let skv = skv.min(WORK / per_key).min(BACKWARD_WORK.div_ceil(per_key).isqrt());
     let scale = match b.below(16) {
         0 => f32::NAN,
         1 => 0.0,
