@@ -320,6 +320,11 @@ fn erf_body<L: Lanes>(x: L) -> L {
 /// two f32 is exact in f64; the f64 sum is made round-to-odd (its error,
 /// from TwoSum, sets the last bit), and a round-to-odd value with 53 >=
 /// 24 + 2 bits rounds to f32 exactly as the exact sum would.
+// (Unused on aarch64, where the portable lanes use the FMA instruction.)
+#[cfg_attr(
+    all(target_arch = "aarch64", target_feature = "neon"),
+    allow(dead_code)
+)]
 pub fn fma_f32(a: f32, b: f32, c: f32) -> f32 {
     let p = a as f64 * b as f64;
     let q = c as f64;

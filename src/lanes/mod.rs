@@ -323,7 +323,8 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     fn sqrt(self) -> Self;
     /// Lane-wise fused `self * b + c`, rounded once (IEEE fusedMultiplyAdd)
     /// on every ISA: hardware FMA on AVX2, AVX-512 and NEON, an exact
-    /// software form on the portable lanes (`math::fma_f32`). The matmul's
+    /// software form on the portable lanes (`math::fma_f32`; the FMA
+    /// instruction when built for aarch64, whose baseline has it). The matmul's
     /// one rounding per product is this, so its bits are the same on all.
     fn mul_add(self, b: Self, c: Self) -> Self;
     /// Lane-wise minimum. Which operand a lane holding NaN yields, and which
