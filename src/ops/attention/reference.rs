@@ -117,6 +117,12 @@ impl<T: Float> Model<'_, T> {
         (p, p * (dp - dd))
     }
 
+    /// Row i's max, sum and `D` (the key gradients' per-row terms).
+    fn row_terms(&self, b: usize, h: usize, hk: usize, i: usize) -> (f64, f64, f64) {
+        let (m, l) = self.stats(b, h, hk, i);
+        (m, l, self.dsum(b, h, i))
+    }
+
     /// `D_i = dout_i . out_i`.
     fn dsum(&self, b: usize, h: usize, i: usize) -> f64 {
         (0..self.d)
@@ -202,9 +208,7 @@ unsafe fn reference_t<T: Float>(c: &AttentionCall) {
     for b in 0..bs {
         for hk in 0..md.hkv {
             for (r, e) in cache.iter_mut().enumerate().take(group * md.sq) {
-                let (h, i) = (hk * group + r / md.sq, r % md.sq);
-                let (m, l) = md.stats(b, h, hk, i);
-                *e = (m, l, md.dsum(b, h, i));
+                *e = md.row_terms(b, hk * group + r / md.sq, hk, r % md.sq);
             }
             for j in 0..md.skv {
                 for x0 in (0..d).step_by(CHUNK) {
@@ -218,10 +222,7 @@ unsafe fn reference_t<T: Float>(c: &AttentionCall) {
                             let r = (h - hk * group) * md.sq + i;
                             let (m, l, dd) = match cache.get(r) {
                                 Some(&e) => e,
-                                None => {
-                                    let (m, l) = md.stats(b, h, hk, i);
-                                    (m, l, md.dsum(b, h, i))
-                                }
+                                None => md.row_terms(b, h, hk, i),
                             };
                             let (p, ds) = md.grads(b, h, hk, i, j, (m, l), dd);
                             for x in 0..w {
