@@ -199,6 +199,37 @@ fn fma_peak(isa: Isa) -> Option<f64> {
         }
         acc.iter().flatten().map(|v| _mm512_reduce_add_ps(*v)).sum()
     }
+    // The pair dot's microkernel mix on L1-resident panels: per pair step
+    // NG vector loads, MR broadcast words, MR x NG VDPBF16PS (the block of
+    // `pairs.rs`, 14 x 32 there), unrolled by two as it is.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn pair_mix<const MR: usize, const NG: usize>() -> f32 {
+        const KS: usize = 128;
+        let a = vec![0x3f80_3f80i32; MR * KS];
+        let b = vec![1e-7f32; NG * 16 * KS];
+        let mut acc = [[_mm512_set1_ps(0.5); NG]; MR];
+        for _ in 0..ITERS / KS {
+            let (mut pa, mut pb) = (a.as_ptr(), b.as_ptr());
+            for _ in 0..KS / 2 {
+                for _ in 0..2 {
+                    let bv: [__m512bh; NG] = core::array::from_fn(|g| {
+                        core::mem::transmute::<__m512, __m512bh>(_mm512_loadu_ps(pb.add(g * 16)))
+                    });
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        let av = core::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                            *pa.add(r),
+                        ));
+                        for (v, bg) in row.iter_mut().zip(&bv) {
+                            *v = _mm512_dpbf16_ps(*v, av, *bg);
+                        }
+                    }
+                    pa = pa.add(MR);
+                    pb = pb.add(NG * 16);
+                }
+            }
+        }
+        acc.iter().flatten().map(|v| _mm512_reduce_add_ps(*v)).sum()
+    }
     // VDPBF16PS: 32 bf16 products summed pairwise into 16 f32 lanes per
     // instruction (64 flops), `CHAINS` independent accumulators. The
     // alternative to widening bf16 while packing and using FMA: on a core
@@ -244,6 +275,16 @@ fn fma_peak(isa: Isa) -> Option<f64> {
         println!(
             "microkernel mix on L1 panels: {:.1} GFLOP/s",
             (ITERS / 128 * 128 * 28 * 16 * 2) as f64 / best / 1e9
+        );
+    }
+    if std::env::var("NPK_MIX").is_ok() && isa.name() == "avx512bf16" {
+        // (Zen 4, 2026-12-08: 6 x 64, 7 x 48, 8 x 48 and 10 x 32 ran as
+        // 14 x 32 does, 228-230 GFLOP/s: the block's shape is not a bound.)
+        // SAFETY: the ISA (AVX512-BF16) was detected as available.
+        let best = unsafe { best_of_3(pair_mix::<14, 2>) };
+        println!(
+            "pair dot mix 14 x 32 on L1 panels: {:.1} GFLOP/s",
+            (ITERS / 128 * 128 * 14 * 32 * 4) as f64 / best / 1e9
         );
     }
     let name = isa.name();

@@ -107,16 +107,40 @@ fn opaque<R>(f: impl FnOnce() -> R) -> R {
 pub(crate) fn with_default_modes<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     {
-        let saved = control();
-        if saved & MODES == DEFAULTS {
-            return f();
-        }
-        let _restore = Restore(saved);
-        set_control(saved & !MODES | DEFAULTS);
-        opaque(f)
+        with_modes(DEFAULTS, f)
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     f()
+}
+
+/// MXCSR's FTZ (15) and DAZ (6).
+#[cfg(target_arch = "x86_64")]
+const FTZ_DAZ: u64 = 1 << 15 | 1 << 6;
+
+/// Runs `f` under the defaults plus x86's flush-to-zero and
+/// denormals-are-zero (MXCSR's FTZ and DAZ), then restores the caller's
+/// modes: an FMA then reads subnormal operands as zeros of their sign and
+/// flushes a result that is tiny after rounding (x86 detects tininess after
+/// rounding, with an unbounded exponent) to a zero of its sign, which is
+/// each step of VDPBF16PS (`ops::matmul::pack::ftz_fma`'s model, checked
+/// against the instruction and this mode in tests/matmul_dot.rs).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn with_flush_to_zero<R>(f: impl FnOnce() -> R) -> R {
+    with_modes(DEFAULTS | FTZ_DAZ, f)
+}
+
+/// Runs `f` with the control register's mode bits `modes`.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn with_modes<R>(modes: u64, f: impl FnOnce() -> R) -> R {
+    let saved = control();
+    if saved & MODES == modes {
+        return f();
+    }
+    let _restore = Restore(saved);
+    set_control(saved & !MODES | modes);
+    opaque(f)
 }
 
 #[cfg(all(test, any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -156,5 +180,21 @@ mod tests {
         // ...and not inside it; after it they are the host's again.
         assert_eq!(inside, want);
         assert_eq!(after & MODES, (saved & !MODES | DEFAULTS | HOST) & MODES);
+    }
+
+    /// Under `with_flush_to_zero` a subnormal result is a zero of its sign
+    /// and a subnormal operand reads as zero, rounding stays to nearest,
+    /// and the caller's modes come back.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn flush_to_zero_flushes_inside_only() {
+        let (x, y) = (2f32.powi(-70), 2f32.powi(-24) * 1.5);
+        let saved = control();
+        let inside = with_flush_to_zero(|| probe(x, y));
+        let sub = with_flush_to_zero(|| core::hint::black_box(2f32.powi(-140)) * 2.0);
+        assert_eq!(inside, (0.0, 1.0 + 2f32.powi(-23)));
+        assert_eq!(sub, 0.0);
+        assert_eq!(control() & MODES, saved & MODES);
+        assert_eq!(probe(x, y).0, 2f32.powi(-140));
     }
 }

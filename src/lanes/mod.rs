@@ -27,6 +27,8 @@ mod x86_bf16;
 
 pub use detect::Isa;
 pub(crate) use fp_env::with_default_modes;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use fp_env::with_flush_to_zero;
 #[cfg(all(target_arch = "aarch64", target_feature = "neon"))]
 pub use neon::{Neon, NeonBf16};
 pub use portable::Portable;
@@ -114,6 +116,16 @@ pub(crate) unsafe fn enter_apart<L: Lanes, R>(f: impl FnOnce() -> R) -> R {
     unsafe { L::enter(f) }
 }
 
+/// `enter_apart` with `Lanes::enter_flushing`.
+///
+/// # Safety
+/// As `Lanes::enter`: the CPU must support `L::ISA`.
+#[inline(never)]
+pub(crate) unsafe fn enter_apart_flushing<L: Lanes, R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: the caller's contract.
+    unsafe { L::enter_flushing(f) }
+}
+
 /// The logical vector width and the reduction pattern's lane count.
 pub const GROUP: usize = 16;
 
@@ -141,6 +153,22 @@ pub trait Lanes: Copy + Send + Sync + 'static {
     /// # Safety
     /// The CPU must support `Self::ISA` (`detect::available`).
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R;
+    /// Whether `enter_flushing` runs `f` under x86's FTZ and DAZ, so that
+    /// `mul_add` is one step of VDPBF16PS (subnormal operands read as zero,
+    /// results tiny after rounding flushed): the hardware FMA lanes of x86.
+    /// (The portable lanes' FMA is software; AArch64's FZ detects tininess
+    /// before rounding.)
+    const FLUSHING_FMA: bool = false;
+    /// `enter`, with flush-to-zero and denormals-are-zero on where
+    /// `FLUSHING_FMA` (else `enter` itself).
+    ///
+    /// # Safety
+    /// As `enter`.
+    #[inline(always)]
+    unsafe fn enter_flushing<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: the caller's.
+        unsafe { Self::enter(f) }
+    }
     /// All lanes `x`.
     fn splat(x: f32) -> Self;
     /// Loads sixteen f32.

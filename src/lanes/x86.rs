@@ -310,6 +310,12 @@ impl Lanes for Avx2 {
         // SAFETY: the caller guarantees the CPU has AVX2, FMA and F16C.
         super::with_default_modes(|| unsafe { in_avx2(f) })
     }
+    const FLUSHING_FMA: bool = true;
+    #[inline(always)]
+    unsafe fn enter_flushing<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: as `enter`.
+        super::with_flush_to_zero(|| unsafe { in_avx2(f) })
+    }
     #[inline(always)]
     fn splat(x: f32) -> Self {
         // SAFETY: Avx2 values exist only on CPUs with AVX2 (dispatch_isa!).
@@ -661,6 +667,24 @@ impl Lanes for Avx2 {
     }
 }
 
+impl<const HW_BF16: bool> Avx512Lanes<HW_BF16> {
+    /// `f` inside this level's `#[target_feature]` function.
+    ///
+    /// # Safety
+    /// The CPU has the level's features (`Lanes::enter`'s contract).
+    #[inline(always)]
+    unsafe fn context<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: the caller's.
+        unsafe {
+            if HW_BF16 {
+                hw::in_avx512bf16(f)
+            } else {
+                in_avx512(f)
+            }
+        }
+    }
+}
+
 impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     const ISA: Isa = if HW_BF16 {
         Isa::Avx512Bf16
@@ -677,13 +701,13 @@ impl<const HW_BF16: bool> Lanes for Avx512Lanes<HW_BF16> {
     unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
         // SAFETY: the caller guarantees the CPU has AVX-512F/BW, AVX2, FMA,
         // F16C (and AVX512-BF16, DQ, VL for the BF16 level).
-        super::with_default_modes(|| unsafe {
-            if HW_BF16 {
-                hw::in_avx512bf16(f)
-            } else {
-                in_avx512(f)
-            }
-        })
+        super::with_default_modes(|| unsafe { Self::context(f) })
+    }
+    const FLUSHING_FMA: bool = true;
+    #[inline(always)]
+    unsafe fn enter_flushing<R>(f: impl FnOnce() -> R) -> R {
+        // SAFETY: as `enter`.
+        super::with_flush_to_zero(|| unsafe { Self::context(f) })
     }
     #[inline(always)]
     fn splat(x: f32) -> Self {

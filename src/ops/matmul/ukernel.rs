@@ -82,6 +82,26 @@ pub(crate) const NO_PAIRS: u8 = 0;
 pub(crate) const X86_PAIRS: u8 = 1;
 /// `Tile::micro`'s `PAIRS`: Arm's pair dot on pair panels.
 pub(crate) const ARM_PAIRS: u8 = 2;
+/// `Tile::micro`'s `PAIRS`: the chain's panels under the pair dot, each
+/// FMA flushed by the hardware (`Lanes::enter_flushing`; `FLUSH` off).
+pub(crate) const FLUSHED_CHAIN: u8 = 3;
+
+/// `f` in L's context, a function of its own (`lanes::enter_apart`), with
+/// the hardware's flush on under `FLUSHED_CHAIN`.
+///
+/// # Safety
+/// As `Lanes::enter`.
+#[inline(always)]
+unsafe fn apart<L: Tile, const PAIRS: u8>(f: impl FnOnce()) {
+    // SAFETY: the caller's.
+    unsafe {
+        if PAIRS == FLUSHED_CHAIN {
+            crate::lanes::enter_apart_flushing::<L, _>(f)
+        } else {
+            crate::lanes::enter_apart::<L, _>(f)
+        }
+    }
+}
 
 /// `Tile` for a lanes type with `MR` rows and `NG` groups of 16 columns.
 macro_rules! tile {
@@ -200,7 +220,7 @@ unsafe fn micro<
         // SAFETY: forwarded (D is f32); a function of its own, in the
         // caller's ISA context.
         return unsafe {
-            crate::lanes::enter_apart::<L, _>(
+            apart::<L, PAIRS>(
                 #[inline(always)]
                 || body::<L, AR, FLUSH, PAIRS, MR, NG>(&u),
             )
@@ -235,7 +255,7 @@ unsafe fn micro<
     };
     // SAFETY: the buffer holds a full block.
     unsafe {
-        crate::lanes::enter_apart::<L, _>(
+        apart::<L, PAIRS>(
             #[inline(always)]
             || body::<L, AR, FLUSH, PAIRS, MR, NG>(&whole),
         )
