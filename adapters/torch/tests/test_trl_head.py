@@ -11,7 +11,7 @@ trl_utils = pytest.importorskip("trl.trainer.utils")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from npukern_torch import _trl, hf  # noqa: E402
+from npukern_torch import _trl, hf, route  # noqa: E402
 from npukern_torch import loss as npk_loss  # noqa: E402
 
 OUTS = ("log_probs", "entropy", "is_top1")
@@ -427,8 +427,14 @@ def test_grpo_trainer_temperature(tmp_path, monkeypatch):
         trainer.train()
         logs[name] = [h for h in trainer.state.log_history if "loss" in h]
     assert len(calls) == 2 and all(c is not None and c.inv_t == 1 / 0.7 for c in calls)
+    # GRPOConfig's bf16=True: the heads' products are bf16. Where npukern's
+    # matmul takes them (the route), both heads sum them alike and the first
+    # step agrees to 1e-5; where torch's does (AMD Zen 4, AMX: oneDNN), each
+    # head's chunks are other matmul calls, whose bf16 logits can round
+    # apart (Zen 4: 1.7e-4 in the first gradient norm), so 1e-3 throughout.
+    same_products = route.matmul_route(torch.bfloat16)
     for step, (a, b) in enumerate(zip(logs["npukern"], logs["trl"], strict=True)):
-        tol = 1e-5 if step == 0 else 1e-3
+        tol = 1e-5 if step == 0 and same_products else 1e-3
         for k in ("grad_norm", "entropy", "reward"):
             assert a[k] == pytest.approx(b[k], rel=tol, abs=tol), (k, a, b)
 
