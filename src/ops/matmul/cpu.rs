@@ -88,24 +88,8 @@ unsafe fn run<L: Tile, T: Float, O: Float>(call: &MatmulCall, runner: &dyn Runne
     };
     let kp = &kern;
     let bf16 = T::DTYPE == crate::dtype::DType::BF16;
-    let dot = call.math == MatmulMath::Bf16Dot as u32 && bf16;
-    if dot && L::FLUSHING_FMA && !L::PAIRS {
-        // The pair dot's chain on x86 without AVX512-BF16, each FMA flushed
-        // by the hardware (MXCSR's FTZ and DAZ: x86 detects tininess after
-        // rounding, as VDPBF16PS does; tests/matmul_dot.rs checks the
-        // bits next to 2^-126 on every ISA) instead of redone at a scale
-        // and tested in software: a sixth of the work (`micro`).
-        crate::runner::for_plan(runner, t.flags).parallel_for(t.blocks as usize, &|w| {
-            // SAFETY: dispatch_isa! picked L among the ISAs this CPU has.
-            unsafe {
-                L::enter_flushing(
-                    #[inline(always)]
-                    || worker_dot::<L, T, O, true>(kp, w),
-                )
-            }
-        })
-    } else if dot {
-        run_blocks!(plain runner, t.flags, t.blocks, |w| worker_dot_tested::<L, T, O>(kp, w))
+    if call.math == MatmulMath::Bf16Dot as u32 && bf16 {
+        run_blocks!(plain runner, t.flags, t.blocks, |w| worker_dot::<L, T, O>(kp, w))
     } else if call.math == MatmulMath::Bf16DotArm as u32 && bf16 {
         run_blocks!(plain runner, t.flags, t.blocks, |w| worker_arm::<L, T, O>(kp, w))
     } else {
@@ -120,28 +104,17 @@ unsafe fn run<L: Tile, T: Float, O: Float>(call: &MatmulCall, runner: &dyn Runne
 #[inline(always)]
 unsafe fn worker<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
     // SAFETY: forwarded.
-    unsafe { tiles::<L, T, O, false, false, false>(k, w) }
+    unsafe { tiles::<L, T, O, false, false>(k, w) }
 }
 
-/// `tiles` with the bf16 pair dot (`FTZ`: its chain flushed by the
-/// hardware, under `Lanes::enter_flushing`).
+/// `tiles` with the bf16 pair dot.
 ///
 /// # Safety
 /// As `tiles`.
 #[inline(always)]
-unsafe fn worker_dot<L: Tile, T: Float, O: Float, const FTZ: bool>(k: &Kern<T, O>, w: usize) {
+unsafe fn worker_dot<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
     // SAFETY: forwarded.
-    unsafe { tiles::<L, T, O, true, false, FTZ>(k, w) }
-}
-
-/// `worker_dot` with each FMA's flush tested in software.
-///
-/// # Safety
-/// As `tiles`.
-#[inline(always)]
-unsafe fn worker_dot_tested<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
-    // SAFETY: forwarded.
-    unsafe { worker_dot::<L, T, O, false>(k, w) }
+    unsafe { tiles::<L, T, O, true, false>(k, w) }
 }
 
 /// `tiles` with Arm's bf16 pair dot.
@@ -151,7 +124,7 @@ unsafe fn worker_dot_tested<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usiz
 #[inline(always)]
 unsafe fn worker_arm<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
     // SAFETY: forwarded.
-    unsafe { tiles::<L, T, O, false, true, false>(k, w) }
+    unsafe { tiles::<L, T, O, false, true>(k, w) }
 }
 
 /// Worker `w`'s tiles, `w, w + blocks, ...` (`DOT`: VDPBF16PS's pair dot;
@@ -160,7 +133,7 @@ unsafe fn worker_arm<L: Tile, T: Float, O: Float>(k: &Kern<T, O>, w: usize) {
 /// # Safety
 /// Inside `L::enter`; the call's contract.
 #[inline(always)]
-unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool, const FTZ: bool>(
+unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool>(
     k: &Kern<T, O>,
     w: usize,
 ) {
@@ -177,7 +150,7 @@ unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool, c
     let mut packed = None;
     while tile < t.tiles() {
         // SAFETY: the tile is inside c; the arena is this worker's.
-        unsafe { one_tile::<L, T, O, DOT, ARM, FTZ>(k, tile, arena, &mut packed) };
+        unsafe { one_tile::<L, T, O, DOT, ARM>(k, tile, arena, &mut packed) };
         tile += t.blocks as usize;
     }
 }
@@ -188,14 +161,7 @@ unsafe fn tiles<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool, c
 /// # Safety
 /// As `worker`; `arena` holds `t.arena_bytes`.
 #[inline(always)]
-unsafe fn one_tile<
-    L: Tile,
-    T: Float,
-    O: Float,
-    const DOT: bool,
-    const ARM: bool,
-    const FTZ: bool,
->(
+unsafe fn one_tile<L: Tile, T: Float, O: Float, const DOT: bool, const ARM: bool>(
     k: &Kern<T, O>,
     tile: usize,
     arena: *mut f32,
@@ -299,7 +265,7 @@ unsafe fn one_tile<
                             cols,
                         };
                         // SAFETY: inside L's context; the block's buffers.
-                        unsafe { micro::<L, O, DOT, ARM, FTZ>(&u, k.trans_a) };
+                        unsafe { micro::<L, O, DOT, ARM>(&u, k.trans_a) };
                     } else {
                         // A slice before the last: f32 sums, in the partials
                         // (16-bit c) or in c (f32 c: O is f32).
@@ -322,7 +288,7 @@ unsafe fn one_tile<
                             cols,
                         };
                         // SAFETY: as above.
-                        unsafe { micro::<L, f32, DOT, ARM, FTZ>(&u, k.trans_a) };
+                        unsafe { micro::<L, f32, DOT, ARM>(&u, k.trans_a) };
                     }
                 }
             }
@@ -334,26 +300,26 @@ unsafe fn one_tile<
 
 /// The microkernel for A packed step-major (`trans_a`) or by rows; `DOT`:
 /// VDPBF16PS's pair dot, in hardware on `PAIRS` lanes, else the flushed
-/// chain (flushed by the hardware under `FTZ`, which `run` enters
-/// with FTZ and DAZ on; by `ukernel`'s `ftz_fma` otherwise); `ARM`: Arm's
-/// pair dot.
+/// chain: on `FLUSHING_FMA` lanes (x86 without AVX512-BF16) each FMA
+/// flushed by the hardware (MXCSR's FTZ and DAZ, which the microkernel
+/// enters: x86 detects tininess after rounding, as VDPBF16PS does;
+/// tests/matmul_dot.rs checks the bits next to 2^-126 on every ISA), a
+/// sixth of the work of `ukernel`'s `ftz_fma`, which the other lanes run;
+/// `ARM`: Arm's pair dot.
 ///
 /// # Safety
 /// As `Tile::micro`.
 #[inline(always)]
-unsafe fn micro<L: Tile, D: Float, const DOT: bool, const ARM: bool, const FTZ: bool>(
-    u: &Micro<D>,
-    trans_a: bool,
-) {
+unsafe fn micro<L: Tile, D: Float, const DOT: bool, const ARM: bool>(u: &Micro<D>, trans_a: bool) {
     // SAFETY: forwarded.
     unsafe {
-        match (trans_a, ARM, DOT && L::PAIRS, DOT && FTZ) {
+        match (trans_a, ARM, DOT && L::PAIRS, DOT && L::FLUSHING_FMA) {
             (true, true, ..) => L::micro::<D, false, false, ARM_PAIRS>(u),
             (false, true, ..) => L::micro::<D, true, false, ARM_PAIRS>(u),
-            (true, false, true, ..) => L::micro::<D, false, false, X86_PAIRS>(u),
-            (false, false, true, ..) => L::micro::<D, true, false, X86_PAIRS>(u),
-            (true, _, _, true) => L::micro::<D, false, false, FLUSHED_CHAIN>(u),
-            (false, _, _, true) => L::micro::<D, true, false, FLUSHED_CHAIN>(u),
+            (true, false, true, _) => L::micro::<D, false, false, X86_PAIRS>(u),
+            (false, false, true, _) => L::micro::<D, true, false, X86_PAIRS>(u),
+            (true, false, false, true) => L::micro::<D, false, false, FLUSHED_CHAIN>(u),
+            (false, false, false, true) => L::micro::<D, true, false, FLUSHED_CHAIN>(u),
             (true, ..) => L::micro::<D, false, DOT, NO_PAIRS>(u),
             (false, ..) => L::micro::<D, true, DOT, NO_PAIRS>(u),
         }
